@@ -1,0 +1,47 @@
+# pd-operator: every target installs what it needs into .venv first.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+KUBECONFIG_LOCAL := $(CURDIR)/.localcluster/kubeconfig
+BIN_DIR = $(shell hack/k8s-bins/build.sh --print-dir)
+
+.PHONY: help venv k8s-bins cluster-up cluster-down test test-unit test-integration crd crd-check demo bench bench-sim bench-links clean
+
+help: ## list targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
+
+$(STAMP): pyproject.toml
+	@echo "[venv] creating $(VENV) and installing pd-operator with its test extra"
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -e '.[test]'
+	@touch $@
+
+venv: $(STAMP) ## create .venv with the project and its test extra
+
+k8s-bins: ## build etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, helm (cached)
+	@hack/k8s-bins/build.sh
+
+cluster-up: venv k8s-bins ## start the local control plane and node agent (idempotent)
+	@$(PY) -m pd_localcluster up --bin-dir "$(BIN_DIR)"
+
+cluster-down: venv ## stop the local cluster and remove its state (idempotent)
+	@$(PY) -m pd_localcluster down
+
+test: venv k8s-bins ## every test: unit, then integration on the local cluster
+	$(PY) -m pytest tests -v -p no:cacheprovider
+
+test-unit: venv ## unit tests only
+	$(PY) -m pytest tests/unit -q
+
+test-integration: venv k8s-bins ## integration tests only
+	$(PY) -m pytest tests/integration -v
+
+demo: cluster-up ## the main job on the local cluster
+	@$(PY) -m pd_localcluster demo --bin-dir "$(BIN_DIR)"
+
+clean: cluster-down ## remove .venv
+	rm -rf $(VENV)

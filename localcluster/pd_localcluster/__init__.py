@@ -1,0 +1,1 @@
+"""pd_localcluster."""

@@ -1,0 +1,51 @@
+"""`python -m pd_localcluster up|down|status|node-agent`: the local control plane."""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+from .cluster import LocalCluster, default_root
+
+HERE = Path(__file__).resolve()
+
+
+def bin_dir_default() -> Path:
+    build = HERE.parents[2] / "hack" / "k8s-bins" / "build.sh"
+    return Path(subprocess.run([str(build), "--print-dir"], check=True, capture_output=True,
+                               text=True).stdout.strip())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="pd_localcluster", description=__doc__)
+    ap.add_argument("--root", type=Path, default=None, help="state directory (default .localcluster)")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    up = sub.add_parser("up", help="start etcd, the control plane and the node agent")
+    up.add_argument("--bin-dir", type=Path, default=None)
+    up.add_argument("--nodes", type=int, default=3)
+    sub.add_parser("down", help="stop everything `up` started and remove its state")
+    sub.add_parser("status", help="exit 0 if the cluster is up")
+    na = sub.add_parser("node-agent", help="(internal) run the local node agent")
+    na.add_argument("--nodes", type=int, required=True)
+    na.add_argument("--kubelet-port", type=int, required=True)
+    args = ap.parse_args(argv)
+    root = (args.root or default_root()).resolve()
+    if args.cmd == "node-agent":
+        from .nodeagent import main as node_main
+        node_main(root, args.nodes, args.kubelet_port)
+        return 0
+    cluster = LocalCluster(root)
+    if args.cmd == "up":
+        cluster.up(args.bin_dir or bin_dir_default(), nodes=args.nodes)
+    elif args.cmd == "down":
+        cluster.down()
+    elif args.cmd == "status":
+        up_ = cluster.is_up()
+        print("up" if up_ else "down")
+        return 0 if up_ else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,703 @@
+"""The local node agent: a stand-in for the kubelet that runs the pods bound to the local
+Nodes as processes on this machine.
+
+Each pod gets its own loopback IP (127.100+n.x.y on node n) which its processes find in
+``PD_LOCAL_POD_IP`` (the stand-in for a network namespace: servers bind to it). The agent
+registers the Nodes and keeps them Ready (status + Lease), resolves env, starts the
+container's command from the image table, runs readiness/liveness probes, restarts per
+restartPolicy with back-off, reports pod status, serves the kubelet's container-log
+endpoint (so ``kubectl logs`` works), and completes graceful deletion."""
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import datetime as dt
+import logging
+import os
+import platform
+import shutil
+import signal
+import ssl
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import yaml
+from aiohttp import web
+
+from .kubeapi import ApiError, KubeApi
+from .pki import node_ip
+from .podspec import (
+    ConfigError, ContainerState, UnknownImage, backoff_seconds, command_line, pod_phase,
+    referenced_objects, resolve_env, should_restart,
+)
+
+log = logging.getLogger("node-agent")
+K8S_VERSION = os.environ.get("PD_K8S_VERSION", "v1.36.3")
+NODE_CAPACITY = {"cpu": "16", "memory": "32Gi", "pods": "110", "ephemeral-storage": "100Gi",
+                 "huawei.com/Ascend910": "16"}
+PR_SET_PDEATHSIG = 1
+
+
+def now() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def now_micro() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _die_with_parent() -> None:
+    """Pod processes must not outlive the node agent."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+class IPAllocator:
+    def __init__(self, node_index: int):
+        self.prefix = 100 + node_index
+        self.next = 1
+        self.used: set[str] = set()
+
+    def allocate(self) -> str:
+        while True:
+            n = self.next
+            self.next = self.next + 1 if self.next < 254 * 254 else 1
+            ip = f"127.{self.prefix}.{n // 254}.{n % 254 + 1}"
+            if ip not in self.used:
+                self.used.add(ip)
+                return ip
+
+    def release(self, ip: str) -> None:
+        self.used.discard(ip)
+
+
+class ContainerRun:
+    """One container of a pod: its process, log files and state."""
+
+    def __init__(self, worker: "PodWorker", spec: dict):
+        self.worker = worker
+        self.spec = spec
+        self.name = spec["name"]
+        self.cs = ContainerState(name=self.name, image=spec.get("image", ""))
+        self.proc: asyncio.subprocess.Process | None = None
+        self.instance = 0  # bumps on every start, so log followers see the end of an instance
+        self.log_dir = worker.dir / self.name
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.task: asyncio.Task | None = None
+        self.kill_reason = ""
+
+    def log_path(self, restart: int | None = None) -> Path:
+        return self.log_dir / f"{self.cs.restart_count if restart is None else restart}.log"
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+    async def supervise(self) -> None:
+        w = self.worker
+        pull_failures = 0
+        while not w.deleting:
+            spec = w.container_spec(self.name) or self.spec
+            self.cs.image = spec.get("image", "")
+            try:
+                env = await w.container_env(spec)
+                argv = command_line(spec, env)
+            except UnknownImage as e:
+                reason = "ErrImagePull" if pull_failures == 0 else "ImagePullBackOff"
+                self.cs.state = {"waiting": {"reason": reason, "message": str(e)}}
+                if pull_failures == 0:
+                    await w.event("Warning", "Failed", f"Failed to pull image: {e}")
+                pull_failures += 1
+                await w.report()
+                await w.sleep_unless_deleted(backoff_seconds(pull_failures, 2, 10))
+                continue
+            except ConfigError as e:
+                self.cs.state = {"waiting": {"reason": "CreateContainerConfigError", "message": str(e)}}
+                await w.event("Warning", "Failed", f"Error: {e}")
+                await w.report()
+                await w.sleep_unless_deleted(3)
+                continue
+            pull_failures = 0
+            exit_code = await self._run_once(argv, env, spec)
+            if w.deleting:
+                break
+            if not should_restart(w.restart_policy, exit_code):
+                self.cs.done = True
+                await w.report()
+                return
+            delay = backoff_seconds(self.cs.restart_count)
+            self.cs.last_state = dict(self.cs.state)
+            self.cs.state = {"waiting": {
+                "reason": "CrashLoopBackOff",
+                "message": f"back-off {delay:.0f}s restarting failed container={self.name} "
+                           f"pod={w.name}_{w.namespace}({w.uid})"}}
+            await w.event("Warning", "BackOff", f"Back-off restarting failed container {self.name}")
+            await w.report()
+            await w.sleep_unless_deleted(delay)
+            if w.deleting:
+                break
+            self.cs.restart_count += 1
+
+    async def _run_once(self, argv: list[str], env: dict[str, str], spec: dict) -> int:
+        w = self.worker
+        logf = open(self.log_path(), "ab")
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                *argv, env=env, cwd=str(w.dir), stdin=asyncio.subprocess.DEVNULL,
+                stdout=logf, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        except OSError as e:
+            logf.close()
+            self.cs.state = {"terminated": {"exitCode": 128, "reason": "StartError", "message": str(e),
+                                            "startedAt": now(), "finishedAt": now()}}
+            await w.report()
+            return 128
+        finally:
+            if not logf.closed:
+                logf.close()
+        self.instance += 1
+        started = now()
+        self.cs.container_id = f"local://{w.uid}/{self.name}/{self.proc.pid}"
+        self.cs.state = {"running": {"startedAt": started}}
+        self.cs.ready = "readinessProbe" not in spec
+        self.kill_reason = ""
+        await w.event("Normal", "Started", f"Started container {self.name} (pid {self.proc.pid})")
+        await w.report()
+        probes = [asyncio.create_task(self._probe_loop(spec[k], k))
+                  for k in ("readinessProbe", "livenessProbe") if k in spec]
+        code = await self.proc.wait()
+        for p in probes:
+            p.cancel()
+        self.cs.ready = False
+        if code < 0:
+            reason, code = "Error", 128 - code  # killed by signal N -> 128+N
+        else:
+            reason = "Completed" if code == 0 else "Error"
+        self.cs.state = {"terminated": {
+            "exitCode": code, "reason": self.kill_reason or reason, "startedAt": started,
+            "finishedAt": now(), "containerID": self.cs.container_id}}
+        await w.report()
+        return code
+
+    async def _probe_loop(self, probe: dict, kind: str) -> None:
+        w = self.worker
+        period = probe.get("periodSeconds", 10)
+        timeout = probe.get("timeoutSeconds", 1)
+        success_th = probe.get("successThreshold", 1)
+        failure_th = probe.get("failureThreshold", 3)
+        await asyncio.sleep(probe.get("initialDelaySeconds", 0))
+        ok_run = fail_run = 0
+        while self.running:
+            ok = await self._probe_once(probe, timeout)
+            ok_run, fail_run = (ok_run + 1, 0) if ok else (0, fail_run + 1)
+            if kind == "readinessProbe":
+                ready = self.cs.ready
+                if ok_run >= success_th:
+                    ready = True
+                elif fail_run >= failure_th:
+                    ready = False
+                if ready != self.cs.ready:
+                    self.cs.ready = ready
+                    await w.report()
+            elif fail_run >= failure_th:
+                await w.event("Warning", "Unhealthy", f"Liveness probe failed {fail_run} times; restarting")
+                self.kill_reason = "Error"
+                await self.stop(probe.get("terminationGracePeriodSeconds") or 5)
+                return
+            await asyncio.sleep(period)
+
+    async def _probe_once(self, probe: dict, timeout: float) -> bool:
+        w = self.worker
+        try:
+            if "httpGet" in probe:
+                hg = probe["httpGet"]
+                port = w.resolve_port(self.spec, hg.get("port"))
+                host = hg.get("host") or w.ip
+                scheme = hg.get("scheme", "HTTP").lower()
+                url = f"{scheme}://{host}:{port}{hg.get('path', '/')}"
+                client = w.agent.http
+                r = await client.get(url, timeout=timeout,
+                                      headers={h["name"]: h["value"] for h in hg.get("httpHeaders", [])})
+                return 200 <= r.status_code < 400
+            if "tcpSocket" in probe:
+                port = w.resolve_port(self.spec, probe["tcpSocket"].get("port"))
+                _, writer = await asyncio.wait_for(
+                    asyncio.open_connection(probe["tcpSocket"].get("host") or w.ip, port), timeout)
+                writer.close()
+                return True
+            if "exec" in probe:
+                env = await w.container_env(self.spec)
+                p = await asyncio.create_subprocess_exec(
+                    *command_line({"command": probe["exec"]["command"], "image": self.spec["image"]}, env),
+                    env=env, cwd=str(w.dir), stdout=asyncio.subprocess.DEVNULL,
+                    stderr=asyncio.subprocess.DEVNULL)
+                return await asyncio.wait_for(p.wait(), timeout) == 0
+        except Exception:  # noqa: BLE001 - any failure is a failed probe
+            return False
+        return True
+
+    async def stop(self, grace: float) -> None:
+        p = self.proc
+        if p is None or p.returncode is not None:
+            return
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        try:
+            await asyncio.wait_for(p.wait(), grace)
+        except asyncio.TimeoutError:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            await p.wait()
+
+
+class PodWorker:
+    def __init__(self, agent: "NodeAgent", pod: dict, node_index: int):
+        self.agent = agent
+        self.pod = pod
+        meta = pod["metadata"]
+        self.uid = meta["uid"]
+        self.name = meta["name"]
+        self.namespace = meta["namespace"]
+        self.node = pod["spec"]["nodeName"]
+        self.node_index = node_index
+        self.dir = agent.root / "pods" / f"{self.namespace}_{self.name}_{self.uid}"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.ip = agent.ips[node_index].allocate()
+        self.host_ip = node_ip(node_index)
+        self.start_time = now()
+        self.containers = [ContainerRun(self, c) for c in pod["spec"].get("containers", [])]
+        self.deleting = False
+        self._deleted = asyncio.Event()
+        self._report_lock = asyncio.Lock()
+        self._last_report: Any = None
+        self._transitions: dict[str, tuple[str, str]] = {}
+        self._kubeconfig: Path | None = None
+        self.task: asyncio.Task | None = None
+
+    @property
+    def restart_policy(self) -> str:
+        return self.pod["spec"].get("restartPolicy", "Always")
+
+    def container_spec(self, name: str) -> dict | None:
+        return next((c for c in self.pod["spec"].get("containers", []) if c["name"] == name), None)
+
+    def resolve_port(self, spec: dict, port: Any) -> int:
+        if isinstance(port, int) or (isinstance(port, str) and port.isdigit()):
+            return int(port)
+        for p in spec.get("ports", []):
+            if p.get("name") == port:
+                return int(p["containerPort"])
+        raise ValueError(f"unknown named port {port!r}")
+
+    def update(self, pod: dict) -> None:
+        self.pod = pod
+        if pod["metadata"].get("deletionTimestamp") and not self.deleting:
+            self.deleting = True
+            self._deleted.set()
+            asyncio.create_task(self.terminate(pod["metadata"].get("deletionGracePeriodSeconds")))
+
+    async def sleep_unless_deleted(self, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(self._deleted.wait(), seconds)
+        except asyncio.TimeoutError:
+            pass
+
+    async def start(self) -> None:
+        await self.report()
+        for c in self.containers:
+            c.task = asyncio.create_task(c.supervise())
+
+    async def _service_account_kubeconfig(self) -> Path | None:
+        """A kubeconfig built from a TokenRequest for the pod's ServiceAccount, so a pod's
+        API access is exactly what its RBAC grants."""
+        spec = self.pod["spec"]
+        if spec.get("automountServiceAccountToken") is False:
+            return None
+        if self._kubeconfig:
+            return self._kubeconfig
+        sa = spec.get("serviceAccountName", "default")
+        body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+                "spec": {"expirationSeconds": 3607,  # the kubelet's value: extended by the server
+                         "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": self.name,
+                                            "uid": self.uid}}}
+        tr = await self.agent.api.create(
+            f"/api/v1/namespaces/{self.namespace}/serviceaccounts/{sa}/token", body)
+        token = tr["status"]["token"]
+        sa_dir = self.dir / "serviceaccount"
+        sa_dir.mkdir(exist_ok=True)
+        (sa_dir / "token").write_text(token)
+        (sa_dir / "namespace").write_text(self.namespace)
+        shutil.copy(self.agent.api.ca_file, sa_dir / "ca.crt")
+        cfg = {
+            "apiVersion": "v1", "kind": "Config",
+            "clusters": [{"name": "local", "cluster": {"server": self.agent.api.server,
+                                                       "certificate-authority": str(sa_dir / "ca.crt")}}],
+            "users": [{"name": f"system:serviceaccount:{self.namespace}:{sa}",
+                       "user": {"tokenFile": str(sa_dir / "token")}}],
+            "contexts": [{"name": "local", "context": {"cluster": "local", "namespace": self.namespace,
+                                                       "user": f"system:serviceaccount:{self.namespace}:{sa}"}}],
+            "current-context": "local",
+        }
+        path = sa_dir / "kubeconfig"
+        path.write_text(yaml.safe_dump(cfg))
+        self._kubeconfig = path
+        return path
+
+    async def container_env(self, spec: dict) -> dict[str, str]:
+        cm_names, secret_names = referenced_objects(spec)
+        cms: dict[str, dict | None] = {}
+        secrets: dict[str, dict | None] = {}
+        for kind, names, out in (("configmaps", cm_names, cms), ("secrets", secret_names, secrets)):
+            for n in names:
+                try:
+                    out[n] = await self.agent.api.get(f"/api/v1/namespaces/{self.namespace}/{kind}/{n}")
+                except ApiError as e:
+                    if e.status != 404:
+                        raise ConfigError(f"reading {kind[:-1]} {n}: {e}") from e
+                    out[n] = None
+        host = self.agent.api.server.split("//", 1)[1]
+        base = {
+            "PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin",
+            "HOME": str(self.dir),
+            "HOSTNAME": self.name,
+            "LANG": "C.UTF-8",
+            "PYTHONUNBUFFERED": "1",
+            "PD_LOCAL_POD_IP": self.ip,
+            "KUBERNETES_SERVICE_HOST": host.rsplit(":", 1)[0],
+            "KUBERNETES_SERVICE_PORT": host.rsplit(":", 1)[1],
+        }
+        try:
+            kc = await self._service_account_kubeconfig()
+        except ApiError as e:
+            raise ConfigError(f"requesting a service account token: {e}") from e
+        if kc:
+            base["KUBECONFIG"] = str(kc)
+        return resolve_env(self.pod, spec, self.ip, self.host_ip, cms, secrets, base)
+
+    def _condition(self, ctype: str, status: bool) -> dict:
+        s = "True" if status else "False"
+        prev = self._transitions.get(ctype)
+        if prev is None or prev[0] != s:
+            self._transitions[ctype] = (s, now())
+        c = {"type": ctype, "status": s, "lastTransitionTime": self._transitions[ctype][1],
+             "lastProbeTime": None}
+        return c
+
+    def status(self) -> dict:
+        states = [c.cs for c in self.containers]
+        all_ready = bool(states) and all(s.ready for s in states)
+        phase = pod_phase(states)
+        return {
+            "phase": phase,
+            "hostIP": self.host_ip,
+            "hostIPs": [{"ip": self.host_ip}],
+            "podIP": self.ip,
+            "podIPs": [{"ip": self.ip}],
+            "startTime": self.start_time,
+            "conditions": [
+                self._condition("PodReadyToStartContainers", True),
+                self._condition("Initialized", True),
+                self._condition("ContainersReady", all_ready),
+                self._condition("Ready", all_ready),
+            ],
+            "containerStatuses": [s.to_status() for s in states],
+        }
+
+    async def report(self) -> None:
+        async with self._report_lock:
+            st = self.status()
+            if st == self._last_report:
+                return
+            try:
+                await self.agent.api.patch(
+                    f"/api/v1/namespaces/{self.namespace}/pods/{self.name}/status",
+                    {"metadata": {"uid": self.uid}, "status": st}, strategic=True)
+                self._last_report = st
+            except ApiError as e:
+                if e.status not in (404, 409, 422):
+                    log.warning("status of %s/%s: %s", self.namespace, self.name, e)
+
+    async def event(self, etype: str, reason: str, message: str) -> None:
+        ts = now()
+        body = {
+            "metadata": {"name": f"{self.name}.{uuid.uuid4().hex[:16]}", "namespace": self.namespace},
+            "involvedObject": {"kind": "Pod", "namespace": self.namespace, "name": self.name,
+                               "uid": self.uid, "apiVersion": "v1"},
+            "reason": reason, "message": message, "type": etype,
+            "source": {"component": "local-node-agent", "host": self.node},
+            "firstTimestamp": ts, "lastTimestamp": ts, "count": 1,
+        }
+        try:
+            await self.agent.api.create(f"/api/v1/namespaces/{self.namespace}/events", body)
+        except ApiError as e:
+            log.debug("event for %s: %s", self.name, e)
+
+    async def terminate(self, grace: int | None) -> None:
+        """Graceful deletion: SIGTERM, wait the grace period, SIGKILL, then remove the pod."""
+        if grace is None:
+            grace = self.pod["spec"].get("terminationGracePeriodSeconds", 30)
+        running = [c for c in self.containers if c.running]
+        if running:
+            await self.event("Normal", "Killing", "Stopping container " + ", ".join(c.name for c in running))
+        await asyncio.gather(*(c.stop(max(1, grace)) for c in self.containers))
+        for c in self.containers:
+            if c.task:
+                c.task.cancel()
+        try:
+            await self.agent.api.delete(
+                f"/api/v1/namespaces/{self.namespace}/pods/{self.name}",
+                {"gracePeriodSeconds": 0, "preconditions": {"uid": self.uid}})
+        except ApiError as e:
+            if e.status not in (404, 409):
+                log.warning("completing deletion of %s/%s: %s", self.namespace, self.name, e)
+        self.agent.forget(self)
+
+    async def kill_now(self) -> None:
+        """The pod is gone from the API (force-deleted): stop processes at once."""
+        self.deleting = True
+        self._deleted.set()
+        await asyncio.gather(*(c.stop(2) for c in self.containers))
+        for c in self.containers:
+            if c.task:
+                c.task.cancel()
+        self.agent.forget(self)
+
+    def cleanup(self) -> None:
+        self.agent.ips[self.node_index].release(self.ip)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class NodeAgent:
+    def __init__(self, root: Path, nodes: int, kubelet_port: int):
+        import httpx
+        self.root = root
+        self.node_names = [f"local-node-{i + 1}" for i in range(nodes)]
+        self.kubelet_port = kubelet_port
+        self.api = KubeApi(root / "kubeconfig")
+        self.http = httpx.AsyncClient(trust_env=False)
+        self.ips = [IPAllocator(i) for i in range(nodes)]
+        self.workers: dict[str, PodWorker] = {}
+        self.boot_id = str(uuid.uuid4())
+        self._stop = asyncio.Event()
+
+    def forget(self, w: PodWorker) -> None:
+        if self.workers.get(w.uid) is w:
+            del self.workers[w.uid]
+        w.cleanup()
+
+    def find(self, namespace: str, name: str) -> PodWorker | None:
+        for w in self.workers.values():
+            if w.namespace == namespace and w.name == name:
+                return w
+        return None
+
+    # ---- nodes ---------------------------------------------------------------------------
+    def node_status(self, i: int) -> dict:
+        ts = now()
+        cond = lambda t, s, r, m: {"type": t, "status": s, "reason": r, "message": m,  # noqa: E731
+                                   "lastHeartbeatTime": ts, "lastTransitionTime": self._started}
+        return {
+            "capacity": NODE_CAPACITY, "allocatable": NODE_CAPACITY,
+            "conditions": [
+                cond("MemoryPressure", "False", "KubeletHasSufficientMemory", "local node"),
+                cond("DiskPressure", "False", "KubeletHasNoDiskPressure", "local node"),
+                cond("PIDPressure", "False", "KubeletHasSufficientPID", "local node"),
+                cond("Ready", "True", "KubeletReady", "local node agent is posting ready status"),
+            ],
+            "addresses": [{"type": "InternalIP", "address": node_ip(i)},
+                          {"type": "Hostname", "address": self.node_names[i]}],
+            "daemonEndpoints": {"kubeletEndpoint": {"Port": self.kubelet_port}},
+            "nodeInfo": {
+                "machineID": uuid.uuid5(uuid.NAMESPACE_DNS, self.node_names[i]).hex,
+                "systemUUID": str(uuid.uuid5(uuid.NAMESPACE_DNS, self.node_names[i])),
+                "bootID": self.boot_id, "kernelVersion": platform.release(),
+                "osImage": "pd-operator local node", "containerRuntimeVersion": "local://processes",
+                "kubeletVersion": K8S_VERSION, "kubeProxyVersion": "",
+                "operatingSystem": "linux", "architecture": "amd64",
+            },
+        }
+
+    async def register_nodes(self) -> None:
+        self._started = now()
+        for i, name in enumerate(self.node_names):
+            body = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": {
+                "kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
+                "kubernetes.io/arch": "amd64", "pdoperator.io/local-node": "true"}}}
+            try:
+                await self.api.create("/api/v1/nodes", body)
+                log.info("registered node %s (%s)", name, node_ip(i))
+            except ApiError as e:
+                if e.status != 409:
+                    raise
+            await self.api.patch(f"/api/v1/nodes/{name}/status", {"status": self.node_status(i)})
+
+    async def heartbeat(self) -> None:
+        while not self._stop.is_set():
+            for i, name in enumerate(self.node_names):
+                try:
+                    await self._renew_lease(name)
+                    await self.api.patch(f"/api/v1/nodes/{name}/status", {"status": self.node_status(i)})
+                except Exception as e:  # noqa: BLE001 - keep beating
+                    log.warning("heartbeat for %s: %s", name, e)
+            try:
+                await asyncio.wait_for(self._stop.wait(), 10)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _renew_lease(self, name: str) -> None:
+        path = f"/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/{name}"
+        spec = {"holderIdentity": name, "leaseDurationSeconds": 40, "renewTime": now_micro()}
+        try:
+            await self.api.patch(path, {"spec": spec})
+        except ApiError as e:
+            if e.status != 404:
+                raise
+            await self.api.create("/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases",
+                                  {"metadata": {"name": name}, "spec": spec})
+
+    # ---- pods ----------------------------------------------------------------------------
+    async def handle(self, etype: str, pod: dict) -> None:
+        node = pod.get("spec", {}).get("nodeName")
+        if node not in self.node_names:
+            return
+        uid = pod["metadata"]["uid"]
+        w = self.workers.get(uid)
+        if etype == "DELETED":
+            if w:
+                await w.kill_now()
+            return
+        if w:
+            w.update(pod)
+            return
+        if pod.get("status", {}).get("phase") in ("Succeeded", "Failed") and \
+                not pod["metadata"].get("deletionTimestamp"):
+            return  # finished before this agent started; nothing to run
+        w = PodWorker(self, pod, self.node_names.index(node))
+        self.workers[uid] = w
+        if pod["metadata"].get("deletionTimestamp"):
+            w.update(pod)
+            return
+        log.info("starting pod %s/%s on %s at %s", w.namespace, w.name, node, w.ip)
+        w.task = asyncio.create_task(w.start())
+
+    async def watch_pods(self) -> None:
+        while not self._stop.is_set():
+            try:
+                lst = await self.api.get("/api/v1/pods")
+                seen = set()
+                for pod in lst["items"]:
+                    seen.add(pod["metadata"]["uid"])
+                    await self.handle("MODIFIED", pod)
+                for uid, w in list(self.workers.items()):
+                    if uid not in seen:
+                        await w.kill_now()
+                rv = lst["metadata"]["resourceVersion"]
+                while not self._stop.is_set():
+                    async for ev in self.api.watch("/api/v1/pods", {"resourceVersion": rv}):
+                        if ev["type"] == "ERROR":
+                            raise ApiError(ev["object"].get("code", 500), str(ev["object"]))
+                        rv = ev["object"]["metadata"]["resourceVersion"]
+                        if ev["type"] != "BOOKMARK":
+                            await self.handle(ev["type"], ev["object"])
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - relist on any watch failure
+                log.info("pod watch restarting: %s", e)
+                await asyncio.sleep(1)
+
+    # ---- container logs (the kubelet endpoint the API server proxies to) ------------------
+    async def container_logs(self, request: web.Request) -> web.StreamResponse:
+        ns, pod, container = (request.match_info[k] for k in ("ns", "pod", "container"))
+        w = self.find(ns, pod)
+        run = next((c for c in w.containers if c.name == container), None) if w else None
+        if run is None:
+            raise web.HTTPNotFound(text=f"container {container} of pod {ns}/{pod} is not on this node")
+        q = request.query
+        previous = q.get("previous") == "true"
+        restart = run.cs.restart_count - 1 if previous else run.cs.restart_count
+        if previous and restart < 0:
+            raise web.HTTPBadRequest(text=f'previous terminated container "{container}" in pod "{pod}" not found')
+        path = run.log_path(restart)
+        resp = web.StreamResponse(headers={"Content-Type": "text/plain"})
+        await resp.prepare(request)
+        data = path.read_bytes() if path.exists() else b""
+        if "tailLines" in q:
+            n = int(q["tailLines"])
+            lines = data.splitlines(keepends=True)
+            data = b"".join(lines[-n:]) if n > 0 else b""
+        limit = int(q["limitBytes"]) if "limitBytes" in q else None
+        sent = 0
+        if limit is not None:
+            data = data[:limit]
+        await resp.write(data)
+        sent += len(data)
+        if q.get("follow") == "true" and not previous:
+            pos = path.stat().st_size if path.exists() else 0
+            instance = run.instance
+            while limit is None or sent < limit:
+                chunk = b""
+                if path.exists():
+                    with open(path, "rb") as f:
+                        f.seek(pos)
+                        chunk = f.read()
+                if chunk:
+                    pos += len(chunk)
+                    if limit is not None:
+                        chunk = chunk[: limit - sent]
+                    await resp.write(chunk)
+                    sent += len(chunk)
+                elif not run.running and (run.instance != instance or run.cs.done or w.deleting):
+                    break
+                else:
+                    await asyncio.sleep(0.2)
+        await resp.write_eof()
+        return resp
+
+    async def serve_logs(self) -> list[web.AppRunner]:
+        app = web.Application()
+        app.router.add_get("/containerLogs/{ns}/{pod}/{container}", self.container_logs)
+        app.router.add_get("/healthz", lambda r: web.Response(text="ok"))
+        pki = self.root / "pki"
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(pki / "ca.crt"))
+        ctx.load_cert_chain(pki / "node-agent-serving.crt", pki / "node-agent-serving.key")
+        ctx.verify_mode = ssl.CERT_REQUIRED  # only the API server's kubelet-client cert
+        runners = []
+        for i in range(len(self.node_names)):
+            runner = web.AppRunner(app, access_log=None)
+            await runner.setup()
+            await web.TCPSite(runner, node_ip(i), self.kubelet_port, ssl_context=ctx).start()
+            runners.append(runner)
+        return runners
+
+    # ---- main ----------------------------------------------------------------------------
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+        await self.register_nodes()
+        runners = await self.serve_logs()
+        tasks = [asyncio.create_task(self.heartbeat()), asyncio.create_task(self.watch_pods())]
+        await self._stop.wait()
+        log.info("stopping: terminating %d pods", len(self.workers))
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*(c.stop(5) for w in list(self.workers.values()) for c in w.containers),
+                             return_exceptions=True)
+        for r in runners:
+            await r.cleanup()
+        await self.http.aclose()
+        await self.api.close()
+
+
+def main(root: Path, nodes: int, kubelet_port: int) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(NodeAgent(root, nodes, kubelet_port).run())

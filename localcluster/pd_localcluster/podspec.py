@@ -1,0 +1,251 @@
+"""Pure helpers the node agent uses to turn a Pod into processes: the image table, env
+resolution (literal, downward API, ConfigMap/Secret refs, ``$(VAR)`` expansion), the
+command line, and the pod status built from container states."""
+from __future__ import annotations
+
+import base64
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+# Repository suffix -> entrypoint. Images stand for our Python entry points on this machine.
+IMAGE_ENTRYPOINTS: dict[str, list[str]] = {
+    "pd-sim-agent": ["{python}", "-m", "pd_agent"],
+    "pd-operator": ["{python}", "-m", "pd_operator"],
+}
+PYTHON_NAMES = {"python", "python3", "/usr/bin/python", "/usr/bin/python3",
+                "/usr/local/bin/python", "/usr/local/bin/python3"}
+
+
+class UnknownImage(Exception):
+    """The image maps to no local command."""
+
+
+class ConfigError(Exception):
+    """A referenced ConfigMap/Secret key is missing (the kubelet's CreateContainerConfigError)."""
+
+
+def repository(image: str) -> str:
+    """`registry:5000/org/pd-sim-agent:0.1@sha256:...` -> `registry:5000/org/pd-sim-agent`."""
+    name = image.split("@", 1)[0]
+    slash = name.rfind("/")
+    colon = name.rfind(":")
+    if colon > slash:
+        name = name[:colon]
+    return name
+
+
+def entrypoint_for(image: str, python: str = sys.executable) -> list[str]:
+    repo = repository(image)
+    for suffix, argv in IMAGE_ENTRYPOINTS.items():
+        if repo == suffix or repo.endswith("/" + suffix) or repo.endswith(suffix):
+            return [a.format(python=python) for a in argv]
+    known = ", ".join(f"*{s}" for s in IMAGE_ENTRYPOINTS)
+    raise UnknownImage(
+        f'image "{image}" is not available on this local node: no command is mapped for '
+        f'repository "{repo}" (known repositories end in: {known})'
+    )
+
+
+_VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)|\$\$")
+
+
+def expand(value: str, env: dict[str, str]) -> str:
+    """Kubernetes `$(VAR)` expansion: known vars are replaced, unknown ones kept, `$$` -> `$`."""
+    def sub(m: re.Match) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        return env.get(m.group(1), m.group(0))
+    return _VAR.sub(sub, value)
+
+
+def command_line(container: dict, env: dict[str, str], python: str = sys.executable) -> list[str]:
+    """The process argv: the container's command (or the image's entrypoint) plus args."""
+    if container.get("command"):
+        argv = [expand(a, env) for a in container["command"]]
+        if argv[0] in PYTHON_NAMES:
+            argv[0] = python
+        entrypoint_for(container.get("image", ""), python)  # still rejects unknown images
+    else:
+        argv = entrypoint_for(container.get("image", ""), python)
+    return argv + [expand(a, env) for a in container.get("args", [])]
+
+
+_FIELD_KEY = re.compile(r"^metadata\.(labels|annotations)\['(.+)'\]$")
+
+
+def field_ref(pod: dict, path: str, pod_ip: str, host_ip: str) -> str:
+    meta = pod.get("metadata", {})
+    spec = pod.get("spec", {})
+    simple = {
+        "metadata.name": meta.get("name", ""),
+        "metadata.namespace": meta.get("namespace", ""),
+        "metadata.uid": meta.get("uid", ""),
+        "spec.nodeName": spec.get("nodeName", ""),
+        "spec.serviceAccountName": spec.get("serviceAccountName", ""),
+        "status.podIP": pod_ip,
+        "status.podIPs": pod_ip,
+        "status.hostIP": host_ip,
+        "status.hostIPs": host_ip,
+    }
+    if path in simple:
+        return simple[path]
+    m = _FIELD_KEY.match(path)
+    if m:
+        return str(meta.get(m.group(1), {}).get(m.group(2), ""))
+    if path in ("metadata.labels", "metadata.annotations"):
+        d = meta.get(path.split(".")[1], {})
+        return "\n".join(f'{k}="{v}"' for k, v in sorted(d.items()))
+    raise ConfigError(f"unsupported fieldRef {path!r}")
+
+
+def referenced_objects(container: dict) -> tuple[set[str], set[str]]:
+    """Names of ConfigMaps and Secrets a container's env refers to (to fetch before resolving)."""
+    cms: set[str] = set()
+    secrets: set[str] = set()
+    for e in container.get("env", []) or []:
+        vf = e.get("valueFrom") or {}
+        if "configMapKeyRef" in vf:
+            cms.add(vf["configMapKeyRef"]["name"])
+        if "secretKeyRef" in vf:
+            secrets.add(vf["secretKeyRef"]["name"])
+    for ef in container.get("envFrom", []) or []:
+        if "configMapRef" in ef:
+            cms.add(ef["configMapRef"]["name"])
+        if "secretRef" in ef:
+            secrets.add(ef["secretRef"]["name"])
+    return cms, secrets
+
+
+def _resource_field(container: dict, ref: dict) -> str:
+    res = ref.get("resource", "")
+    kind, _, name = res.partition(".")
+    value = (container.get("resources", {}).get(kind, {}) or {}).get(name)
+    return str(value) if value is not None else "0"
+
+
+def resolve_env(
+    pod: dict,
+    container: dict,
+    pod_ip: str,
+    host_ip: str,
+    configmaps: dict[str, dict | None],
+    secrets: dict[str, dict | None],
+    service_env: dict[str, str] | None = None,
+) -> dict[str, str]:
+    """The container's environment, in Kubernetes order: service env, envFrom, then env
+    (later wins), each value `$(VAR)`-expanded against what came before it."""
+    env: dict[str, str] = dict(service_env or {})
+
+    def cm_data(name: str, optional: bool) -> dict[str, str] | None:
+        cm = configmaps.get(name)
+        if cm is None:
+            if optional:
+                return None
+            raise ConfigError(f'configmap "{name}" not found')
+        return dict(cm.get("data") or {})
+
+    def secret_data(name: str, optional: bool) -> dict[str, str] | None:
+        s = secrets.get(name)
+        if s is None:
+            if optional:
+                return None
+            raise ConfigError(f'secret "{name}" not found')
+        return {k: base64.b64decode(v).decode() for k, v in (s.get("data") or {}).items()}
+
+    for ef in container.get("envFrom", []) or []:
+        prefix = ef.get("prefix", "")
+        if "configMapRef" in ef:
+            ref = ef["configMapRef"]
+            data = cm_data(ref["name"], ref.get("optional", False)) or {}
+        else:
+            ref = ef["secretRef"]
+            data = secret_data(ref["name"], ref.get("optional", False)) or {}
+        for k, v in data.items():
+            env[prefix + k] = v
+
+    for e in container.get("env", []) or []:
+        name = e["name"]
+        if "value" in e or "valueFrom" not in e:
+            env[name] = expand(e.get("value", ""), env)
+            continue
+        vf = e["valueFrom"]
+        if "fieldRef" in vf:
+            env[name] = field_ref(pod, vf["fieldRef"]["fieldPath"], pod_ip, host_ip)
+        elif "resourceFieldRef" in vf:
+            env[name] = _resource_field(container, vf["resourceFieldRef"])
+        elif "configMapKeyRef" in vf:
+            ref = vf["configMapKeyRef"]
+            data = cm_data(ref["name"], ref.get("optional", False))
+            if data is None or ref["key"] not in data:
+                if ref.get("optional", False):
+                    continue
+                raise ConfigError(f'couldn\'t find key {ref["key"]} in ConfigMap '
+                                  f'{pod["metadata"]["namespace"]}/{ref["name"]}')
+            env[name] = data[ref["key"]]
+        elif "secretKeyRef" in vf:
+            ref = vf["secretKeyRef"]
+            data = secret_data(ref["name"], ref.get("optional", False))
+            if data is None or ref["key"] not in data:
+                if ref.get("optional", False):
+                    continue
+                raise ConfigError(f'couldn\'t find key {ref["key"]} in Secret '
+                                  f'{pod["metadata"]["namespace"]}/{ref["name"]}')
+            env[name] = data[ref["key"]]
+    return env
+
+
+# ---- status ------------------------------------------------------------------------------
+
+@dataclass
+class ContainerState:
+    """What the node agent knows of one container, rendered into a ContainerStatus."""
+    name: str
+    image: str
+    state: dict[str, Any] = field(default_factory=lambda: {"waiting": {"reason": "ContainerCreating"}})
+    last_state: dict[str, Any] = field(default_factory=dict)
+    restart_count: int = 0
+    ready: bool = False
+    container_id: str = ""
+    done: bool = False  # terminated and will not be restarted
+
+    def to_status(self) -> dict:
+        s = {
+            "name": self.name,
+            "image": self.image,
+            "imageID": f"local://{repository(self.image)}",
+            "ready": self.ready,
+            "started": "running" in self.state,
+            "restartCount": self.restart_count,
+            "state": self.state,
+            "lastState": self.last_state,
+        }
+        if self.container_id:
+            s["containerID"] = self.container_id
+        return s
+
+
+def pod_phase(containers: list[ContainerState]) -> str:
+    """Pending until a container has started; Succeeded/Failed once every container has
+    terminated for good (`done`); Running otherwise, including while waiting to restart."""
+    if containers and all(c.done for c in containers):
+        codes = [c.state.get("terminated", {}).get("exitCode", 1) for c in containers]
+        return "Succeeded" if all(code == 0 for code in codes) else "Failed"
+    if any("running" in c.state or c.restart_count > 0 or c.last_state for c in containers):
+        return "Running"
+    return "Pending"
+
+
+def should_restart(restart_policy: str, exit_code: int) -> bool:
+    if restart_policy == "Always":
+        return True
+    if restart_policy == "OnFailure":
+        return exit_code != 0
+    return False
+
+
+def backoff_seconds(restarts: int, base: float = 1.0, cap: float = 20.0) -> float:
+    """CrashLoopBackOff delay: doubling from `base`, capped (the kubelet caps at 5 min;
+    locally a short cap keeps tests fast)."""
+    return min(cap, base * (2 ** max(0, restarts)))

@@ -1,0 +1,80 @@
+"""Shared fixtures: a session-scoped local cluster (reused if `.localcluster` is up) and a
+fresh namespace per test."""
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Cluster:
+    kubeconfig: Path
+    bin_dir: Path
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True,
+                timeout: float = 60) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [str(self.bin_dir / "kubectl"), f"--kubeconfig={self.kubeconfig}", *args],
+            input=input, capture_output=True, text=True, check=check, timeout=timeout)
+
+    def get_json(self, *args: str) -> Any:
+        return json.loads(self.kubectl("get", *args, "-o", "json").stdout)
+
+    def apply(self, manifest: dict | str, namespace: str | None = None) -> None:
+        text = manifest if isinstance(manifest, str) else json.dumps(manifest)
+        ns = ["-n", namespace] if namespace else []
+        self.kubectl("apply", *ns, "-f", "-", input=text)
+
+    def api(self):
+        from kubernetes import client, config
+        return config.new_client_from_config(config_file=str(self.kubeconfig))
+
+
+def wait_for(what: str, fn: Callable[[], Any], timeout: float = 60, interval: float = 0.3) -> Any:
+    """Poll `fn` until it returns something truthy; fail with `what` and the last value."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = fn()
+            if last:
+                return last
+        except Exception as e:  # noqa: BLE001 - keep polling, report at the end
+            last = e
+        time.sleep(interval)
+    pytest.fail(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Cluster:
+    from pd_localcluster.__main__ import bin_dir_default
+    from pd_localcluster.cluster import LocalCluster
+
+    bin_dir = bin_dir_default()
+    lc = LocalCluster(REPO / ".localcluster")
+    started = False
+    if not lc.is_up():
+        lc.up(bin_dir)
+        started = True
+    yield Cluster(kubeconfig=lc.paths.kubeconfig, bin_dir=bin_dir)
+    if started:
+        lc.down()
+
+
+@pytest.fixture
+def namespace(cluster: Cluster) -> str:
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    cluster.kubectl("create", "namespace", name)
+    wait_for(f"default ServiceAccount in {name}",
+             lambda: cluster.kubectl("get", "sa", "default", "-n", name, check=False).returncode == 0)
+    yield name
+    cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)

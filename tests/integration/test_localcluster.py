@@ -1,0 +1,221 @@
+"""The local control plane and node agent behave like a small real cluster."""
+from __future__ import annotations
+
+import json
+import textwrap
+
+import httpx
+import pytest
+
+from tests.conftest import Cluster, wait_for
+
+pytestmark = pytest.mark.integration
+
+AGENT_IMAGE = "example.com/pd/pd-sim-agent:dev"
+
+
+def statefulset(name: str, replicas: int) -> dict:
+    return {
+        "apiVersion": "apps/v1", "kind": "StatefulSet",
+        "metadata": {"name": name},
+        "spec": {
+            "replicas": replicas, "serviceName": name, "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": {"app": name}},
+            "template": {
+                "metadata": {"labels": {"app": name}},
+                "spec": {
+                    "terminationGracePeriodSeconds": 5,
+                    "containers": [{
+                        "name": "agent", "image": AGENT_IMAGE,
+                        "ports": [{"name": "http", "containerPort": 8080}],
+                        "readinessProbe": {"httpGet": {"path": "/healthz", "port": "http"},
+                                           "periodSeconds": 1},
+                    }],
+                },
+            },
+        },
+    }
+
+
+def pods(cluster: Cluster, ns: str, selector: str) -> list[dict]:
+    return cluster.get_json("pods", "-n", ns, "-l", selector)["items"]
+
+
+def ready(pod: dict) -> bool:
+    return pod["status"].get("phase") == "Running" and any(
+        c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
+
+
+def answers(ip: str) -> bool:
+    try:
+        return httpx.get(f"http://{ip}:8080/healthz", timeout=2, trust_env=False).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_version_and_nodes(cluster: Cluster) -> None:
+    version = json.loads(cluster.kubectl("version", "-o", "json").stdout)
+    assert version["serverVersion"]["gitVersion"] == "v1.36.3"
+    assert version["clientVersion"]["gitVersion"] == "v1.36.3"
+    nodes = cluster.get_json("nodes")["items"]
+    assert len(nodes) >= 3
+    for n in nodes:
+        assert n["status"]["capacity"]["huawei.com/Ascend910"] == "16"
+        assert any(c["type"] == "Ready" and c["status"] == "True" for c in n["status"]["conditions"])
+
+
+def test_statefulset_pods_scale_and_gc(cluster: Cluster, namespace: str) -> None:
+    cluster.apply(statefulset("web", 3), namespace)
+    running = wait_for("3 Running+Ready pods", lambda: (
+        p if len(p := pods(cluster, namespace, "app=web")) == 3 and all(map(ready, p)) else None),
+        timeout=90)
+    ips = {p["status"]["podIP"] for p in running}
+    assert len(ips) == 3, ips
+    assert all(ip.startswith("127.") for ip in ips)
+    for ip in ips:
+        assert answers(ip), f"pod at {ip} does not answer HTTP"
+
+    cluster.kubectl("scale", "statefulset/web", "-n", namespace, "--replicas=1")
+    left = wait_for("one pod left", lambda: (
+        p if len(p := pods(cluster, namespace, "app=web")) == 1 else None), timeout=60)
+    gone = ips - {left[0]["status"]["podIP"]}
+    assert len(gone) == 2
+    wait_for("the two scaled-down processes to stop", lambda: not any(answers(ip) for ip in gone))
+    assert answers(left[0]["status"]["podIP"])
+
+    cluster.kubectl("delete", "statefulset/web", "-n", namespace, "--cascade=background")
+    wait_for("garbage collection of the pods", lambda: pods(cluster, namespace, "app=web") == [],
+             timeout=60)
+    wait_for("the last process to stop", lambda: not answers(left[0]["status"]["podIP"]))
+
+
+def test_crashing_container_is_restarted(cluster: Cluster, namespace: str) -> None:
+    cluster.apply({
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "crasher"},
+        "spec": {"containers": [{
+            "name": "main", "image": AGENT_IMAGE,
+            "command": ["python", "-c", "import sys; print('about to fail'); sys.exit(3)"],
+        }]},
+    }, namespace)
+
+    def restarted():
+        st = cluster.get_json("pod", "crasher", "-n", namespace)["status"]
+        cs = (st.get("containerStatuses") or [{}])[0]
+        return cs if cs.get("restartCount", 0) >= 2 else None
+
+    cs = wait_for("restartCount to reach 2", restarted, timeout=60)
+    assert cs["lastState"]["terminated"]["exitCode"] == 3
+    assert cs["lastState"]["terminated"]["reason"] == "Error"
+    out = cluster.kubectl("logs", "crasher", "-n", namespace, "--previous").stdout
+    assert "about to fail" in out
+
+
+def test_unknown_image_reports_waiting_reason(cluster: Cluster, namespace: str) -> None:
+    cluster.apply({
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "unknown"},
+        "spec": {"containers": [{"name": "main", "image": "docker.io/library/busybox:1.36"}]},
+    }, namespace)
+
+    def waiting():
+        st = cluster.get_json("pod", "unknown", "-n", namespace)["status"]
+        return ((st.get("containerStatuses") or [{}])[0].get("state") or {}).get("waiting")
+
+    w = wait_for("a waiting reason", lambda: (w if (w := waiting()) and "message" in w else None))
+    assert w["reason"] in ("ErrImagePull", "ImagePullBackOff")
+    assert "busybox" in w["message"] and "not available" in w["message"]
+    assert cluster.get_json("pod", "unknown", "-n", namespace)["status"]["phase"] == "Pending"
+    events = cluster.get_json("events", "-n", namespace, "--field-selector",
+                              "involvedObject.name=unknown")["items"]
+    assert any(e["reason"] == "Failed" and "busybox" in e["message"] for e in events)
+
+
+ENV_DUMP = textwrap.dedent("""
+    import json, os, time
+    keys = ["LITERAL", "EXPANDED", "POD_NAME", "POD_NS", "POD_IP", "ROLE", "FROM_CM", "FROM_SECRET",
+            "PD_LOCAL_POD_IP", "CM_PREFIX_a"]
+    print(json.dumps({k: os.environ.get(k) for k in keys}), flush=True)
+    time.sleep(3600)
+""")
+
+
+def test_env_resolution_and_logs(cluster: Cluster, namespace: str) -> None:
+    cluster.kubectl("create", "configmap", "cfg", "-n", namespace, "--from-literal=k=from-configmap",
+                    "--from-literal=a=1")
+    cluster.kubectl("create", "secret", "generic", "sec", "-n", namespace, "--from-literal=s=s3cret")
+    cluster.apply({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "envpod", "labels": {"pdoperator.io/role": "decoder"}},
+        "spec": {"containers": [{
+            "name": "main", "image": AGENT_IMAGE, "command": ["python", "-c", ENV_DUMP],
+            "envFrom": [{"configMapRef": {"name": "cfg"}, "prefix": "CM_PREFIX_"}],
+            "env": [
+                {"name": "LITERAL", "value": "plain"},
+                {"name": "EXPANDED", "value": "$(LITERAL)-x"},
+                {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                {"name": "POD_NS", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+                {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                {"name": "ROLE", "valueFrom": {"fieldRef": {
+                    "fieldPath": "metadata.labels['pdoperator.io/role']"}}},
+                {"name": "FROM_CM", "valueFrom": {"configMapKeyRef": {"name": "cfg", "key": "k"}}},
+                {"name": "FROM_SECRET", "valueFrom": {"secretKeyRef": {"name": "sec", "key": "s"}}},
+            ],
+        }]},
+    }, namespace)
+    pod = wait_for("envpod running", lambda: (
+        p if (p := cluster.get_json("pod", "envpod", "-n", namespace))["status"].get("phase") == "Running"
+        else None))
+    line = wait_for("the env dump in kubectl logs", lambda: cluster.kubectl(
+        "logs", "envpod", "-n", namespace).stdout.strip())
+    env = json.loads(line.splitlines()[0])
+    assert env == {
+        "LITERAL": "plain", "EXPANDED": "plain-x", "POD_NAME": "envpod", "POD_NS": namespace,
+        "POD_IP": pod["status"]["podIP"], "ROLE": "decoder", "FROM_CM": "from-configmap",
+        "FROM_SECRET": "s3cret", "PD_LOCAL_POD_IP": pod["status"]["podIP"], "CM_PREFIX_a": "1",
+    }
+
+
+def test_missing_configmap_is_a_config_error(cluster: Cluster, namespace: str) -> None:
+    cluster.apply({
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "nocm"},
+        "spec": {"containers": [{"name": "main", "image": AGENT_IMAGE, "env": [
+            {"name": "X", "valueFrom": {"configMapKeyRef": {"name": "absent", "key": "k"}}}]}]},
+    }, namespace)
+    w = wait_for("CreateContainerConfigError", lambda: (
+        (cluster.get_json("pod", "nocm", "-n", namespace)["status"].get("containerStatuses") or [{}])[0]
+        .get("state", {}).get("waiting")))
+    assert w["reason"] == "CreateContainerConfigError"
+    assert "absent" in w["message"]
+
+
+RBAC_PROBE = textwrap.dedent("""
+    from kubernetes import client, config
+    config.load_kube_config()
+    try:
+        n = len(client.CoreV1Api().list_namespaced_pod("{ns}").items)
+        print("LISTED", n, flush=True)
+    except client.ApiException as e:
+        print("DENIED", e.status, flush=True)
+""")
+
+
+def test_pod_api_access_is_its_service_account_rbac(cluster: Cluster, namespace: str) -> None:
+    cluster.kubectl("create", "serviceaccount", "op", "-n", namespace)
+    pod = {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "probe-denied"},
+        "spec": {"serviceAccountName": "op", "restartPolicy": "Never", "containers": [{
+            "name": "main", "image": "example.com/pd/pd-operator:dev",
+            "command": ["python", "-c", RBAC_PROBE.replace("{ns}", namespace)]}]},
+    }
+    cluster.apply(pod, namespace)
+    wait_for("probe-denied to finish", lambda: cluster.get_json(
+        "pod", "probe-denied", "-n", namespace)["status"].get("phase") == "Succeeded")
+    assert "DENIED 403" in cluster.kubectl("logs", "probe-denied", "-n", namespace).stdout
+
+    cluster.kubectl("create", "role", "pod-reader", "-n", namespace, "--verb=list", "--resource=pods")
+    cluster.kubectl("create", "rolebinding", "op-reader", "-n", namespace, "--role=pod-reader",
+                    f"--serviceaccount={namespace}:op")
+    pod["metadata"]["name"] = "probe-allowed"
+    cluster.apply(pod, namespace)
+    wait_for("probe-allowed to finish", lambda: cluster.get_json(
+        "pod", "probe-allowed", "-n", namespace)["status"].get("phase") == "Succeeded")
+    assert "LISTED" in cluster.kubectl("logs", "probe-allowed", "-n", namespace).stdout
