@@ -237,8 +237,8 @@ class LocalCluster:
             ])
             log(f"starting the local node agent ({nodes} nodes)")
             spawn("node-agent", [
-                sys.executable, "-m", "pd_localcluster", "node-agent",
-                f"--root={self.paths.root}", f"--nodes={nodes}",
+                sys.executable, "-m", "pd_localcluster", f"--root={self.paths.root}", "node-agent",
+                f"--nodes={nodes}",
                 f"--kubelet-port={ports['kubelet']}",
             ])
             self._wait_nodes_ready(nodes, procs)

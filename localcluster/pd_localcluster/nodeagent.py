@@ -700,4 +700,5 @@ class NodeAgent:
 
 def main(root: Path, nodes: int, kubelet_port: int) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     asyncio.run(NodeAgent(root, nodes, kubelet_port).run())

@@ -1,21 +1,251 @@
-"""The agent's HTTP layer (aiohttp)."""
+"""The agent's HTTP layer (aiohttp): a thin shell over AgentCore.
+
+Every /v1 call needs the bearer token; bodies are the pydantic models in models.py and a
+malformed one gets 400 naming the field. /healthz and /metrics are open."""
 from __future__ import annotations
 
 import argparse
+import asyncio
+import hmac
+import json
+import logging
 import os
+import signal
+import time
+from typing import Awaitable, Callable
 
+import httpx
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+
+from .core import AgentCore, AgentError
+from .identity import ConfigError, Identity, import_backend
+from .inference import Inference
+from .metrics import AgentMetrics
+from .models import (
+    DecodeRequest, DrainRequest, FaultsRequest, LinkRequest, PrefillRequest, ProbeRequest,
+    SwitchRoleRequest, UnlinkRequest, VerifyRequest,
+)
+
+log = logging.getLogger("pd_agent")
+CORE = web.AppKey("core", AgentCore)
+METRICS = web.AppKey("metrics", AgentMetrics)
+HTTP = web.AppKey("http", httpx.AsyncClient)
 
 
-def build_app() -> web.Application:
-    app = web.Application()
-    app.router.add_get("/healthz", lambda r: web.json_response({"ok": True}))
+def _error(status: int, code: str, message: str, **extra) -> web.Response:
+    return web.json_response({"code": code, "message": message, **extra}, status=status)
+
+
+def auth_middleware(token: str | None):
+    @web.middleware
+    async def mw(request: web.Request, handler):
+        if not request.path.startswith("/v1/"):
+            return await handler(request)
+        got = request.headers.get("Authorization", "")
+        if not token:
+            return _error(401, "AgentUnauthorized", "the agent has no token configured (PD_AGENT_TOKEN)")
+        if not got.startswith("Bearer ") or not hmac.compare_digest(got[7:].encode(), token.encode()):
+            return _error(401, "AgentUnauthorized", "missing or wrong bearer token")
+        return await handler(request)
+    return mw
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    op = request.path.rsplit("/", 1)[-1]
+    metrics: AgentMetrics = request.app[METRICS]
+    try:
+        resp = await handler(request)
+        metrics.api_calls.labels(op, str(resp.status)).inc()
+        return resp
+    except web.HTTPException:
+        raise
+    except AgentError as e:
+        metrics.api_calls.labels(op, str(e.status)).inc()
+        return _error(e.status, e.code, str(e))
+    except RuntimeError as e:
+        # the llm_datadist API raises RuntimeError before init, LLMException (a RuntimeError) after
+        code = getattr(getattr(e, "status_code", None), "name", "ENGINE_ERROR")
+        metrics.api_calls.labels(op, "409").inc()
+        return _error(409, code, str(e))
+
+
+async def _body(request: web.Request, model: type[BaseModel]) -> BaseModel:
+    try:
+        raw = await request.read()
+        data = json.loads(raw) if raw.strip() else {}
+    except ValueError as e:
+        raise web.HTTPBadRequest(text=json.dumps({"code": "BadRequest", "message": f"body is not JSON: {e}"}),
+                                 content_type="application/json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or "(body)"
+        raise web.HTTPBadRequest(
+            text=json.dumps({"code": "BadRequest", "field": field,
+                             "message": f"{field}: {first['msg']}", "errors": json.loads(e.json())}),
+            content_type="application/json")
+
+
+def _json(model: BaseModel, status: int = 200) -> web.Response:
+    return web.json_response(model.model_dump(mode="json"), status=status)
+
+
+def routes(core: AgentCore, token: str | None) -> list[web.RouteDef]:
+    def handler(model, fn: Callable[[BaseModel], Awaitable[BaseModel | None]]):
+        async def h(request: web.Request) -> web.Response:
+            body = await _body(request, model) if model else None
+            out = await fn(body)
+            return _json(out if out is not None else core.status())
+        return h
+
+    async def healthz(request: web.Request) -> web.Response:
+        ok = core.initialized
+        return web.json_response({"ok": ok, "role": core.role, "boot_id": core.boot_id,
+                                  "last_error": core.last_error}, status=200 if ok else 503)
+
+    async def metrics(request: web.Request) -> web.Response:
+        m = request.app[METRICS]
+        st = core.status()
+        m.kv_used.set(st.load.kv_used_bytes)
+        m.links.labels("up").set(sum(1 for l in st.links if l.code == "LLM_SUCCESS"))
+        m.links.labels("down").set(sum(1 for l in st.links if l.code != "LLM_SUCCESS"))
+        return web.Response(body=generate_latest(m.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def status(request: web.Request) -> web.Response:
+        return _json(core.status())
+
+    async def verify(body: VerifyRequest):
+        return await core.verify(body.peer, _http_of(core), token)
+
+    async def faults(body: FaultsRequest):
+        if not hasattr(core.llm, "SIMULATED"):
+            raise AgentError("LLM_FEATURE_NOT_ENABLED", "fault injection exists only on the simulator", 400)
+        if body.crash:
+            log.warning("crash requested through the admin API")
+            asyncio.get_running_loop().call_later(0.05, os._exit, 137)
+            return None
+        from llm_datadist_sim import faults as f
+        f.update(**body.model_dump(exclude_none=True, exclude={"crash"}))
+        return None
+
+    async def faults_get(request: web.Request) -> web.Response:
+        from llm_datadist_sim import faults as f
+        return web.json_response(f.current().as_dict())
+
+    async def init(_):
+        await core.init()
+
+    async def switch(body: SwitchRoleRequest):
+        await core.switch_role(body.role)
+
+    inf = core.inference
+    r = [
+        web.get("/healthz", healthz),
+        web.get("/metrics", metrics),
+        web.get("/v1/status", status),
+        web.post("/v1/init", handler(None, init)),
+        web.post("/v1/link", handler(LinkRequest, core.link)),
+        web.post("/v1/unlink", handler(UnlinkRequest, core.unlink)),
+        web.post("/v1/switch_role", handler(SwitchRoleRequest, switch)),
+        web.post("/v1/verify", handler(VerifyRequest, verify)),
+        web.post("/v1/probe", handler(ProbeRequest, lambda b: core.probe(b.req_id))),
+        web.post("/v1/drain", handler(DrainRequest, lambda b: core.drain(b.timeout_s))),
+        web.post("/v1/undrain", handler(None, lambda _: _async(core.undrain()))),
+        web.post("/v1/admin/faults", handler(FaultsRequest, faults)),
+        web.get("/v1/admin/faults", faults_get),
+    ]
+    if inf is not None:
+        r += [web.post("/v1/prefill", handler(PrefillRequest, inf.prefill)),
+              web.post("/v1/decode", handler(DecodeRequest, inf.decode))]
+    return r
+
+
+async def _async(value):
+    return value
+
+
+_HTTP_CLIENTS: dict[int, httpx.AsyncClient] = {}
+
+
+def _http_of(core: AgentCore) -> httpx.AsyncClient:
+    # Agent-to-agent calls (verify) must not go through a proxy.
+    c = _HTTP_CLIENTS.get(id(core))
+    if c is None:
+        c = _HTTP_CLIENTS[id(core)] = httpx.AsyncClient(trust_env=False, timeout=10)
+    return c
+
+
+def build_app(core: AgentCore, token: str | None, metrics: AgentMetrics | None = None,
+              serve_inference: bool = True) -> web.Application:
+    """The HTTP API over `core`. An inference server embedding the agent calls this with a
+    core built around its own engine and mounts or runs the app."""
+    metrics = metrics or AgentMetrics()
+    if serve_inference and core.inference is None:
+        Inference(core, metrics)
+    app = web.Application(middlewares=[auth_middleware(token), error_middleware], client_max_size=1 << 20)
+    app[CORE] = core
+    app[METRICS] = metrics
+    app.add_routes(routes(core, token))
+
+    async def lifecycle(app: web.Application):
+        if core.inference is not None:
+            core.inference.start()
+        yield
+        if core.inference is not None:
+            await core.inference.stop()
+        c = _HTTP_CLIENTS.pop(id(core), None)
+        if c:
+            await c.aclose()
+
+    app.cleanup_ctx.append(lifecycle)
     return app
 
 
+async def _serve(identity: Identity, host: str, port: int) -> None:
+    llm = import_backend(identity.backend)
+    core = AgentCore(llm, identity)
+    app = build_app(core, identity.token)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    log.info("agent %s (%s, cluster_id %d) serving on %s:%d, datadist %s:%d, backend %s",
+             identity.pod, identity.role, identity.cluster_id, host, port, identity.ip, identity.port,
+             identity.backend)
+    # Keep trying to init: a bad listen address is reported in /healthz, not a crash loop.
+    delay = 0.5
+    while not core.initialized:
+        try:
+            t0 = time.perf_counter()
+            await core.init()
+            log.info("engine initialised in %.1f ms", (time.perf_counter() - t0) * 1000)
+        except Exception as e:  # noqa: BLE001
+            core.last_error = f"init: {e}"
+            log.error("engine init failed: %s; retrying in %.1fs", e, delay)
+            await asyncio.sleep(delay)
+            delay = min(10, delay * 2)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down")
+    await runner.cleanup()
+    await core.finalize()
+
+
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="pd_agent")
+    ap = argparse.ArgumentParser(prog="pd_agent", description="The in-pod LLM-DataDist agent")
     ap.add_argument("--host", default=os.environ.get("PD_LOCAL_POD_IP", "0.0.0.0"))
-    ap.add_argument("--port", type=int, default=int(os.environ.get("PD_AGENT_PORT", "8080")))
+    ap.add_argument("--port", type=int, default=None)
     args = ap.parse_args(argv)
-    web.run_app(build_app(), host=args.host, port=args.port, print=None)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        identity = Identity.from_env()
+    except ConfigError as e:
+        raise SystemExit(f"pd_agent: bad configuration: {e}")
+    asyncio.run(_serve(identity, args.host, args.port or identity.agent_port))

@@ -27,6 +27,7 @@ def statefulset(name: str, replicas: int) -> dict:
                     "terminationGracePeriodSeconds": 5,
                     "containers": [{
                         "name": "agent", "image": AGENT_IMAGE,
+                        "env": [{"name": "LLM_DATADIST_CLUSTER_ID", "value": "0"}],
                         "ports": [{"name": "http", "containerPort": 8080}],
                         "readinessProbe": {"httpGet": {"path": "/healthz", "port": "http"},
                                            "periodSeconds": 1},

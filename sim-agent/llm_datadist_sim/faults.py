@@ -1,0 +1,77 @@
+"""Fault injection for the simulator, from the environment or at run time (the agent's
+admin call): refuse or delay links, fail or slow pulls, crash the process."""
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import asdict, dataclass, fields
+from typing import Callable
+
+ENV_PREFIX = "PD_SIM_FAULT_"
+
+
+@dataclass
+class Faults:
+    refuse_links: bool = False   # the prompt side stops listening and drops its links
+    link_delay_ms: int = 0       # the prompt side answers a link handshake this late
+    pull_delay_ms: int = 0       # the prompt side answers a pull this late
+    pull_fail: bool = False      # the prompt side answers pulls with LLM_FAILED
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> "Faults":
+        env = os.environ if env is None else env
+        f = cls()
+        for fd in fields(cls):
+            raw = env.get(ENV_PREFIX + fd.name.upper())
+            if raw is not None:
+                setattr(f, fd.name, _parse(fd.type, raw))
+        return f
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _parse(typ, raw):
+    if typ in (bool, "bool"):
+        return str(raw).lower() in ("1", "true", "yes", "on")
+    return int(raw)
+
+
+_lock = threading.Lock()
+_current = Faults.from_env()
+_listeners: list[Callable[[Faults], None]] = []
+
+
+def current() -> Faults:
+    return _current
+
+
+def update(**changes) -> Faults:
+    """Change faults at run time; engines are told so they can close or reopen listeners."""
+    global _current
+    with _lock:
+        data = _current.as_dict()
+        for k, v in changes.items():
+            if k not in data:
+                raise ValueError(f"unknown fault {k!r}; known: {sorted(data)}")
+            data[k] = _parse(type(data[k]), v) if not isinstance(v, type(data[k])) else v
+        _current = Faults(**data)
+        listeners = list(_listeners)
+    for cb in listeners:
+        cb(_current)
+    return _current
+
+
+def subscribe(cb: Callable[[Faults], None]) -> None:
+    with _lock:
+        _listeners.append(cb)
+
+
+def unsubscribe(cb: Callable[[Faults], None]) -> None:
+    with _lock:
+        if cb in _listeners:
+            _listeners.remove(cb)
+
+
+def crash(code: int = 137) -> None:
+    os._exit(code)

@@ -1,0 +1,344 @@
+"""The agent's core: one LLM-DataDist engine and the operations the operator drives
+(init, link, unlink, switch_role, verify, drain, status).
+
+It codes against the llm_datadist API only, over whichever module it is given (the real
+CANN module or the simulator), or over an engine its host process already created: the
+real library allows one engine per process, so an inference server embeds this object
+around its own engine and serves the same HTTP API (see server.py)."""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import random
+import time
+import uuid
+from typing import Any
+
+import httpx
+
+from .identity import Identity, proxy_environment
+from .models import (
+    AgentStatus, DrainResult, LinkRequest, LinkResult, LinkState, Load, Peer, ProbeResponse,
+    UnlinkRequest, VerifyResult,
+)
+
+PROBE_TTL_S = 60
+PROBE_SEQ = 128
+
+
+def _code_name(code: Any) -> str:
+    return getattr(code, "name", str(code))
+
+
+class AgentError(Exception):
+    """A request the engine refused; `code` is an LLMStatusCode name, `status` an HTTP code."""
+
+    def __init__(self, code: str, message: str, status: int = 409):
+        super().__init__(message)
+        self.code = code
+        self.status = status
+
+
+class AgentCore:
+    def __init__(self, llm, identity: Identity, engine: Any = None):
+        self.llm = llm
+        self.id = identity
+        self.engine = engine
+        self.owns_engine = engine is None
+        self.boot_id = uuid.uuid4().hex
+        self.peers: dict[int, Peer] = {}          # decoder: linked prompt peers by cluster id
+        self.link_since: dict[int, float] = {}
+        self.ops = asyncio.Lock()                 # link/unlink/switch never interleave
+        self.draining = False
+        self.last_error = ""
+        self.blocks_cache = None                  # paged: this engine's blocks cache
+        self._probes: dict[int, float] = {}       # prompt: probe req_id -> created
+        self.inference = None                     # set by pd_agent.inference when serving
+
+    # ---- engine ------------------------------------------------------------------------
+    @property
+    def initialized(self) -> bool:
+        return self.engine is not None and getattr(self.engine, "_initialized", True)
+
+    @property
+    def role(self) -> str:
+        if self.engine is None:
+            return self.id.role
+        return "prompt" if self.engine.role == self.llm.LLMRole.PROMPT else "decoder"
+
+    @property
+    def paged(self) -> dict | None:
+        return self.id.cache_desc.get("paged")
+
+    def options(self, role: str) -> dict[str, str]:
+        cfg = self.llm.LLMConfig()
+        if self.id.device_id is not None:
+            cfg.device_id = self.id.device_id
+        cfg.sync_kv_timeout = self.id.sync_kv_timeout_ms
+        cfg.enable_switch_role = True
+        if role == "prompt":
+            cfg.listen_ip_info = f"{self.id.ip}:{self.id.port}"
+        return cfg.generate_options()
+
+    async def init(self) -> None:
+        if self.engine is not None and not self.owns_engine:
+            await self._ensure_blocks_cache()
+            return
+        if self.engine is None:
+            role = self.llm.LLMRole.PROMPT if self.id.role == "prompt" else self.llm.LLMRole.DECODER
+            self.engine = self.llm.LLMDataDist(role, self.id.cluster_id)
+        await asyncio.to_thread(self.engine.init, self.options(self.id.role))
+        await self._ensure_blocks_cache()
+
+    async def finalize(self) -> None:
+        if self.engine is not None and self.owns_engine:
+            await asyncio.to_thread(self.engine.finalize)
+
+    def desc(self, batch: int | None = None, seq: int | None = None):
+        d = self.id.cache_desc
+        shape = list(d["shape"])
+        if batch is not None:
+            shape[0] = batch
+        if seq is not None:
+            shape[1] = seq
+        return self.llm.CacheDesc(d["num_tensors"], shape, getattr(self.llm.DataType, d["data_type"]))
+
+    def blocks_desc(self):
+        p = self.paged
+        d = self.id.cache_desc
+        shape = [p["num_blocks"], p["block_size"], *d["shape"][2:]]
+        return self.llm.CacheDesc(d["num_tensors"], shape, getattr(self.llm.DataType, d["data_type"]))
+
+    async def _ensure_blocks_cache(self) -> None:
+        if not self.paged or self.blocks_cache is not None:
+            return
+        mgr = self.engine.kv_cache_manager
+        if self.role == "prompt":
+            key = self.llm.BlocksCacheKey(self.id.cluster_id, self.id.model_id)
+            self.blocks_cache = await asyncio.to_thread(mgr.allocate_blocks_cache, self.blocks_desc(), key)
+        else:
+            self.blocks_cache = await asyncio.to_thread(mgr.allocate_blocks_cache, self.blocks_desc())
+
+    async def _drop_blocks_cache(self) -> None:
+        if self.blocks_cache is not None:
+            await asyncio.to_thread(self.engine.kv_cache_manager.deallocate_cache, self.blocks_cache)
+            self.blocks_cache = None
+
+    def _require(self, role: str, what: str) -> None:
+        if not self.initialized:
+            raise AgentError("NOT_INITIALIZED", "the engine is not initialised; POST /v1/init", 409)
+        if self.role != role:
+            raise AgentError("LLM_PARAM_INVALID", f"{what} needs a {role} engine; this one is {self.role}")
+
+    # ---- links (decoder side) -------------------------------------------------------------
+    def cluster_info(self, peer: Peer):
+        info = self.llm.LLMClusterInfo()
+        info.remote_cluster_id = peer.cluster_id
+        info.remote_role_type = self.llm.LLMRole.PROMPT
+        info.append_local_ip_info(self.id.ip, self.id.port)
+        info.append_remote_ip_info(peer.ip, peer.port)
+        return info
+
+    async def link(self, req: LinkRequest) -> LinkResult:
+        self._require("decoder", "link")
+        async with self.ops:
+            t0 = time.perf_counter()
+            infos = [self.cluster_info(p) for p in req.peers]
+            ret, rets = await asyncio.to_thread(self.engine.link_clusters, infos, req.timeout_ms)
+            result = {}
+            for peer, code in zip(req.peers, rets):
+                name = _code_name(code)
+                result[peer.name] = name
+                if name in ("LLM_SUCCESS", "LLM_ALREADY_LINK"):
+                    self.peers[peer.cluster_id] = peer
+                    self.link_since.setdefault(peer.cluster_id, time.time())
+            if _code_name(ret) != "LLM_SUCCESS":
+                self.last_error = f"link_clusters: {_code_name(ret)} {result}"
+            return LinkResult(ret=_code_name(ret), rets=result,
+                              duration_ms=(time.perf_counter() - t0) * 1000)
+
+    async def unlink(self, req: UnlinkRequest) -> LinkResult:
+        if not self.initialized:
+            raise AgentError("NOT_INITIALIZED", "the engine is not initialised", 409)
+        async with self.ops:
+            t0 = time.perf_counter()
+            infos = [self.cluster_info(p) for p in req.peers]
+            ret, rets = await asyncio.to_thread(self.engine.unlink_clusters, infos, req.timeout_ms, req.force)
+            result = {}
+            for peer, code in zip(req.peers, rets):
+                result[peer.name] = _code_name(code)
+                if self.role == "decoder" and _code_name(code) in ("LLM_SUCCESS", "LLM_NOT_YET_LINK"):
+                    self.peers.pop(peer.cluster_id, None)
+                    self.link_since.pop(peer.cluster_id, None)
+            return LinkResult(ret=_code_name(ret), rets=result,
+                              duration_ms=(time.perf_counter() - t0) * 1000)
+
+    def link_states(self) -> list[LinkState]:
+        out = []
+        if not self.initialized or self.role != "decoder":
+            return out
+        for cid, peer in list(self.peers.items()):
+            try:
+                self.engine.check_link_status(cid)
+                code = "LLM_SUCCESS"
+            except self.llm.LLMException as e:
+                code = _code_name(e.status_code)
+            out.append(LinkState(name=peer.name, cluster_id=cid, ip=peer.ip, port=peer.port, code=code,
+                                 since=self.link_since.get(cid, 0)))
+        return out
+
+    # ---- role switching -------------------------------------------------------------------
+    async def switch_role(self, role: str) -> None:
+        if not self.initialized:
+            raise AgentError("NOT_INITIALIZED", "the engine is not initialised", 409)
+        if role == self.role:
+            return  # idempotent: a resumed switch may repeat this step
+        async with self.ops:
+            target = self.llm.LLMRole.PROMPT if role == "prompt" else self.llm.LLMRole.DECODER
+            opts = {"llm.listenIpInfo": f"{self.id.ip}:{self.id.port}"} if role == "prompt" else None
+            await self._drop_blocks_cache()
+            try:
+                await asyncio.to_thread(self.engine.switch_role, target, opts)
+            except self.llm.LLMException as e:
+                await self._ensure_blocks_cache()
+                raise AgentError(_code_name(e.status_code), str(e)) from e
+            self.peers.clear()
+            self.link_since.clear()
+            await self._ensure_blocks_cache()
+
+    # ---- KV-path verification ---------------------------------------------------------------
+    async def probe(self, req_id: int) -> ProbeResponse:
+        """Prompt side: put random bytes under a probe CacheKey (or in a block) for a decoder to pull."""
+        self._require("prompt", "probe")
+        mgr = self.engine.kv_cache_manager
+        self._expire_probes()
+        if self.paged:
+            cache = self.blocks_cache
+            block = random.randrange(cache.cache_desc.shape[0])
+            data = _fill(self.llm, cache, [block])
+            return ProbeResponse(prompt_cluster_id=self.id.cluster_id, req_id=req_id, model_id=self.id.model_id,
+                                 sha256=hashlib.sha256(data).hexdigest(), bytes=len(data), paged=True,
+                                 block=block)
+        key = self.llm.CacheKey(self.id.cluster_id, req_id, self.id.model_id)
+        seq = min(PROBE_SEQ, self.id.cache_desc["shape"][1])
+        cache = await asyncio.to_thread(mgr.allocate_cache, self.desc(batch=1, seq=seq), [key])
+        data = _fill(self.llm, cache, [0])
+        # Freed by the engine once the key is pulled (or removed when the probe expires).
+        await asyncio.to_thread(mgr.deallocate_cache, cache)
+        self._probes[req_id] = time.monotonic()
+        return ProbeResponse(prompt_cluster_id=self.id.cluster_id, req_id=req_id, model_id=self.id.model_id,
+                             sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
+
+    def _expire_probes(self) -> None:
+        now = time.monotonic()
+        for req_id, t in list(self._probes.items()):
+            if now - t > PROBE_TTL_S:
+                del self._probes[req_id]
+                try:
+                    self.engine.kv_cache_manager.remove_cache_key(
+                        self.llm.CacheKey(self.id.cluster_id, req_id, self.id.model_id))
+                except Exception:  # noqa: BLE001 - already pulled
+                    pass
+
+    async def verify(self, peer: Peer, http: httpx.AsyncClient, token: str | None) -> VerifyResult:
+        """Decoder side: ask the prefill's agent for a probe, pull it over the link, compare bytes."""
+        self._require("decoder", "verify")
+        base = dict(prefill=peer.name, decoder=self.id.pod)
+        if not peer.agent_url:
+            raise AgentError("LLM_PARAM_INVALID", "verify needs peer.agent_url", 400)
+        req_id = random.getrandbits(63)
+        try:
+            r = await http.post(f"{peer.agent_url}/v1/probe", json={"req_id": req_id},
+                                headers={"Authorization": f"Bearer {token}"} if token else {}, timeout=10)
+        except httpx.HTTPError as e:
+            return VerifyResult(ok=False, code="PEER_AGENT_UNREACHABLE",
+                                message=f"prefill agent {peer.agent_url}: {e!r}", **base)
+        if r.status_code != 200:
+            return VerifyResult(ok=False, code="PEER_AGENT_ERROR",
+                                message=f"prefill agent answered {r.status_code}: {r.text[:200]}", **base)
+        probe = ProbeResponse.model_validate(r.json())
+        mgr = self.engine.kv_cache_manager
+        t0 = time.perf_counter()
+        try:
+            if probe.paged:
+                cache = self.blocks_cache
+                key = self.llm.BlocksCacheKey(probe.prompt_cluster_id, probe.model_id)
+                await asyncio.to_thread(mgr.pull_blocks, key, cache, [probe.block], [probe.block])
+                pull_ms = (time.perf_counter() - t0) * 1000
+                got = _read(cache, [probe.block])
+            else:
+                seq = min(PROBE_SEQ, self.id.cache_desc["shape"][1])
+                cache = await asyncio.to_thread(mgr.allocate_cache, self.desc(batch=1, seq=seq))
+                try:
+                    key = self.llm.CacheKey(probe.prompt_cluster_id, probe.req_id, probe.model_id)
+                    await asyncio.to_thread(mgr.pull_cache, key, cache, 0)
+                    pull_ms = (time.perf_counter() - t0) * 1000
+                    got = _read(cache, [0])
+                finally:
+                    await asyncio.to_thread(mgr.deallocate_cache, cache)
+        except self.llm.LLMException as e:
+            return VerifyResult(ok=False, code=_code_name(e.status_code), message=str(e), **base)
+        if hashlib.sha256(got).hexdigest() != probe.sha256:
+            return VerifyResult(ok=False, code="DATA_MISMATCH", bytes=len(got), pull_ms=pull_ms,
+                                message="pulled bytes differ from the prefill's probe", **base)
+        return VerifyResult(ok=True, code="LLM_SUCCESS", bytes=len(got), pull_ms=pull_ms, **base)
+
+    # ---- drain ------------------------------------------------------------------------------
+    def in_flight(self) -> tuple[int, int]:
+        inf = self.inference
+        return (inf.in_flight, inf.pending_kv) if inf else (0, 0)
+
+    async def drain(self, timeout_s: float) -> DrainResult:
+        """Stop taking requests, then wait for in-flight work and un-pulled KV caches."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while True:
+            in_flight, pending = self.in_flight()
+            if (in_flight == 0 and pending == 0) or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.05)
+        return DrainResult(draining=True, in_flight=in_flight, pending_kv=pending,
+                           drained=in_flight == 0 and pending == 0)
+
+    def undrain(self) -> DrainResult:
+        self.draining = False
+        in_flight, pending = self.in_flight()
+        return DrainResult(draining=False, in_flight=in_flight, pending_kv=pending, drained=False)
+
+    # ---- status -----------------------------------------------------------------------------
+    def status(self) -> AgentStatus:
+        load = self.inference.load() if self.inference else Load()
+        if self.initialized:
+            mgr = self.engine.kv_cache_manager
+            load.kv_used_bytes = getattr(mgr, "used_bytes", 0)
+        incoming: list[int] = []
+        if self.initialized and self.role == "prompt" and hasattr(self.engine, "sim_links"):
+            incoming = sorted(self.engine.sim_links())
+        scale = self.llm.memory_scale() if hasattr(self.llm, "memory_scale") else 1
+        return AgentStatus(
+            pod=self.id.pod, role=self.role, cluster_id=self.id.cluster_id, boot_id=self.boot_id,
+            backend=self.id.backend, initialized=self.initialized, ip=self.id.ip, port=self.id.port,
+            model_id=self.id.model_id, links=self.link_states(), incoming=incoming, load=load,
+            draining=self.draining, proxy_env=proxy_environment(), memory_scale=scale,
+            cache_desc=self.id.cache_desc, last_error=self.last_error,
+        )
+
+
+def _fill(llm, cache, slots: list[int]) -> bytes:
+    out = bytearray()
+    for t in range(cache.cache_desc.num_tensors):
+        for s in slots:
+            view = cache.slot(t, s)
+            data = os.urandom(len(view))
+            view[:] = data
+            out += data
+    return bytes(out)
+
+
+def _read(cache, slots: list[int]) -> bytes:
+    out = bytearray()
+    for t in range(cache.cache_desc.num_tensors):
+        for s in slots:
+            out += cache.slot(t, s)
+    return bytes(out)

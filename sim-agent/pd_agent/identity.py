@@ -1,0 +1,89 @@
+"""The agent's identity and settings, read from the env the operator injects."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PROXY_VARS = ("http_proxy", "https_proxy", "no_proxy", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY")
+DEFAULT_CACHE_DESC = {"num_tensors": 4, "shape": [4, 256, 1, 64], "data_type": "DT_FLOAT16"}
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class Identity:
+    pod: str
+    role: str                    # "prompt" | "decoder"
+    cluster_id: int
+    ip: str
+    port: int
+    backend: str = "sim"         # "sim" | "llm-datadist"
+    model_id: int = 0
+    cache_desc: dict = field(default_factory=lambda: dict(DEFAULT_CACHE_DESC))
+    link_timeout_ms: int = 3000
+    sync_kv_timeout_ms: int = 1000
+    device_id: int | None = None
+    token: str | None = None
+    agent_port: int = 8080
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> "Identity":
+        env = dict(os.environ if env is None else env)
+
+        def need(name: str) -> str:
+            v = env.get(name)
+            if not v:
+                raise ConfigError(f"{name} is not set")
+            return v
+
+        role = env.get("LLM_DATADIST_ROLE", "prompt").lower()
+        if role not in ("prompt", "decoder"):
+            raise ConfigError(f"LLM_DATADIST_ROLE must be prompt or decoder, got {role!r}")
+        try:
+            cluster_id = int(need("LLM_DATADIST_CLUSTER_ID"))
+            port = int(env.get("LLM_DATADIST_PORT", "26000"))
+        except ValueError as e:
+            raise ConfigError(f"LLM_DATADIST_CLUSTER_ID/LLM_DATADIST_PORT must be integers: {e}") from e
+        ip = env.get("LLM_DATADIST_IP") or env.get("PD_LOCAL_POD_IP") or "127.0.0.1"
+        desc = dict(DEFAULT_CACHE_DESC)
+        if env.get("LLM_DATADIST_CACHE_DESC"):
+            try:
+                desc = json.loads(env["LLM_DATADIST_CACHE_DESC"])
+            except ValueError as e:
+                raise ConfigError(f"LLM_DATADIST_CACHE_DESC is not JSON: {e}") from e
+        token = env.get("PD_AGENT_TOKEN")
+        if not token and env.get("PD_AGENT_TOKEN_FILE"):
+            token = Path(env["PD_AGENT_TOKEN_FILE"]).read_text().strip()
+        return cls(
+            pod=env.get("POD_NAME") or env.get("HOSTNAME") or f"agent-{cluster_id}",
+            role=role, cluster_id=cluster_id, ip=ip, port=port,
+            backend=env.get("PD_BACKEND", "sim"),
+            model_id=int(env.get("LLM_DATADIST_MODEL_ID", "0")),
+            cache_desc=desc,
+            link_timeout_ms=int(env.get("LLM_DATADIST_LINK_TIMEOUT_MS", "3000")),
+            sync_kv_timeout_ms=int(env.get("LLM_DATADIST_SYNC_KV_TIMEOUT_MS", "1000")),
+            device_id=int(env["LLM_DATADIST_DEVICE_ID"]) if env.get("LLM_DATADIST_DEVICE_ID") else None,
+            token=token,
+            agent_port=int(env.get("PD_AGENT_PORT", "8080")),
+        )
+
+
+def proxy_environment(env: dict[str, str] | None = None) -> dict[str, str]:
+    """Proxy variables break datadist links (they reroute the engine's connections)."""
+    env = os.environ if env is None else env
+    return {k: env[k] for k in PROXY_VARS if env.get(k)}
+
+
+def import_backend(backend: str):
+    """The llm_datadist module for a backend: the real CANN module or the simulator."""
+    if backend == "llm-datadist":
+        import llm_datadist  # type: ignore[import-not-found]  # shipped with CANN
+        return llm_datadist
+    if backend == "sim":
+        import llm_datadist_sim
+        return llm_datadist_sim
+    raise ConfigError(f"unknown backend {backend!r}; expected sim or llm-datadist")

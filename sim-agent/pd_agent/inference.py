@@ -1,0 +1,218 @@
+"""Simulated serving, so load is real: a prefill costs time by the timing model and leaves
+a KV cache under a CacheKey; a decode pulls that cache from the named prefill over the
+link and emits tokens at the decode-step time of the current batch."""
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from dataclasses import dataclass, field
+
+from .core import AgentCore, AgentError, _code_name
+from .metrics import AgentMetrics
+from .models import DecodeRequest, DecodeResponse, Load, PrefillRequest, PrefillResponse
+from .timing import TimingModel
+
+PENDING_TTL_S = 120
+
+
+def _p90(values) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, int(0.9 * len(s)))]
+
+
+@dataclass
+class _Prefill:
+    req: PrefillRequest
+    fut: asyncio.Future
+    enqueued: float
+
+
+@dataclass
+class _Decode:
+    ctx: int
+    remaining: int
+    fut: asyncio.Future
+    started: float
+    token_times: list[float] = field(default_factory=list)
+
+
+class Inference:
+    def __init__(self, core: AgentCore, metrics: AgentMetrics, timing: TimingModel | None = None):
+        self.core = core
+        self.m = metrics
+        self.timing = timing or TimingModel.from_env()
+        self.max_batch = max(1, core.id.cache_desc["shape"][0])
+        self.max_seq = core.id.cache_desc["shape"][1]
+        self.prefill_q: collections.deque[_Prefill] = collections.deque()
+        self.decode_wait: collections.deque[_Decode] = collections.deque()
+        self.decode_running: list[_Decode] = []
+        self.in_flight = 0
+        self.completed = 0
+        self.failed = 0
+        self._pending: dict[int, float] = {}   # prompt: req_id -> prefilled at
+        self._ttft: collections.deque[float] = collections.deque(maxlen=500)
+        self._tbt: collections.deque[float] = collections.deque(maxlen=2000)
+        self._prefill_wake = asyncio.Event()
+        self._decode_wake = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._prefill_busy = 0
+        core.inference = self
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._prefill_loop()), asyncio.create_task(self._decode_loop())]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+
+    # ---- accounting ---------------------------------------------------------------------------
+    @property
+    def pending_kv(self) -> int:
+        self._expire_pending()
+        return len(self._pending)
+
+    def _expire_pending(self) -> None:
+        eng = self.core.engine
+        mgr = eng.kv_cache_manager if self.core.initialized else None
+        keyed = getattr(mgr, "keyed", None)
+        now = time.monotonic()
+        for req_id, t in list(self._pending.items()):
+            ident = (req_id, self.core.id.model_id, 2 ** 64 - 1)
+            if keyed is not None and ident not in keyed:
+                del self._pending[req_id]  # pulled
+            elif now - t > PENDING_TTL_S:
+                del self._pending[req_id]
+                try:
+                    mgr.remove_cache_key(self.core.llm.CacheKey(self.core.id.cluster_id, req_id,
+                                                                self.core.id.model_id))
+                except Exception:  # noqa: BLE001 - already gone
+                    pass
+
+    def load(self) -> Load:
+        queue = len(self.prefill_q) + len(self.decode_wait)
+        running = self._prefill_busy + len(self.decode_running)
+        self.m.queue_depth.set(queue)
+        self.m.running.set(running)
+        pending = self.pending_kv
+        self.m.pending_kv.set(pending)
+        return Load(queue_depth=queue, running=running, in_flight=self.in_flight, pending_kv=pending,
+                    completed=self.completed, failed=self.failed, ttft_p90_ms=_p90(self._ttft),
+                    tbt_p90_ms=_p90(self._tbt))
+
+    def _admit(self, role: str) -> None:
+        self.core._require(role, "prefill" if role == "prompt" else "decode")
+        if self.core.draining:
+            self.m.failed.labels("draining").inc()
+            raise AgentError("DRAINING", f"{self.core.id.pod} is draining; send the request elsewhere", 503)
+
+    # ---- prefill (prompt role) ----------------------------------------------------------------
+    async def prefill(self, req: PrefillRequest) -> PrefillResponse:
+        self._admit("prompt")
+        fut = asyncio.get_running_loop().create_future()
+        self.in_flight += 1
+        try:
+            self.prefill_q.append(_Prefill(req, fut, time.monotonic()))
+            self._prefill_wake.set()
+            return await fut
+        finally:
+            self.in_flight -= 1
+
+    async def _prefill_loop(self) -> None:
+        while True:
+            if not self.prefill_q:
+                self._prefill_wake.clear()
+                await self._prefill_wake.wait()
+                continue
+            batch = [self.prefill_q.popleft() for _ in range(min(self.max_batch, len(self.prefill_q)))]
+            self._prefill_busy = len(batch)
+            lens = [min(b.req.prompt_tokens, self.max_seq) for b in batch]
+            t0 = time.monotonic()
+            await asyncio.sleep(self.timing.prefill_ms(lens) / 1000)
+            prefill_ms = (time.monotonic() - t0) * 1000
+            mgr = self.core.engine.kv_cache_manager
+            for b, n in zip(batch, lens):
+                try:
+                    key = self.core.llm.CacheKey(self.core.id.cluster_id, b.req.req_id, self.core.id.model_id)
+                    cache = await asyncio.to_thread(mgr.allocate_cache, self.core.desc(batch=1, seq=n), [key])
+                    # The engine frees it once the decoder pulls the key.
+                    await asyncio.to_thread(mgr.deallocate_cache, cache)
+                    self._pending[b.req.req_id] = time.monotonic()
+                    queue_ms = (t0 - b.enqueued) * 1000
+                    self.m.ttft.observe(queue_ms + prefill_ms)
+                    self.m.requests.labels("prefill").inc()
+                    b.fut.set_result(PrefillResponse(
+                        prompt_cluster_id=self.core.id.cluster_id, req_id=b.req.req_id,
+                        model_id=self.core.id.model_id, queue_ms=queue_ms, prefill_ms=prefill_ms))
+                except self.core.llm.LLMException as e:
+                    self.failed += 1
+                    self.m.failed.labels(_code_name(e.status_code)).inc()
+                    b.fut.set_exception(AgentError(_code_name(e.status_code), str(e), 507))
+            self._prefill_busy = 0
+
+    # ---- decode (decoder role) ----------------------------------------------------------------
+    async def decode(self, req: DecodeRequest) -> DecodeResponse:
+        self._admit("decoder")
+        self.in_flight += 1
+        mgr = self.core.engine.kv_cache_manager
+        llm = self.core.llm
+        t0 = time.monotonic()
+        cache = None
+        try:
+            n = min(req.prompt_tokens, self.max_seq)
+            try:
+                cache = await asyncio.to_thread(mgr.allocate_cache, self.core.desc(batch=1, seq=n))
+                key = llm.CacheKey(req.prompt_cluster_id, req.req_id, self.core.id.model_id)
+                await asyncio.to_thread(mgr.pull_cache, key, cache, 0)
+            except llm.LLMException as e:
+                self.failed += 1
+                self.m.failed.labels(_code_name(e.status_code)).inc()
+                raise AgentError(_code_name(e.status_code), str(e), 502) from e
+            pull_ms = (time.monotonic() - t0) * 1000
+            self.m.kv_pull.observe(pull_ms)
+            job = _Decode(ctx=n, remaining=req.output_tokens,
+                          fut=asyncio.get_running_loop().create_future(), started=time.monotonic())
+            self.decode_wait.append(job)
+            self._decode_wake.set()
+            await job.fut
+            first = (job.token_times[0] - t0) * 1000
+            gaps = [(b - a) * 1000 for a, b in zip(job.token_times, job.token_times[1:])]
+            self._ttft.append(first)
+            self.m.ttft.observe(first)
+            for g in gaps:
+                self.m.tbt.observe(g)
+            self._tbt.extend(gaps)
+            self.completed += 1
+            self.m.requests.labels("decode").inc()
+            return DecodeResponse(tokens=len(job.token_times), pull_ms=pull_ms, first_token_ms=first,
+                                  tbt_ms_mean=sum(gaps) / len(gaps) if gaps else 0.0,
+                                  tbt_ms_max=max(gaps) if gaps else 0.0,
+                                  total_ms=(time.monotonic() - t0) * 1000)
+        finally:
+            self.in_flight -= 1
+            if cache is not None:
+                await asyncio.to_thread(mgr.deallocate_cache, cache)
+
+    async def _decode_loop(self) -> None:
+        while True:
+            while self.decode_wait and len(self.decode_running) < self.max_batch:
+                self.decode_running.append(self.decode_wait.popleft())
+            if not self.decode_running:
+                self._decode_wake.clear()
+                await self._decode_wake.wait()
+                continue
+            await asyncio.sleep(self.timing.decode_step_ms([j.ctx for j in self.decode_running]) / 1000)
+            now = time.monotonic()
+            still = []
+            for j in self.decode_running:
+                j.token_times.append(now)
+                j.ctx += 1
+                j.remaining -= 1
+                if j.remaining <= 0:
+                    if not j.fut.done():
+                        j.fut.set_result(None)
+                else:
+                    still.append(j)
+            self.decode_running = still
