@@ -1,0 +1,84 @@
+"""A prompt-side engine in its own process, written as the seed article writes it against
+the real module, and driven by JSON lines on stdin (one reply line each on stdout)."""
+import hashlib
+import json
+import os
+import sys
+
+import llm_datadist_sim as llm_datadist
+from llm_datadist_sim import (BlocksCacheKey, CacheDesc, CacheKey, DataType, LLMConfig, LLMDataDist,
+                              LLMException, LLMRole)
+
+
+def reply(**kw):
+    sys.stdout.write(json.dumps(kw) + "\n")
+    sys.stdout.flush()
+
+
+def desc_of(d):
+    return CacheDesc(d["num_tensors"], d["shape"], getattr(DataType, d.get("data_type", "DT_FLOAT16")))
+
+
+def main():
+    cluster_id = int(sys.argv[1])
+    listen = sys.argv[2]
+    engine = LLMDataDist(LLMRole.PROMPT, cluster_id)
+    config = LLMConfig()
+    config.listen_ip_info = listen
+    config.enable_switch_role = True
+    engine.init(config.generate_options())
+    kv = engine.kv_cache_manager
+    caches = {}
+    reply(ok=True, ready=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd["op"]
+        try:
+            if op == "alloc":
+                keys = [CacheKey(prompt_cluster_id=cluster_id, req_id=r, model_id=cmd.get("model_id", 0))
+                        for r in cmd["req_ids"]]
+                cache = kv.allocate_cache(desc_of(cmd["desc"]), keys)
+                shas = []
+                for i in range(len(keys)):
+                    h = hashlib.sha256()
+                    for t in range(cache.cache_desc.num_tensors):
+                        data = os.urandom(cache.slot_bytes)
+                        cache.slot(t, i)[:] = data
+                        h.update(data)
+                    shas.append(h.hexdigest())
+                caches[cache.cache_id] = cache
+                reply(ok=True, cache_id=cache.cache_id, sha256=shas)
+            elif op == "alloc_blocks":
+                cache = kv.allocate_blocks_cache(desc_of(cmd["desc"]),
+                                                 BlocksCacheKey(cluster_id, cmd.get("model_id", 0)))
+                shas = []
+                for b in range(cache.slots):
+                    h = hashlib.sha256()
+                    for t in range(cache.cache_desc.num_tensors):
+                        data = os.urandom(cache.slot_bytes)
+                        cache.slot(t, b)[:] = data
+                        h.update(data)
+                    shas.append(h.hexdigest())
+                reply(ok=True, sha256=shas)
+            elif op == "dealloc":
+                kv.deallocate_cache(caches.pop(cmd["cache_id"]))
+                reply(ok=True, used=kv.used_bytes)
+            elif op == "used":
+                reply(ok=True, used=kv.used_bytes)
+            elif op == "faults":
+                llm_datadist.faults.update(**cmd["set"])
+                reply(ok=True)
+            elif op == "incoming":
+                reply(ok=True, incoming=sorted(engine.sim_links()))
+            elif op == "exit":
+                engine.finalize()
+                reply(ok=True)
+                return
+            else:
+                reply(ok=False, error=f"unknown op {op}")
+        except LLMException as e:
+            reply(ok=False, code=e.status_code.name, error=str(e))
+
+
+if __name__ == "__main__":
+    main()
