@@ -43,5 +43,8 @@ test-integration: venv k8s-bins ## integration tests only
 demo: cluster-up ## the main job on the local cluster
 	@$(PY) -m pd_localcluster demo --bin-dir "$(BIN_DIR)"
 
+bench-sim: venv ## KV pull throughput over loopback and agent API latency
+	$(PY) bench/bench_sim.py
+
 clean: cluster-down ## remove .venv
 	rm -rf $(VENV)

@@ -159,3 +159,21 @@ async def test_embedded_core_over_host_engine(agents):
         await runner.cleanup()
     finally:
         engine.finalize()
+
+
+def test_loadgen_cli_against_agents(agents):
+    import json
+    import subprocess
+    import sys
+    p1, p2 = agents("prompt", 0), agents("prompt", 1)
+    d = agents("decoder", 1000)
+    d.post("/v1/link", {"peers": [p1.peer(), p2.peer()]})
+    out = subprocess.run(
+        [sys.executable, "-m", "pd_agent.loadgen", "--agent", p1.url, "--agent", p2.url, "--agent", d.url,
+         "--token", TOKEN, "--rate", "20", "--duration", "2", "--max-prompt", "256", "--max-output", "8",
+         "--json"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    s = json.loads(out.stdout)
+    assert s["requests"] > 10 and s["failed"] == 0 and s["completed"] == s["requests"]
+    assert s["ttft_ms"]["p90"] > 0 and s["goodput_rps"] > 0
+    assert p1.status()["load"]["pending_kv"] == 0 and p2.status()["load"]["pending_kv"] == 0

@@ -8,7 +8,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -18,7 +17,6 @@ from llm_datadist_sim import (
     LLMException, LLMRole, LLMStatusCode,
 )
 
-PEER = Path(__file__).resolve().parents[1] / "helpers" / "prompt_peer.py"
 DESC = {"num_tensors": 4, "shape": [2, 32, 2, 16], "data_type": "DT_FLOAT16"}
 
 
@@ -34,7 +32,7 @@ class PromptPeer:
         self.cluster_id = cluster_id
         self.port = free_port()
         self.proc = subprocess.Popen(
-            [sys.executable, str(PEER), str(cluster_id), f"127.0.0.1:{self.port}"],
+            [sys.executable, "-m", "llm_datadist_sim.peer", str(cluster_id), f"127.0.0.1:{self.port}"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
         assert self.read()["ready"]
 

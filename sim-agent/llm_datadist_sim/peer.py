@@ -1,5 +1,6 @@
-"""A prompt-side engine in its own process, written as the seed article writes it against
-the real module, and driven by JSON lines on stdin (one reply line each on stdout)."""
+"""`python -m llm_datadist_sim.peer CLUSTER_ID IP:PORT`: a prompt engine in its own process,
+written as code for the real module is written, driven by JSON lines on stdin (one reply
+line each on stdout). Tests and benchmarks use it as the far end of a link."""
 import hashlib
 import json
 import os

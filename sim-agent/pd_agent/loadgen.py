@@ -1,0 +1,235 @@
+"""`python -m pd_agent.loadgen`: drive prefill -> decode requests through the agents.
+
+Arrivals are Poisson (fixed rate) or sinusoidal (rate between --rate-min and --rate-max over
+--period seconds); prompt/output lengths follow the chat or code workload means. Each
+request goes to the least-loaded prefill, then to a decoder linked to it. Reports TTFT/TBT
+percentiles, goodput under the SLOs, and failures by reason."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import httpx
+
+WORKLOADS = {"chat": (1155, 211), "code": (2048, 28)}  # (prompt mean, output mean)
+
+
+# ---- pure parts --------------------------------------------------------------------------
+
+def rate_at(t: float, kind: str, rate: float, rate_min: float, rate_max: float, period: float) -> float:
+    if kind == "poisson":
+        return rate
+    mid, amp = (rate_max + rate_min) / 2, (rate_max - rate_min) / 2
+    return mid + amp * math.sin(2 * math.pi * t / period)
+
+
+def arrival_times(kind: str, duration: float, rng: random.Random, rate: float = 10,
+                  rate_min: float = 5, rate_max: float = 20, period: float = 150) -> list[float]:
+    """Non-homogeneous Poisson arrivals by thinning against the peak rate."""
+    peak = rate if kind == "poisson" else rate_max
+    out, t = [], 0.0
+    while True:
+        t += rng.expovariate(peak)
+        if t >= duration:
+            return out
+        if rng.random() <= rate_at(t, kind, rate, rate_min, rate_max, period) / peak:
+            out.append(t)
+
+
+def sample_length(mean: float, rng: random.Random, cap: int, sigma: float = 0.8) -> int:
+    mu = math.log(mean) - sigma * sigma / 2  # lognormal with the given mean
+    return max(1, min(cap, int(rng.lognormvariate(mu, sigma))))
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
+
+
+@dataclass
+class Result:
+    ok: bool
+    ttft_ms: float = 0
+    tbt_ms: float = 0        # mean time between tokens of this request
+    reason: str = ""
+
+
+@dataclass
+class Summary:
+    requests: int
+    completed: int
+    failed: int
+    failed_by_reason: dict[str, int]
+    duration_s: float
+    throughput_rps: float
+    goodput_rps: float
+    slo_attainment: float
+    ttft_ms: dict[str, float | None] = field(default_factory=dict)
+    tbt_ms: dict[str, float | None] = field(default_factory=dict)
+
+
+def summarize(results: list[Result], duration_s: float, slo_ttft_ms: float, slo_tbt_ms: float) -> Summary:
+    ok = [r for r in results if r.ok]
+    failed: dict[str, int] = {}
+    for r in results:
+        if not r.ok:
+            failed[r.reason] = failed.get(r.reason, 0) + 1
+    good = [r for r in ok if r.ttft_ms <= slo_ttft_ms and r.tbt_ms <= slo_tbt_ms]
+    pct = lambda vals: {f"p{q}": percentile(vals, q) for q in (50, 90, 99)}  # noqa: E731
+    return Summary(
+        requests=len(results), completed=len(ok), failed=len(results) - len(ok), failed_by_reason=failed,
+        duration_s=duration_s, throughput_rps=len(ok) / duration_s if duration_s else 0,
+        goodput_rps=len(good) / duration_s if duration_s else 0,
+        slo_attainment=len(good) / len(results) if results else 0,
+        ttft_ms=pct([r.ttft_ms for r in ok]), tbt_ms=pct([r.tbt_ms for r in ok]),
+    )
+
+
+# ---- I/O -----------------------------------------------------------------------------------
+
+class Fleet:
+    """The agents and who is linked to whom, refreshed from /v1/status."""
+
+    def __init__(self, urls: list[str], http: httpx.AsyncClient):
+        self.urls = urls
+        self.http = http
+        self.prefills: list[dict] = []
+        self.decoders: list[dict] = []
+
+    async def refresh(self) -> None:
+        async def one(url):
+            try:
+                st = (await self.http.get(f"{url}/v1/status")).json()
+                st["url"] = url
+                return st
+            except (httpx.HTTPError, ValueError):
+                return None
+        sts = [s for s in await asyncio.gather(*(one(u) for u in self.urls)) if s and s.get("initialized")]
+        self.prefills = [s for s in sts if s["role"] == "prompt" and not s["draining"]]
+        self.decoders = [s for s in sts if s["role"] == "decoder" and not s["draining"]]
+
+    def pick(self, rng: random.Random) -> tuple[dict, dict] | None:
+        pairs = [(p, d) for p in self.prefills for d in self.decoders
+                 if any(l["cluster_id"] == p["cluster_id"] and l["code"] == "LLM_SUCCESS" for l in d["links"])]
+        if not pairs:
+            return None
+        load = lambda s: s["load"]["queue_depth"] + s["load"]["running"]  # noqa: E731
+        best_p = min(load(p) for p, _ in pairs)
+        pairs = [(p, d) for p, d in pairs if load(p) == best_p]
+        return rng.choice(pairs)
+
+
+async def one_request(http: httpx.AsyncClient, fleet: Fleet, rng: random.Random, req_id: int,
+                      prompt: int, output: int) -> Result:
+    pair = fleet.pick(rng)
+    if pair is None:
+        return Result(ok=False, reason="NoLinkedPair")
+    p, d = pair
+    t0 = time.monotonic()
+    try:
+        r = await http.post(f"{p['url']}/v1/prefill", json={"req_id": req_id, "prompt_tokens": prompt})
+        if r.status_code != 200:
+            return Result(ok=False, reason=r.json().get("code", str(r.status_code)))
+        prefill_done = time.monotonic()
+        r = await http.post(f"{d['url']}/v1/decode", json={
+            "req_id": req_id, "prompt_cluster_id": p["cluster_id"], "prompt_tokens": prompt,
+            "output_tokens": output})
+        if r.status_code != 200:
+            return Result(ok=False, reason=r.json().get("code", str(r.status_code)))
+        body = r.json()
+    except httpx.HTTPError as e:
+        return Result(ok=False, reason=type(e).__name__)
+    ttft = (prefill_done - t0) * 1000 + body["first_token_ms"]
+    return Result(ok=True, ttft_ms=ttft, tbt_ms=body["tbt_ms_mean"])
+
+
+async def run(args: argparse.Namespace) -> Summary:
+    rng = random.Random(args.seed)
+    headers = {"Authorization": f"Bearer {args.token}"} if args.token else {}
+    async with httpx.AsyncClient(trust_env=False, headers=headers,
+                                 timeout=httpx.Timeout(120, connect=5),
+                                 limits=httpx.Limits(max_connections=1000)) as http:
+        fleet = Fleet(args.agent, http)
+        await fleet.refresh()
+        times = arrival_times(args.arrival, args.duration, rng, args.rate, args.rate_min, args.rate_max,
+                              args.period)
+        p_mean, o_mean = WORKLOADS[args.workload]
+        base_id = rng.getrandbits(40) << 20
+        start = time.monotonic()
+        tasks = []
+
+        async def refresher():
+            while True:
+                await asyncio.sleep(1)
+                await fleet.refresh()
+        ref = asyncio.create_task(refresher())
+        for i, t in enumerate(times):
+            delay = start + t - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one_request(
+                http, fleet, rng, base_id + i, sample_length(p_mean, rng, args.max_prompt),
+                sample_length(o_mean, rng, args.max_output))))
+        results = await asyncio.gather(*tasks)
+        ref.cancel()
+        return summarize(list(results), time.monotonic() - start, args.slo_ttft_ms, args.slo_tbt_ms)
+
+
+def discover(kubeconfig: str | None, namespace: str, deployment: str) -> list[str]:
+    from kubernetes import client, config
+    config.load_kube_config(config_file=kubeconfig)
+    pods = client.CoreV1Api().list_namespaced_pod(
+        namespace, label_selector=f"pdoperator.io/deployment={deployment}").items
+    return [f"http://{p.status.pod_ip}:8080" for p in pods if p.status.pod_ip]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="pd_agent.loadgen", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--agent", action="append", default=[], help="agent URL (repeat), e.g. http://10.0.0.7:8080")
+    ap.add_argument("--kubeconfig", default=None)
+    ap.add_argument("--namespace", default="default")
+    ap.add_argument("--deployment", default=None, help="discover agents of this PDDeployment")
+    ap.add_argument("--token", default=os.environ.get("PD_AGENT_TOKEN"))
+    ap.add_argument("--arrival", choices=["poisson", "sine"], default="poisson")
+    ap.add_argument("--rate", type=float, default=5, help="req/s for poisson")
+    ap.add_argument("--rate-min", type=float, default=5)
+    ap.add_argument("--rate-max", type=float, default=20)
+    ap.add_argument("--period", type=float, default=150)
+    ap.add_argument("--duration", type=float, default=30)
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="chat")
+    ap.add_argument("--max-prompt", type=int, default=2048)
+    ap.add_argument("--max-output", type=int, default=256)
+    ap.add_argument("--slo-ttft-ms", type=float, default=1500)
+    ap.add_argument("--slo-tbt-ms", type=float, default=80)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    if args.deployment:
+        args.agent += discover(args.kubeconfig, args.namespace, args.deployment)
+    if not args.agent:
+        ap.error("give --agent URLs or --deployment")
+    s = asyncio.run(run(args))
+    if args.json:
+        print(json.dumps(asdict(s), indent=2))
+    else:
+        fmt = lambda d: " ".join(f"{k}={v:.1f}" if v is not None else f"{k}=-" for k, v in d.items())  # noqa: E731
+        print(f"requests {s.requests}  completed {s.completed}  failed {s.failed} {s.failed_by_reason or ''}")
+        print(f"throughput {s.throughput_rps:.2f} req/s  goodput {s.goodput_rps:.2f} req/s  "
+              f"SLO attainment {s.slo_attainment:.1%}")
+        print(f"TTFT ms {fmt(s.ttft_ms)}")
+        print(f"TBT  ms {fmt(s.tbt_ms)}")
+    return 0 if s.completed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""Timing model and load-generator arithmetic."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pd_agent.loadgen import Result, arrival_times, percentile, rate_at, sample_length, summarize
+from pd_agent.timing import TimingModel
+
+
+def test_prefill_model_matches_the_fit():
+    t = TimingModel()
+    assert t.prefill_ms([512]) == pytest.approx(0.0948 * 512 + 4.03e-6 * 512 ** 2 + 18.9)
+    assert 67 < t.prefill_ms([512]) < 70  # "512 tokens about 68 ms"
+    assert t.prefill_ms([256, 256]) < t.prefill_ms([512])  # quadratic term
+    assert t.prefill_ms([]) == 0
+
+
+def test_decode_model_matches_the_fit():
+    t = TimingModel()
+    assert t.decode_step_ms([512] * 8) == pytest.approx(6.1e-4 * 4096 + 0.068 * 8 + 19.9)
+    assert 22 < t.decode_step_ms([512] * 8) < 23.5
+    assert t.decode_step_ms([512] * 16) > t.decode_step_ms([512] * 8)
+
+
+def test_kv_transfer_and_scale():
+    t = TimingModel()
+    assert t.kv_transfer_ms(25 * 10 ** 9) == pytest.approx(1000.5)
+    fast = TimingModel.from_env({"PD_SIM_TIME_SCALE": "0.1", "PD_SIM_PREFILL_C": "10"})
+    assert fast.prefill_c == 10 and fast.prefill_ms([100]) == pytest.approx(
+        (0.0948 * 100 + 4.03e-6 * 100 ** 2 + 10) * 0.1)
+
+
+def test_arrivals():
+    rng = random.Random(3)
+    poisson = arrival_times("poisson", 200, rng, rate=10)
+    assert 1800 < len(poisson) < 2200 and poisson == sorted(poisson)
+    sine = arrival_times("sine", 150, random.Random(3), rate_min=5, rate_max=20, period=150)
+    first_half = sum(1 for t in sine if t < 75)
+    second_half = len(sine) - first_half
+    assert first_half > second_half * 1.5  # sin is positive over the first half-period
+    assert rate_at(37.5, "sine", 0, 5, 20, 150) == pytest.approx(20)
+
+
+def test_lengths_follow_means():
+    rng = random.Random(1)
+    xs = [sample_length(1155, rng, 100000) for _ in range(20000)]
+    assert 1050 < sum(xs) / len(xs) < 1260
+    assert max(sample_length(1155, rng, 2048) for _ in range(1000)) <= 2048
+
+
+def test_summary_goodput():
+    rs = [Result(True, 100, 20), Result(True, 2000, 20), Result(True, 100, 200), Result(False, reason="X")]
+    s = summarize(rs, 2.0, slo_ttft_ms=1500, slo_tbt_ms=80)
+    assert s.completed == 3 and s.failed == 1 and s.failed_by_reason == {"X": 1}
+    assert s.goodput_rps == 0.5 and s.slo_attainment == 0.25
+    assert percentile([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 90) == 9
