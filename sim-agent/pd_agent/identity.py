@@ -32,6 +32,7 @@ class Identity:
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "Identity":
+        env_is_process = env is None
         env = dict(os.environ if env is None else env)
 
         def need(name: str) -> str:
@@ -43,6 +44,16 @@ class Identity:
         role = env.get("LLM_DATADIST_ROLE", "prompt").lower()
         if role not in ("prompt", "decoder"):
             raise ConfigError(f"LLM_DATADIST_ROLE must be prompt or decoder, got {role!r}")
+        if not env.get("LLM_DATADIST_CLUSTER_ID") and env.get("LLM_DATADIST_CLUSTER_ID_BASE"):
+            # The operator injects base + pod index (the downward API cannot add); export the
+            # sum so an inference server in this process sees LLM_DATADIST_CLUSTER_ID too.
+            try:
+                total = int(env["LLM_DATADIST_CLUSTER_ID_BASE"]) + int(need("LLM_DATADIST_POD_INDEX"))
+            except ValueError as e:
+                raise ConfigError(f"LLM_DATADIST_CLUSTER_ID_BASE/LLM_DATADIST_POD_INDEX must be integers: {e}") from e
+            env["LLM_DATADIST_CLUSTER_ID"] = str(total)
+            if env_is_process:
+                os.environ["LLM_DATADIST_CLUSTER_ID"] = str(total)
         try:
             cluster_id = int(need("LLM_DATADIST_CLUSTER_ID"))
             port = int(env.get("LLM_DATADIST_PORT", "26000"))

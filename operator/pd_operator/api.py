@@ -1,0 +1,252 @@
+"""The PDDeployment API (pdoperator.io/v1alpha1): pydantic models are the single source of
+truth; crds/pddeployment.yaml is generated from them (``python -m pd_operator.crdgen``).
+
+Cross-field rules are CEL ``x-kubernetes-validations`` so the API server rejects bad specs
+at admission, each with a message naming the field."""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+GROUP = "pdoperator.io"
+VERSION = "v1alpha1"
+KIND = "PDDeployment"
+PLURAL = "pddeployments"
+SINGULAR = "pddeployment"
+SHORT_NAMES = ["pdd"]
+CATEGORIES = ["all"]
+
+Quantity = int | str
+DType = Literal["float16", "bfloat16", "float32", "int8"]
+
+
+def rules(*pairs: tuple[str, str] | tuple[str, str, str]) -> dict:
+    out = []
+    for p in pairs:
+        r = {"rule": p[0], "message": p[1]}
+        if len(p) == 3:
+            r["fieldPath"] = p[2]
+        out.append(r)
+    return {"x-kubernetes-validations": out}
+
+
+class Model(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+class Paged(Model):
+    """Blocks (paged-attention) cache: allocate_blocks_cache + pull_blocks."""
+    block_size: int = Field(ge=1, le=65536, description="tokens per block")
+    num_blocks: int = Field(ge=1, le=1 << 24, description="blocks in the cache")
+
+
+class KvCache(Model):
+    """The model profile the CacheDesc is derived from; never typed by hand."""
+    model_config = ConfigDict(json_schema_extra=rules(
+        ("self.attention != 'GQA' || self.numKvHeads % self.tensorParallel == 0 || "
+         "self.tensorParallel % self.numKvHeads == 0",
+         "spec.model.kvCache.tensorParallel must divide spec.model.kvCache.numKvHeads, or be a "
+         "multiple of it (GQA heads are split across tensor-parallel ranks)", ".tensorParallel"),
+        ("self.attention != 'MLA' || has(self.latentDim)",
+         "spec.model.kvCache.latentDim is required when attention is MLA", ".latentDim"),
+    ))
+    attention: Literal["GQA", "MLA"] = Field(default="GQA", description="GQA: K and V per layer; MLA: one latent per layer")
+    num_layers: int = Field(ge=1, le=1024)
+    num_kv_heads: int = Field(default=8, ge=1, le=1024)
+    head_dim: int = Field(default=128, ge=1, le=4096)
+    latent_dim: int | None = Field(default=None, ge=1, le=65536, description="MLA latent width (DeepSeek-V3: 576)")
+    dtype: DType = "float16"
+    tensor_parallel: int = Field(default=1, ge=1, le=64)
+    max_batch: int = Field(default=1, ge=1, le=4096, description="CacheDesc shape[0]")
+    max_seq_len: int = Field(default=2048, ge=1, le=1 << 20, description="CacheDesc shape[1]")
+    paged: Paged | None = None
+
+
+class ModelSpec(Model):
+    name: str = Field(min_length=1, max_length=253, description="served model id")
+    model_id: int = Field(default=0, ge=0, le=(1 << 53) - 1, description="llm_datadist model_id in every CacheKey")
+    kv_cache: KvCache
+
+
+class Datadist(Model):
+    port: int = Field(default=26000, ge=1, le=65535, description="datadist listen port (llm.listenIpInfo)")
+    link_timeout_ms: int = Field(default=5000, ge=1, le=600000, description="link_clusters timeout; > 200 ms advised")
+    sync_kv_timeout_ms: int = Field(default=1000, ge=1, le=600000, description="llm.SyncKvCacheWaitTime")
+    topology: Literal["FullMesh"] = "FullMesh"
+    verify_interval_seconds: int = Field(default=60, ge=5, le=86400,
+                                         description="how often a P-D pair's KV path is re-verified")
+
+
+class Resources(Model):
+    limits: dict[str, Quantity] | None = None
+    requests: dict[str, Quantity] | None = None
+
+
+class Group(Model):
+    replicas: int = Field(default=1, ge=0, le=512)
+    resources: Resources | None = None
+    node_selector: dict[str, str] | None = None
+    tolerations: list[dict[str, Any]] | None = None
+    cluster_id_base: int | None = Field(default=None, ge=0, le=(1 << 53) - 1,
+                                        description="cluster_id of pod 0 (default prefill 0, decoder 1000)")
+
+
+class Targets(Model):
+    ttft_p90_ms: int = Field(ge=1, le=600000)
+    tbt_p90_ms: int = Field(ge=1, le=60000)
+
+
+class ScheduleEntry(Model):
+    cron: str = Field(pattern=r"^\s*\S+(\s+\S+){4}\s*$", description="five-field cron expression")
+    prefill: int = Field(ge=0, le=1024)
+
+
+class Manual(Model):
+    prefill: int = Field(ge=0, le=1024)
+
+
+class Rebalance(Model):
+    model_config = ConfigDict(json_schema_extra=rules(
+        ("self.policy != 'Manual' || has(self.manual)",
+         "spec.rebalance.manual is required when spec.rebalance.policy is Manual", ".manual"),
+        ("!has(self.manual) || self.manual.prefill >= self.minPrefill",
+         "spec.rebalance.manual.prefill must be >= spec.rebalance.minPrefill", ".manual"),
+        ("self.policy != 'Schedule' || (has(self.schedule) && size(self.schedule) > 0)",
+         "spec.rebalance.schedule needs at least one entry when spec.rebalance.policy is Schedule", ".schedule"),
+        ("!has(self.schedule) || self.schedule.all(e, e.prefill >= self.minPrefill)",
+         "every spec.rebalance.schedule[].prefill must be >= spec.rebalance.minPrefill", ".schedule"),
+        ("self.policy != 'SLO' || has(self.targets)",
+         "spec.rebalance.targets (ttftP90Ms, tbtP90Ms) are required when spec.rebalance.policy is SLO",
+         ".targets"),
+    ))
+    policy: Literal["Manual", "Schedule", "Load", "SLO"]
+    min_prefill: int = Field(default=1, ge=0, le=1024)
+    min_decoder: int = Field(default=1, ge=0, le=1024)
+    cooldown_seconds: int = Field(default=60, ge=0, le=86400)
+    drain_timeout_seconds: int = Field(default=60, ge=0, le=3600)
+    targets: Targets | None = None
+    schedule: list[ScheduleEntry] | None = Field(default=None, max_length=64)
+    manual: Manual | None = None
+
+
+class Ascend(Model):
+    """Host paths the real llm_datadist needs in a container (backend llm-datadist)."""
+    hccn_conf: str = "/etc/hccn.conf"
+    driver_path: str = "/usr/local/Ascend/driver"
+    extra_host_paths: list[str] = Field(default_factory=lambda: ["/usr/local/dcmi", "/usr/local/bin/npu-smi"])
+
+
+class PDDeploymentSpec(Model):
+    model_config = ConfigDict(json_schema_extra=rules(
+        ("!has(self.rebalance) || self.rebalance.minPrefill + self.rebalance.minDecoder <= "
+         "self.prefill.replicas + self.decoder.replicas",
+         "spec.rebalance.minPrefill + spec.rebalance.minDecoder must not exceed "
+         "spec.prefill.replicas + spec.decoder.replicas", ".rebalance"),
+        ("!has(self.rebalance) || !has(self.rebalance.manual) || self.rebalance.manual.prefill <= "
+         "self.prefill.replicas + self.decoder.replicas - self.rebalance.minDecoder",
+         "spec.rebalance.manual.prefill must leave spec.rebalance.minDecoder decoders "
+         "(at most prefill.replicas + decoder.replicas - minDecoder)", ".rebalance"),
+        ("!has(self.rebalance) || !has(self.rebalance.schedule) || self.rebalance.schedule.all(e, "
+         "e.prefill <= self.prefill.replicas + self.decoder.replicas - self.rebalance.minDecoder)",
+         "every spec.rebalance.schedule[].prefill must leave spec.rebalance.minDecoder decoders", ".rebalance"),
+        ("!has(self.prefill.clusterIdBase) || !has(self.decoder.clusterIdBase) || "
+         "self.prefill.clusterIdBase + self.prefill.replicas <= self.decoder.clusterIdBase || "
+         "self.decoder.clusterIdBase + self.decoder.replicas <= self.prefill.clusterIdBase",
+         "spec.prefill.clusterIdBase and spec.decoder.clusterIdBase ranges overlap: cluster_ids must be unique",
+         ".decoder"),
+    ))
+    backend: Literal["sim", "llm-datadist"] = "sim"
+    image: str = Field(min_length=1, max_length=1024, pattern=r"^\S+$")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    model: ModelSpec
+    datadist: Datadist = Field(default_factory=Datadist)
+    prefill: Group = Field(default_factory=Group)
+    decoder: Group = Field(default_factory=Group)
+    rebalance: Rebalance | None = None
+    ascend: Ascend | None = None
+
+
+# ---- status ---------------------------------------------------------------------------------
+
+class Condition(Model):
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str
+    message: str = ""
+    last_transition_time: str | None = None
+    observed_generation: int | None = None
+
+
+class LinkCounts(Model):
+    expected: int = 0
+    up: int = 0
+
+
+class PeerLink(Model):
+    peer: str
+    cluster_id: int
+    code: str
+
+
+class Member(Model):
+    pod: str
+    group: Literal["prefill", "decoder"]
+    role: str
+    cluster_id: int
+    ip: str | None = None
+    port: int
+    ready: bool = False
+    boot_id: str | None = None
+    links: list[PeerLink] | None = None
+
+
+class CacheDescStatus(Model):
+    num_tensors: int
+    shape: list[int]
+    data_type: str
+    blocks_shape: list[int] | None = None
+    bytes_per_token: int
+    cache_bytes: int
+    sim_memory_scale: int | None = None
+
+
+class LastSwitch(Model):
+    pod: str
+    from_: str = Field(alias="from")
+    to: str
+    reason: str = ""
+    duration_ms: int | None = None
+
+
+class PDDeploymentStatus(Model):
+    phase: Literal["Pending", "Linking", "Ready", "Switching", "Degraded"] | None = None
+    prefill: int | None = None
+    decoder: int | None = None
+    links: LinkCounts | None = None
+    links_summary: str | None = Field(default=None, description="links up/expected, for kubectl get")
+    members: list[Member] | None = None
+    conditions: list[Condition] | None = None
+    cache_desc: CacheDescStatus | None = None
+    last_switch: LastSwitch | None = None
+    last_verified: dict[str, Any] | None = None
+    observed_generation: int | None = None
+
+
+PRINTER_COLUMNS = [
+    {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+    {"name": "Prefill", "type": "integer", "jsonPath": ".status.prefill"},
+    {"name": "Decoder", "type": "integer", "jsonPath": ".status.decoder"},
+    {"name": "Links", "type": "string", "jsonPath": ".status.linksSummary", "description": "up/expected"},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]
+
+ROOT_RULES = rules(
+    ("size(self.metadata.name) <= 40",
+     "metadata.name must be at most 40 characters (pod names and labels derive from it)"),
+)
+
+
+def parse_spec(spec: dict) -> PDDeploymentSpec:
+    return PDDeploymentSpec.model_validate(spec)

@@ -1,0 +1,215 @@
+"""Pure builders: a validated PDDeployment -> the objects it owns (no I/O).
+
+Per group a StatefulSet and a headless Service; role Services selecting on the mutable
+``pdoperator.io/role`` label; a ConfigMap with the derived CacheDesc and model settings.
+StatefulSet selectors use only the immutable labels."""
+from __future__ import annotations
+
+import hashlib
+import json
+
+from .api import GROUP, KIND, VERSION, PDDeploymentSpec
+from .cachedesc import DerivedCache, derive
+
+FIELD_MANAGER = "pd-operator"
+LABEL_DEPLOYMENT = "pdoperator.io/deployment"
+LABEL_GROUP = "pdoperator.io/group"
+LABEL_ROLE = "pdoperator.io/role"
+POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
+AGENT_PORT = 8080
+GROUPS = ("prefill", "decoder")
+ENGINE_ROLE = {"prefill": "prompt", "decoder": "decoder"}  # LLM_DATADIST_ROLE per home group
+DEFAULT_BASE = {"prefill": 0, "decoder": 1000}
+
+
+def sts_name(name: str, group: str) -> str:
+    return f"{name}-{group}"
+
+
+def role_service_name(name: str, role: str) -> str:
+    return f"{name}-{role}-role"
+
+
+def config_map_name(name: str) -> str:
+    return f"{name}-config"
+
+
+def token_secret_name(name: str) -> str:
+    return f"{name}-agent-token"
+
+
+def cluster_id_base(spec: PDDeploymentSpec, group: str) -> int:
+    g = spec.prefill if group == "prefill" else spec.decoder
+    return g.cluster_id_base if g.cluster_id_base is not None else DEFAULT_BASE[group]
+
+
+def cluster_id(spec: PDDeploymentSpec, group: str, index: int) -> int:
+    """Stable per pod and independent of its current role: group base + pod index."""
+    return cluster_id_base(spec, group) + index
+
+
+def common_labels(name: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "pd-engine", "app.kubernetes.io/instance": name,
+            "app.kubernetes.io/managed-by": "pd-operator", LABEL_DEPLOYMENT: name}
+
+
+def selector_labels(name: str, group: str) -> dict[str, str]:
+    return {LABEL_DEPLOYMENT: name, LABEL_GROUP: group}
+
+
+def owner_reference(name: str, uid: str) -> dict:
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": name, "uid": uid,
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def _meta(name: str, namespace: str, owner: dict, labels: dict | None = None) -> dict:
+    return {"name": name, "namespace": namespace, "labels": labels or {}, "ownerReferences": [owner]}
+
+
+def config_data(spec: PDDeploymentSpec, derived: DerivedCache) -> dict[str, str]:
+    return {
+        "cacheDesc": json.dumps(derived.agent_json(), sort_keys=True),
+        "model": json.dumps(spec.model.model_dump(by_alias=True, exclude_none=True), sort_keys=True),
+        "bytesPerToken": str(derived.bytes_per_token),
+        "cacheBytes": str(derived.cache_bytes),
+    }
+
+
+def config_map(name: str, namespace: str, spec: PDDeploymentSpec, owner: dict) -> dict:
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": _meta(config_map_name(name), namespace, owner, common_labels(name)),
+            "data": config_data(spec, derive(spec.model.kv_cache))}
+
+
+def config_hash(spec: PDDeploymentSpec) -> str:
+    data = config_data(spec, derive(spec.model.kv_cache))
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _env(name: str, spec: PDDeploymentSpec, group: str) -> list[dict]:
+    field = lambda path: {"valueFrom": {"fieldRef": {"fieldPath": path}}}  # noqa: E731
+    env = [
+        {"name": "POD_NAME", **field("metadata.name")},
+        {"name": "POD_NAMESPACE", **field("metadata.namespace")},
+        {"name": "LLM_DATADIST_ROLE", "value": ENGINE_ROLE[group]},
+        # cluster_id = base + pod index; the agent computes LLM_DATADIST_CLUSTER_ID from these
+        # two (the downward API cannot add) and exports it to the engine's process.
+        {"name": "LLM_DATADIST_CLUSTER_ID_BASE", "value": str(cluster_id_base(spec, group))},
+        {"name": "LLM_DATADIST_POD_INDEX", **field(f"metadata.labels['{POD_INDEX_LABEL}']")},
+        {"name": "LLM_DATADIST_IP", **field("status.podIP")},
+        {"name": "LLM_DATADIST_PORT", "value": str(spec.datadist.port)},
+        {"name": "LLM_DATADIST_MODEL_ID", "value": str(spec.model.model_id)},
+        {"name": "LLM_DATADIST_CACHE_DESC", "valueFrom": {"configMapKeyRef": {
+            "name": config_map_name(name), "key": "cacheDesc"}}},
+        {"name": "LLM_DATADIST_LINK_TIMEOUT_MS", "value": str(spec.datadist.link_timeout_ms)},
+        {"name": "LLM_DATADIST_SYNC_KV_TIMEOUT_MS", "value": str(spec.datadist.sync_kv_timeout_ms)},
+        {"name": "PD_MODEL_NAME", "value": spec.model.name},
+        {"name": "PD_BACKEND", "value": spec.backend},
+        {"name": "PD_AGENT_PORT", "value": str(AGENT_PORT)},
+        {"name": "PD_AGENT_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": token_secret_name(name), "key": "token"}}},
+    ]
+    if spec.backend == "sim":
+        scale = derive(spec.model.kv_cache).sim_memory_scale()
+        env.append({"name": "PD_SIM_MEMORY_SCALE", "value": str(scale)})
+    return env
+
+
+def _ascend_volumes(spec: PDDeploymentSpec) -> tuple[list[dict], list[dict]]:
+    """Host paths the real library needs: /etc/hccn.conf (device IPs) and the driver."""
+    if spec.backend != "llm-datadist":
+        return [], []
+    from .api import Ascend
+    a = spec.ascend or Ascend()
+    paths = [(a.hccn_conf, "File"), (a.driver_path, "Directory")] + [(p, "") for p in a.extra_host_paths]
+    volumes, mounts = [], []
+    for i, (path, typ) in enumerate(paths):
+        vol = {"name": f"ascend-{i}", "hostPath": {"path": path, **({"type": typ} if typ else {})}}
+        volumes.append(vol)
+        mounts.append({"name": f"ascend-{i}", "mountPath": path, "readOnly": True})
+    return volumes, mounts
+
+
+def statefulset(name: str, namespace: str, spec: PDDeploymentSpec, group: str, owner: dict) -> dict:
+    g = spec.prefill if group == "prefill" else spec.decoder
+    labels = {**common_labels(name), **selector_labels(name, group)}
+    pod_labels = {**labels, LABEL_ROLE: group}
+    volumes, mounts = _ascend_volumes(spec)
+    container = {
+        "name": "agent",
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "env": _env(name, spec, group),
+        "ports": [{"name": "http", "containerPort": AGENT_PORT, "protocol": "TCP"},
+                  {"name": "datadist", "containerPort": spec.datadist.port, "protocol": "TCP"}],
+        "readinessProbe": {"httpGet": {"path": "/healthz", "port": "http"},
+                           "periodSeconds": 2, "failureThreshold": 3, "timeoutSeconds": 2},
+    }
+    if g.resources:
+        container["resources"] = g.resources.model_dump(exclude_none=True)
+    if mounts:
+        container["volumeMounts"] = mounts
+    pod_spec: dict = {"containers": [container], "terminationGracePeriodSeconds": 30,
+                      "enableServiceLinks": False}
+    if volumes:
+        pod_spec["volumes"] = volumes
+    if g.node_selector:
+        pod_spec["nodeSelector"] = g.node_selector
+    if g.tolerations:
+        pod_spec["tolerations"] = g.tolerations
+    return {
+        "apiVersion": "apps/v1", "kind": "StatefulSet",
+        "metadata": _meta(sts_name(name, group), namespace, owner, labels),
+        "spec": {
+            "replicas": g.replicas,
+            "serviceName": sts_name(name, group),
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": selector_labels(name, group)},
+            "template": {
+                "metadata": {"labels": pod_labels,
+                             "annotations": {"pdoperator.io/config-hash": config_hash(spec)}},
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def headless_service(name: str, namespace: str, spec: PDDeploymentSpec, group: str, owner: dict) -> dict:
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": _meta(sts_name(name, group), namespace, owner,
+                          {**common_labels(name), **selector_labels(name, group)}),
+        "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
+                 "selector": selector_labels(name, group),
+                 "ports": [{"name": "http", "port": AGENT_PORT, "targetPort": "http"},
+                           {"name": "datadist", "port": spec.datadist.port, "targetPort": "datadist"}]},
+    }
+
+
+def role_service(name: str, namespace: str, role: str, owner: dict) -> dict:
+    """Routes by *current* role, so traffic follows a live switch with no restart."""
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": _meta(role_service_name(name, role), namespace, owner, common_labels(name)),
+        "spec": {"selector": {LABEL_DEPLOYMENT: name, LABEL_ROLE: role},
+                 "ports": [{"name": "http", "port": AGENT_PORT, "targetPort": "http"}]},
+    }
+
+
+def token_secret(name: str, namespace: str, token: str, owner: dict) -> dict:
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": _meta(token_secret_name(name), namespace, owner, common_labels(name)),
+            "stringData": {"token": token}}
+
+
+def desired_children(name: str, namespace: str, uid: str, spec: PDDeploymentSpec) -> list[dict]:
+    """Everything the operator applies for one PDDeployment, in apply order."""
+    owner = owner_reference(name, uid)
+    out = [config_map(name, namespace, spec, owner)]
+    for group in GROUPS:
+        out.append(headless_service(name, namespace, spec, group, owner))
+    for role in GROUPS:
+        out.append(role_service(name, namespace, role, owner))
+    for group in GROUPS:
+        out.append(statefulset(name, namespace, spec, group, owner))
+    return out

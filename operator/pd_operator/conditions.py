@@ -1,0 +1,36 @@
+"""Condition helpers in the Cluster API style: set (keeping lastTransitionTime when the
+status does not change), get, and summarise."""
+from __future__ import annotations
+
+import datetime as dt
+
+
+def now() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def get(conditions: list[dict] | None, ctype: str) -> dict | None:
+    return next((c for c in conditions or [] if c.get("type") == ctype), None)
+
+
+def is_true(conditions: list[dict] | None, ctype: str) -> bool:
+    c = get(conditions, ctype)
+    return bool(c) and c.get("status") == "True"
+
+
+def set_condition(conditions: list[dict] | None, ctype: str, status: bool | str, reason: str,
+                  message: str, generation: int | None, at: str | None = None) -> list[dict]:
+    """Return a new list with `ctype` set. lastTransitionTime moves only when status flips."""
+    s = status if isinstance(status, str) else ("True" if status else "False")
+    prev = get(conditions, ctype)
+    ltt = prev["lastTransitionTime"] if prev and prev.get("status") == s and prev.get("lastTransitionTime") \
+        else (at or now())
+    new = {"type": ctype, "status": s, "reason": reason, "message": message[:2000],
+           "lastTransitionTime": ltt, "observedGeneration": generation}
+    out = [c for c in conditions or [] if c.get("type") != ctype]
+    out.append(new)
+    order = {t: i for i, t in enumerate(ORDER)}
+    return sorted(out, key=lambda c: order.get(c["type"], len(order)))
+
+
+ORDER = ("Ready", "PodsReady", "AgentsReady", "LinksReady", "KVPathVerified", "ProxyEnvironment", "Rebalancing")
