@@ -40,8 +40,11 @@ test-unit: venv ## unit tests only
 test-integration: venv k8s-bins ## integration tests only
 	$(PY) -m pytest tests/integration -v
 
-demo: cluster-up ## the main job on the local cluster
-	@$(PY) -m pd_localcluster demo --bin-dir "$(BIN_DIR)"
+crd: venv ## regenerate the CRD (crds/ and the chart's copy) from the pydantic models
+	$(PY) -m pd_operator.crdgen --out crds/pddeployment.yaml --out charts/pd-operator/crds/pddeployment.yaml
+
+demo: cluster-up ## the main job: operator (Helm chart) + examples/sim-small.yaml on the local cluster
+	@BIN_DIR="$(BIN_DIR)" PY="$(PY)" hack/demo.sh
 
 bench-sim: venv ## KV pull throughput over loopback and agent API latency
 	$(PY) bench/bench_sim.py

@@ -84,13 +84,23 @@ class Resources(Model):
     requests: dict[str, Quantity] | None = None
 
 
+class EnvVar(Model):
+    name: str = Field(min_length=1, max_length=256, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+    value: str = Field(default="", max_length=32768)
+
+
 class Group(Model):
+    model_config = ConfigDict(json_schema_extra=rules(
+        ("!has(self.env) || self.env.all(e, !e.name.startsWith('LLM_DATADIST_') && !e.name.startsWith('PD_'))",
+         "env names starting with LLM_DATADIST_ or PD_ are set by the operator and cannot be overridden", ".env"),
+    ))
     replicas: int = Field(default=1, ge=0, le=512)
     resources: Resources | None = None
     node_selector: dict[str, str] | None = None
     tolerations: list[dict[str, Any]] | None = None
     cluster_id_base: int | None = Field(default=None, ge=0, le=(1 << 53) - 1,
                                         description="cluster_id of pod 0 (default prefill 0, decoder 1000)")
+    env: list[EnvVar] | None = Field(default=None, max_length=128, description="extra environment for the engine")
 
 
 class Targets(Model):
@@ -161,9 +171,9 @@ class PDDeploymentSpec(Model):
     image: str = Field(min_length=1, max_length=1024, pattern=r"^\S+$")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     model: ModelSpec
-    datadist: Datadist = Field(default_factory=Datadist)
-    prefill: Group = Field(default_factory=Group)
-    decoder: Group = Field(default_factory=Group)
+    datadist: Datadist = Field(default_factory=Datadist, json_schema_extra={"default": {}})
+    prefill: Group = Field(default_factory=Group, json_schema_extra={"default": {}})
+    decoder: Group = Field(default_factory=Group, json_schema_extra={"default": {}})
     rebalance: Rebalance | None = None
     ascend: Ascend | None = None
 

@@ -112,6 +112,8 @@ def _env(name: str, spec: PDDeploymentSpec, group: str) -> list[dict]:
     if spec.backend == "sim":
         scale = derive(spec.model.kv_cache).sim_memory_scale()
         env.append({"name": "PD_SIM_MEMORY_SCALE", "value": str(scale)})
+    g = spec.prefill if group == "prefill" else spec.decoder
+    env += [{"name": e.name, "value": e.value} for e in g.env or []]
     return env
 
 

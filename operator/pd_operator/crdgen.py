@@ -103,7 +103,7 @@ def render() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pd_operator.crdgen")
-    ap.add_argument("--out", type=Path, help="write here instead of stdout")
+    ap.add_argument("--out", type=Path, action="append", help="write here (repeatable) instead of stdout")
     ap.add_argument("--check", type=Path, help="exit 1 if this file differs from the generated CRD")
     args = ap.parse_args(argv)
     text = render()
@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         return 0
     if args.out:
-        args.out.write_text(text)
+        for path in args.out:
+            path.write_text(text)
     else:
         sys.stdout.write(text)
     return 0

@@ -1,0 +1,129 @@
+"""Operator fixtures: the CRD installed once per session, and the operator as a real
+process (``python -m pd_operator``) watching the test's namespace."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import REPO, Cluster, wait_for
+
+
+@pytest.fixture(scope="session")
+def crd(cluster: Cluster) -> None:
+    cluster.kubectl("apply", "-f", str(REPO / "crds" / "pddeployment.yaml"))
+    cluster.kubectl("wait", "--for=condition=Established", "crd/pddeployments.pdoperator.io", "--timeout=30s")
+
+
+class OperatorProc:
+    def __init__(self, cluster: Cluster, namespace: str, log_dir: Path):
+        self.cluster = cluster
+        self.namespace = namespace
+        self.log_dir = log_dir
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    def start(self) -> None:
+        self.starts += 1
+        log = open(self.log_dir / f"operator-{self.starts}.log", "wb")
+        env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
+        env.update(KUBECONFIG=str(self.cluster.kubeconfig), PD_OPERATOR_NAMESPACES=self.namespace)
+        self.proc = subprocess.Popen([sys.executable, "-m", "pd_operator"], env=env, stdout=log,
+                                     stderr=subprocess.STDOUT)
+
+    def kill(self) -> None:
+        """An abrupt stop (SIGKILL), as a node failure would."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> int | None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode if self.proc else None
+
+    def logs(self) -> str:
+        return "\n".join(p.read_text(errors="replace") for p in sorted(self.log_dir.glob("operator-*.log")))
+
+
+@pytest.fixture
+def operator(cluster: Cluster, crd, namespace: str, tmp_path: Path, request):
+    op = OperatorProc(cluster, namespace, tmp_path)
+    op.start()
+    yield op
+    alive = op.proc.poll() is None
+    op.stop()
+    rep = getattr(request.node, "rep_call", None)
+    if rep is not None and rep.failed:
+        print("---- operator log (tail) ----\n" + op.logs()[-6000:])
+    assert alive or op.starts > 1 or op.proc.returncode in (0, -9), "the operator crashed"
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    setattr(item, "rep_" + rep.when, rep)
+
+
+def sample(name: str = "sim-small", **overrides) -> dict:
+    doc = yaml.safe_load((REPO / "examples" / "sim-small.yaml").read_text())
+    doc["metadata"]["name"] = name
+    for path, value in overrides.items():
+        node = doc["spec"]
+        keys = path.split(".")
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = value
+    return doc
+
+
+def pdd(cluster: Cluster, ns: str, name: str = "sim-small") -> dict:
+    return cluster.get_json("pdd", name, "-n", ns)
+
+
+def condition(obj: dict, ctype: str) -> dict:
+    return next((c for c in obj.get("status", {}).get("conditions", []) if c["type"] == ctype), {})
+
+
+def wait_phase(cluster: Cluster, ns: str, phase: str, name: str = "sim-small", timeout: float = 90,
+               extra=lambda o: True) -> dict:
+    return wait_for(f"{name} phase {phase}", lambda: (
+        o if (o := pdd(cluster, ns, name)).get("status", {}).get("phase") == phase and extra(o) else None),
+        timeout=timeout)
+
+
+def agent_status(cluster: Cluster, ns: str, pod: str, name: str = "sim-small") -> dict:
+    import httpx
+    import base64
+    token = base64.b64decode(cluster.get_json("secret", f"{name}-agent-token", "-n", ns)["data"]["token"]).decode()
+    ip = cluster.get_json("pod", pod, "-n", ns)["status"]["podIP"]
+    return httpx.get(f"http://{ip}:8080/v1/status", headers={"Authorization": f"Bearer {token}"},
+                     trust_env=False, timeout=5).json()
+
+
+def agent_post(cluster: Cluster, ns: str, pod: str, path: str, body: dict, name: str = "sim-small") -> dict:
+    import httpx
+    import base64
+    token = base64.b64decode(cluster.get_json("secret", f"{name}-agent-token", "-n", ns)["data"]["token"]).decode()
+    ip = cluster.get_json("pod", pod, "-n", ns)["status"]["podIP"]
+    r = httpx.post(f"http://{ip}:8080{path}", json=body, headers={"Authorization": f"Bearer {token}"},
+                   trust_env=False, timeout=10)
+    return r.json()
+
+
+def events(cluster: Cluster, ns: str, name: str = "sim-small") -> list[dict]:
+    return cluster.get_json("events", "-n", ns, "--field-selector",
+                            f"involvedObject.kind=PDDeployment,involvedObject.name={name}")["items"]

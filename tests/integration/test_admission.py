@@ -1,0 +1,91 @@
+"""Invalid specs are rejected by the real API server, each with a message naming the field."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from tests.conftest import Cluster
+from tests.integration.conftest import sample
+
+pytestmark = pytest.mark.integration
+
+
+def with_(path: str, value):
+    def mutate(doc):
+        node = doc
+        keys = path.split(".")
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        if value is DELETE:
+            node.pop(keys[-1], None)
+        else:
+            node[keys[-1]] = value
+    return mutate
+
+
+DELETE = object()
+REBAL = {"policy": "Load", "minPrefill": 1, "minDecoder": 1}
+
+CASES = [
+    ("negative replicas", with_("spec.prefill.replicas", -1), "spec.prefill.replicas"),
+    ("port zero", with_("spec.datadist.port", 0), "spec.datadist.port"),
+    ("port too big", with_("spec.datadist.port", 70000), "spec.datadist.port"),
+    ("zero link timeout", with_("spec.datadist.linkTimeoutMs", 0), "spec.datadist.linkTimeoutMs"),
+    ("unknown dtype", with_("spec.model.kvCache.dtype", "float8"), "spec.model.kvCache.dtype"),
+    ("tp does not divide heads", with_("spec.model.kvCache.tensorParallel", 3), "tensorParallel"),
+    ("zero layers", with_("spec.model.kvCache.numLayers", 0), "spec.model.kvCache.numLayers"),
+    ("missing layers", with_("spec.model.kvCache.numLayers", DELETE), "numLayers"),
+    ("MLA without latentDim", with_("spec.model.kvCache.attention", "MLA"), "latentDim"),
+    ("unknown attention", with_("spec.model.kvCache.attention", "MHA2"), "spec.model.kvCache.attention"),
+    ("paged zero block size", with_("spec.model.kvCache.paged", {"blockSize": 0, "numBlocks": 8}),
+     "spec.model.kvCache.paged.blockSize"),
+    ("paged zero blocks", with_("spec.model.kvCache.paged", {"blockSize": 16, "numBlocks": 0}),
+     "spec.model.kvCache.paged.numBlocks"),
+    ("unknown backend", with_("spec.backend", "cuda"), "spec.backend"),
+    ("empty image", with_("spec.image", ""), "spec.image"),
+    ("missing model", with_("spec.model", DELETE), "spec.model"),
+    ("min counts exceed replicas", with_("spec.rebalance", {**REBAL, "minPrefill": 3, "minDecoder": 3}),
+     "spec.rebalance.minPrefill"),
+    ("Manual without manual", with_("spec.rebalance", {"policy": "Manual"}), "spec.rebalance.manual"),
+    ("Manual below minPrefill", with_("spec.rebalance", {"policy": "Manual", "minPrefill": 2, "manual": {"prefill": 1}}),
+     "spec.rebalance.manual.prefill"),
+    ("Manual leaves no decoder", with_("spec.rebalance", {"policy": "Manual", "manual": {"prefill": 4}}),
+     "spec.rebalance.manual.prefill"),
+    ("Schedule without entries", with_("spec.rebalance", {"policy": "Schedule"}), "spec.rebalance.schedule"),
+    ("Schedule bad cron", with_("spec.rebalance", {"policy": "Schedule", "schedule": [{"cron": "daily", "prefill": 2}]}),
+     "spec.rebalance.schedule[0].cron"),
+    ("Schedule leaves no decoder", with_("spec.rebalance", {"policy": "Schedule", "schedule": [{"cron": "0 1 * * *", "prefill": 4}]}),
+     "spec.rebalance.schedule[].prefill"),
+    ("SLO without targets", with_("spec.rebalance", {"policy": "SLO"}), "spec.rebalance.targets"),
+    ("unknown policy", with_("spec.rebalance", {"policy": "Magic"}), "spec.rebalance.policy"),
+    ("SLO zero target", with_("spec.rebalance", {"policy": "SLO", "targets": {"ttftP90Ms": 0, "tbtP90Ms": 50}}),
+     "spec.rebalance.targets.ttftP90Ms"),
+    ("overlapping cluster ids", lambda d: (with_("spec.prefill.clusterIdBase", 0)(d),
+                                           with_("spec.decoder.clusterIdBase", 1)(d)), "clusterIdBase"),
+    ("reserved env", with_("spec.decoder.env", [{"name": "LLM_DATADIST_PORT", "value": "1"}]), "spec.decoder.env"),
+    ("unknown field", with_("spec.datadist.topolgy", "FullMesh"), "topolgy"),
+    ("unknown topology", with_("spec.datadist.topology", "Ring"), "spec.datadist.topology"),
+    ("name too long", with_("metadata.name", "x" * 45), "metadata.name"),
+]
+
+
+@pytest.mark.parametrize("label,mutate,field", CASES, ids=[c[0] for c in CASES])
+def test_invalid_spec_rejected(cluster: Cluster, crd, namespace: str, label, mutate, field) -> None:
+    doc = copy.deepcopy(sample(f"bad-{abs(hash(label)) % 10000}"))
+    mutate(doc)
+    r = cluster.kubectl("create", "-n", namespace, "-f", "-", "--validate=strict",
+                        input=json.dumps(doc), check=False)
+    assert r.returncode != 0, f"{label}: accepted"
+    assert field in r.stderr, f"{label}: message does not name {field}: {r.stderr}"
+
+
+def test_valid_sample_is_accepted_with_defaults(cluster: Cluster, crd, namespace: str) -> None:
+    doc = sample()
+    del doc["spec"]["datadist"]
+    cluster.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(doc))
+    got = cluster.get_json("pdd", "sim-small", "-n", namespace)["spec"]
+    assert got["datadist"] == {"port": 26000, "linkTimeoutMs": 5000, "syncKvTimeoutMs": 1000,
+                               "topology": "FullMesh", "verifyIntervalSeconds": 60}
+    assert got["model"]["kvCache"]["attention"] == "GQA"

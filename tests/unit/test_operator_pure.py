@@ -1,0 +1,264 @@
+"""Builders, CacheDesc derivation, link planning, status and the generated CRD."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pd_operator import builders, conditions, crdgen, links
+from pd_operator.api import KvCache, parse_spec
+from pd_operator.cachedesc import derive
+from pd_operator.status import Observed, build_status, engine_of
+
+REPO = Path(__file__).resolve().parents[2]
+SPEC = yaml.safe_load((REPO / "examples" / "sim-small.yaml").read_text())["spec"]
+
+
+# ---- CacheDesc --------------------------------------------------------------------------
+
+def test_gqa_llama70b():
+    d = derive(KvCache(num_layers=80, num_kv_heads=8, head_dim=128, dtype="bfloat16", tensor_parallel=8,
+                       max_batch=4, max_seq_len=2048))
+    assert d.num_tensors == 160 and d.shape == [4, 2048, 1, 128] and d.data_type == "DT_BF16"
+    assert d.bytes_per_token == 320 * 1024  # Llama-3-70B: 320 KiB per token
+    assert d.cache_bytes == 160 * 4 * 2048 * 1 * 128 * 2
+
+
+def test_gqa_llama8b_bytes_per_token():
+    assert derive(KvCache(num_layers=32, num_kv_heads=8, head_dim=128)).bytes_per_token == 128 * 1024
+
+
+def test_tp_larger_than_kv_heads_keeps_one_head():
+    d = derive(KvCache(num_layers=2, num_kv_heads=4, head_dim=64, tensor_parallel=8))
+    assert d.shape[2] == 1
+
+
+def test_mla_not_split_by_tp():
+    d = derive(KvCache(attention="MLA", num_layers=61, latent_dim=576, tensor_parallel=8, max_batch=2,
+                       max_seq_len=4096, dtype="bfloat16"))
+    assert d.num_tensors == 61 and d.shape == [2, 4096, 1, 576]
+    assert d.bytes_per_token == 61 * 576 * 2
+
+
+def test_mla_needs_latent_dim():
+    with pytest.raises(ValueError):
+        derive(KvCache(attention="MLA", num_layers=2))
+
+
+def test_paged_blocks_shape():
+    d = derive(KvCache(num_layers=2, num_kv_heads=8, head_dim=128, tensor_parallel=2,
+                       paged={"block_size": 128, "num_blocks": 64}))
+    assert d.blocks_shape == [64, 128, 4, 128]
+    assert d.cache_bytes == 4 * 64 * 128 * 4 * 128 * 2
+    assert d.agent_json()["paged"] == {"num_blocks": 64, "block_size": 128}
+
+
+def test_sim_memory_scale():
+    d = derive(KvCache(num_layers=80, num_kv_heads=8, head_dim=128, tensor_parallel=8, max_batch=4))
+    assert d.sim_memory_scale(64 << 20) == -(-d.cache_bytes // (64 << 20))
+    assert derive(KvCache(num_layers=1, num_kv_heads=1, head_dim=8, max_seq_len=8)).sim_memory_scale() == 1
+
+
+# ---- builders ---------------------------------------------------------------------------
+
+def children():
+    return builders.desired_children("llm", "ns", "uid-1", parse_spec(SPEC))
+
+
+def by_kind_name(objs):
+    return {(o["kind"], o["metadata"]["name"]): o for o in objs}
+
+
+def test_children_set_and_owner():
+    objs = by_kind_name(children())
+    assert set(objs) == {("ConfigMap", "llm-config"), ("Service", "llm-prefill"), ("Service", "llm-decoder"),
+                         ("Service", "llm-prefill-role"), ("Service", "llm-decoder-role"),
+                         ("StatefulSet", "llm-prefill"), ("StatefulSet", "llm-decoder")}
+    for o in objs.values():
+        ref = o["metadata"]["ownerReferences"][0]
+        assert ref["uid"] == "uid-1" and ref["controller"] and ref["kind"] == "PDDeployment"
+
+
+def test_statefulset_shape():
+    sts = by_kind_name(children())[("StatefulSet", "llm-decoder")]
+    spec = sts["spec"]
+    assert spec["podManagementPolicy"] == "Parallel" and spec["replicas"] == 2
+    assert spec["selector"]["matchLabels"] == {"pdoperator.io/deployment": "llm", "pdoperator.io/group": "decoder"}
+    assert "pdoperator.io/role" not in spec["selector"]["matchLabels"]
+    tmpl = spec["template"]
+    assert tmpl["metadata"]["labels"]["pdoperator.io/role"] == "decoder"
+    c = tmpl["spec"]["containers"][0]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["LLM_DATADIST_ROLE"]["value"] == "decoder"
+    assert env["LLM_DATADIST_CLUSTER_ID_BASE"]["value"] == "1000"
+    assert env["LLM_DATADIST_POD_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+        "metadata.labels['apps.kubernetes.io/pod-index']"
+    assert env["LLM_DATADIST_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert env["LLM_DATADIST_PORT"]["value"] == "26000"
+    assert env["LLM_DATADIST_CACHE_DESC"]["valueFrom"]["configMapKeyRef"] == {"name": "llm-config", "key": "cacheDesc"}
+    assert env["PD_AGENT_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "llm-agent-token"
+    assert c["resources"] == {"limits": {"huawei.com/Ascend910": 1}}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    prefill = by_kind_name(children())[("StatefulSet", "llm-prefill")]
+    penv = {e["name"]: e for e in prefill["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert penv["LLM_DATADIST_ROLE"]["value"] == "prompt" and penv["LLM_DATADIST_CLUSTER_ID_BASE"]["value"] == "0"
+
+
+def test_role_services_select_on_role():
+    objs = by_kind_name(children())
+    assert objs[("Service", "llm-prefill-role")]["spec"]["selector"] == {
+        "pdoperator.io/deployment": "llm", "pdoperator.io/role": "prefill"}
+    assert objs[("Service", "llm-decoder")]["spec"]["clusterIP"] == "None"
+
+
+def test_config_hash_rolls_on_model_change():
+    a = builders.config_hash(parse_spec(SPEC))
+    changed = {**SPEC, "model": {**SPEC["model"], "kvCache": {**SPEC["model"]["kvCache"], "numLayers": 8}}}
+    assert builders.config_hash(parse_spec(changed)) != a
+
+
+def test_cluster_id_base_override():
+    spec = parse_spec({**SPEC, "decoder": {"replicas": 2, "clusterIdBase": 5000}})
+    assert builders.cluster_id(spec, "decoder", 3) == 5003 and builders.cluster_id(spec, "prefill", 1) == 1
+
+
+def test_llm_datadist_backend_mounts_host_paths():
+    spec = parse_spec({**SPEC, "backend": "llm-datadist"})
+    sts = builders.statefulset("llm", "ns", spec, "prefill", builders.owner_reference("llm", "u"))
+    pod = sts["spec"]["template"]["spec"]
+    paths = [v["hostPath"]["path"] for v in pod["volumes"]]
+    assert "/etc/hccn.conf" in paths and "/usr/local/Ascend/driver" in paths
+    assert all(m["readOnly"] for m in pod["containers"][0]["volumeMounts"])
+    assert not any(e["name"] == "PD_SIM_MEMORY_SCALE" for e in pod["containers"][0]["env"])
+
+
+# ---- links ---------------------------------------------------------------------------------
+
+def eng(pod, role, cid, ip="127.0.0.1", ready=True, ok=True):
+    return links.Engine(pod=pod, group=role, role=role, cluster_id=cid, ip=ip, port=26000, ready=ready,
+                        agent_ok=ok, agent_url=f"http://{ip}:8080")
+
+
+def up(e):
+    return {"name": e.pod, "cluster_id": e.cluster_id, "ip": e.ip, "port": e.port, "code": "LLM_SUCCESS"}
+
+
+def test_plan_full_mesh_from_nothing():
+    es = [eng("p0", "prefill", 0), eng("p1", "prefill", 1), eng("d0", "decoder", 1000), eng("d1", "decoder", 1001)]
+    plans = links.plan(es, {})
+    assert {p.decoder.pod: [e.pod for e in p.link] for p in plans} == {"d0": ["p0", "p1"], "d1": ["p0", "p1"]}
+    assert links.counts(es, {}) == (4, 0)
+
+
+def test_plan_nothing_to_do_when_converged():
+    p0, d0 = eng("p0", "prefill", 0), eng("d0", "decoder", 1000)
+    assert links.plan([p0, d0], {"d0": [up(p0)]}) == []
+    assert links.counts([p0, d0], {"d0": [up(p0)]}) == (1, 1)
+
+
+def test_plan_removes_stale_and_relinks_broken_or_moved():
+    p0, p1, d0 = eng("p0", "prefill", 0), eng("p1", "prefill", 1, ip="127.0.0.9"), eng("d0", "decoder", 1000)
+    gone = {"name": "p7", "cluster_id": 7, "ip": "127.0.0.7", "port": 26000, "code": "LLM_SUCCESS"}
+    broken = {**up(p0), "code": "LLM_LINK_FAILED"}
+    moved = {**up(p1), "ip": "127.0.0.2"}
+    [plan] = links.plan([p0, p1, d0], {"d0": [gone, broken, moved]})
+    assert plan.unlink == [gone]
+    assert plan.force_unlink == [broken, moved]
+    assert [e.pod for e in plan.link] == ["p0", "p1"]
+
+
+def test_plan_skips_unready_and_switching_and_prefills_never_dial():
+    es = [eng("p0", "prefill", 0), eng("p1", "prefill", 1, ready=False), eng("s", "switching", 2),
+          eng("d0", "decoder", 1000), eng("d1", "decoder", 1001, ok=False)]
+    plans = links.plan(es, {})
+    assert [(p.decoder.pod, [e.pod for e in p.link]) for p in plans] == [("d0", ["p0"])]
+
+
+def test_plan_respects_backoff():
+    es = [eng("p0", "prefill", 0), eng("p1", "prefill", 1), eng("d0", "decoder", 1000)]
+    [plan] = links.plan(es, {}, due=lambda d, c: c != 1)
+    assert [e.pod for e in plan.link] == ["p0"]
+
+
+def test_link_batches_of_16():
+    es = [eng(f"p{i}", "prefill", i) for i in range(40)] + [eng("d0", "decoder", 1000)]
+    [plan] = links.plan(es, {})
+    assert [len(b) for b in plan.link_batches()] == [16, 16, 8]
+
+
+def test_verify_pairs_rotate_over_every_path():
+    es = [eng(f"p{i}", "prefill", i) for i in range(3)] + [eng(f"d{i}", "decoder", 1000 + i) for i in range(2)]
+    seen = set()
+    for r in range(3):
+        seen |= {(d.pod, p.pod) for d, p in links.verify_pairs(es, r)}
+    assert len(seen) == 6
+
+
+# ---- status and conditions -------------------------------------------------------------------
+
+def pod(name, group, idx, ready=True, ip="127.1.0.1", waiting=None):
+    st = {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
+    if waiting:
+        st["containerStatuses"] = [{"state": {"waiting": waiting}}]
+    return {"metadata": {"name": name, "labels": {"pdoperator.io/group": group, "pdoperator.io/role": group,
+                                                  "apps.kubernetes.io/pod-index": str(idx)}}, "status": st}
+
+
+def test_status_ready_and_pending():
+    spec = parse_spec({**SPEC, "prefill": {"replicas": 1}, "decoder": {"replicas": 1}})
+    pods = [pod("x-prefill-0", "prefill", 0, ip="127.1.0.1"), pod("x-decoder-0", "decoder", 0, ip="127.1.0.2")]
+    engines = [engine_of(p, spec, agent_ok=True) for p in pods]
+    obs = Observed(generation=3, pods=pods, engines=engines, boot_ids={"x-prefill-0": "a", "x-decoder-0": "b"},
+                   reported={"x-decoder-0": [up(engines[0])]}, expected=1, up=1,
+                   verify={"x-decoder-0": {"ok": True, "code": "LLM_SUCCESS", "decoder": "x-decoder-0",
+                                           "prefill": "x-prefill-0", "bytes": 10, "pull_ms": 1.0}})
+    s = build_status(spec, obs, None)
+    assert s["phase"] == "Ready" and s["linksSummary"] == "1/1" and s["observedGeneration"] == 3
+    assert s["prefill"] == 1 and s["decoder"] == 1
+    dec = next(m for m in s["members"] if m["pod"] == "x-decoder-0")
+    assert dec["clusterId"] == 1000 and dec["links"] == [{"peer": "x-prefill-0", "clusterId": 0, "code": "LLM_SUCCESS"}]
+    assert conditions.is_true(s["conditions"], "KVPathVerified")
+    obs.pods = [pod("x-prefill-0", "prefill", 0, ready=False), pods[1]]
+    assert build_status(spec, obs, s)["phase"] == "Pending"
+
+
+def test_status_image_error_is_degraded_with_reason():
+    spec = parse_spec({**SPEC, "prefill": {"replicas": 1}, "decoder": {"replicas": 0}})
+    p = pod("x-prefill-0", "prefill", 0, ready=False,
+            waiting={"reason": "ImagePullBackOff", "message": "image nope:1 not available"})
+    s = build_status(spec, Observed(generation=1, pods=[p], engines=[engine_of(p, spec)]), None)
+    c = conditions.get(s["conditions"], "PodsReady")
+    assert s["phase"] == "Degraded" and c["reason"] == "ImagePullError" and "nope:1" in c["message"]
+
+
+def test_condition_transition_time_moves_only_on_flip():
+    c1 = conditions.set_condition(None, "Ready", False, "A", "m", 1, at="t1")
+    c2 = conditions.set_condition(c1, "Ready", False, "B", "m2", 2, at="t2")
+    assert c2[0]["lastTransitionTime"] == "t1" and c2[0]["reason"] == "B"
+    c3 = conditions.set_condition(c2, "Ready", True, "C", "", 2, at="t3")
+    assert c3[0]["lastTransitionTime"] == "t3"
+
+
+# ---- CRD -------------------------------------------------------------------------------------
+
+def test_crd_file_is_generated_from_the_models():
+    assert (REPO / "crds" / "pddeployment.yaml").read_text() == crdgen.render(), "run `make crd`"
+    chart_copy = REPO / "charts" / "pd-operator" / "crds" / "pddeployment.yaml"
+    assert chart_copy.read_text() == crdgen.render(), "the chart must ship the same CRD; run `make crd`"
+
+
+def test_crd_schema_is_structural_and_complete():
+    crd = crdgen.crd()
+    v = crd["spec"]["versions"][0]
+    assert crd["metadata"]["name"] == "pddeployments.pdoperator.io"
+    assert crd["spec"]["names"]["shortNames"] == ["pdd"] and crd["spec"]["names"]["categories"] == ["all"]
+    assert v["subresources"] == {"status": {}}
+    assert [c["name"] for c in v["additionalPrinterColumns"]] == ["Phase", "Prefill", "Decoder", "Links", "Age"]
+    text = yaml.safe_dump(crd)
+    assert "$ref" not in text and "anyOf" not in text and "title" not in text
+    spec = v["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    assert spec["datadist"]["properties"]["port"]["default"] == 26000
+    assert spec["backend"]["enum"] == ["sim", "llm-datadist"]
+    assert spec["prefill"]["properties"]["resources"]["properties"]["limits"]["additionalProperties"] == {
+        "x-kubernetes-int-or-string": True}
