@@ -1,0 +1,104 @@
+"""Operator-driven links, KV-path verification and failure diagnosis, end to end."""
+from __future__ import annotations
+
+
+
+import pytest
+
+from tests.conftest import Cluster, wait_for
+from tests.integration.conftest import agent_post, agent_status, condition, events, pdd, sample, wait_phase
+
+pytestmark = pytest.mark.integration
+DECODERS = ("sim-small-decoder-0", "sim-small-decoder-1")
+
+
+def links_of(cluster: Cluster, ns: str, pod: str) -> dict[int, dict]:
+    return {l["cluster_id"]: l for l in agent_status(cluster, ns, pod)["links"]}
+
+
+def ready_with(cluster: Cluster, ns: str, summary: str, timeout: float = 90) -> dict:
+    return wait_phase(cluster, ns, "Ready", timeout=timeout, extra=lambda o: o["status"]["linksSummary"] == summary)
+
+
+def test_scale_prefill_up_keeps_links_and_down_removes_stale(cluster: Cluster, namespace: str, operator) -> None:
+    ns = namespace
+    cluster.apply(sample(), ns)
+    ready_with(cluster, ns, "4/4")
+    before = {d: links_of(cluster, ns, d) for d in DECODERS}
+    assert all(set(v) == {0, 1} for v in before.values())
+
+    cluster.kubectl("patch", "pdd", "sim-small", "-n", ns, "--type=merge", "-p", '{"spec":{"prefill":{"replicas":4}}}')
+    obj = ready_with(cluster, ns, "8/8")
+    for d in DECODERS:
+        after = links_of(cluster, ns, d)
+        assert set(after) == {0, 1, 2, 3}
+        for cid in (0, 1):  # the existing links were not dropped and re-made
+            assert after[cid]["since"] == before[d][cid]["since"], f"{d} re-made its link to {cid}"
+    assert condition(obj, "KVPathVerified")["status"] == "True"
+
+    cluster.kubectl("patch", "pdd", "sim-small", "-n", ns, "--type=merge", "-p", '{"spec":{"prefill":{"replicas":1}}}')
+    ready_with(cluster, ns, "2/2")
+    for d in DECODERS:
+        assert set(links_of(cluster, ns, d)) == {0}, f"{d} kept stale links"
+    assert sorted(agent_status(cluster, ns, "sim-small-prefill-0")["incoming"]) == [1000, 1001]
+    assert any(e["reason"] == "Unlinked" for e in events(cluster, ns))
+
+
+def test_deleted_prefill_is_relinked_to_its_replacement(cluster: Cluster, namespace: str, operator) -> None:
+    ns = namespace
+    cluster.apply(sample(), ns)
+    obj = ready_with(cluster, ns, "4/4")
+    old_boot = next(m["bootId"] for m in obj["status"]["members"] if m["pod"] == "sim-small-prefill-0")
+    pid = operator.proc.pid
+    cluster.kubectl("delete", "pod", "sim-small-prefill-0", "-n", ns)
+    obj = wait_phase(cluster, ns, "Ready", timeout=90, extra=lambda o: o["status"]["linksSummary"] == "4/4" and any(
+        m["pod"] == "sim-small-prefill-0" and m.get("bootId") not in (None, old_boot) for m in o["status"]["members"]))
+    new_ip = next(m["ip"] for m in obj["status"]["members"] if m["pod"] == "sim-small-prefill-0")
+    for d in DECODERS:
+        link = links_of(cluster, ns, d)[0]
+        assert link["code"] == "LLM_SUCCESS" and link["ip"] == new_ip
+    assert operator.proc.pid == pid and operator.proc.poll() is None
+    # the new path was verified too
+    wait_for("a verification against the replacement", lambda: "sim-small-prefill-0" in
+             condition(pdd(cluster, ns), "KVPathVerified").get("message", ""), timeout=60)
+
+
+def test_fault_diagnosis_and_recovery(cluster: Cluster, namespace: str, operator) -> None:
+    ns = namespace
+    cluster.apply(sample(), ns)
+    ready_with(cluster, ns, "4/4")
+
+    # a prefill that refuses links: EndpointUnreachable, naming the pod
+    agent_post(cluster, ns, "sim-small-prefill-1", "/v1/admin/faults", {"refuse_links": True})
+    obj = wait_phase(cluster, ns, "Degraded", extra=lambda o: condition(o, "LinksReady").get("reason") ==
+                     "EndpointUnreachable")
+    msg = condition(obj, "LinksReady")["message"]
+    assert "sim-small-prefill-1" in msg and "26000" in msg
+    assert obj["status"]["links"]["up"] == 2
+    assert any(e["reason"] == "EndpointUnreachable" and e["type"] == "Warning" for e in events(cluster, ns))
+
+    # a slow prompt side: the handshake outlasts linkTimeoutMs (2000): LinkTimeout
+    agent_post(cluster, ns, "sim-small-prefill-1", "/v1/admin/faults", {"refuse_links": False, "link_delay_ms": 3500})
+    obj = wait_phase(cluster, ns, "Degraded", timeout=120,
+                     extra=lambda o: condition(o, "LinksReady").get("reason") == "LinkTimeout")
+    assert "linkTimeoutMs" in condition(obj, "LinksReady")["message"]
+
+    # fault cleared: Ready again, every path verified
+    agent_post(cluster, ns, "sim-small-prefill-1", "/v1/admin/faults", {"link_delay_ms": 0})
+    obj = ready_with(cluster, ns, "4/4", timeout=120)
+    assert condition(obj, "LinksReady")["status"] == "True"
+
+
+def test_proxy_variables_are_reported(cluster: Cluster, namespace: str, operator) -> None:
+    ns = namespace
+    doc = sample(**{"decoder.env": [{"name": "https_proxy", "value": "http://proxy.corp:3128"}]})
+    cluster.apply(doc, ns)
+    obj = wait_for("ProxyEnvironment", lambda: (
+        o if condition(o := pdd(cluster, ns), "ProxyEnvironment").get("status") == "True" else None), timeout=90)
+    c = condition(obj, "ProxyEnvironment")
+    assert c["reason"] == "ProxyEnvironment" and "https_proxy" in c["message"] and "sim-small-decoder-0" in c["message"]
+    assert any(e["reason"] == "ProxyEnvironment" and e["type"] == "Warning" for e in events(cluster, ns))
+    # the env was injected into the pods, as a user would check it
+    pod = cluster.get_json("pod", "sim-small-decoder-0", "-n", ns)
+    assert {"name": "https_proxy", "value": "http://proxy.corp:3128"} in pod["spec"]["containers"][0]["env"]
+
