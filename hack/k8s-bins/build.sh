@@ -28,7 +28,7 @@ build() {
 
 if ! ls "$BIN_DIR"/{etcd,kube-apiserver,kube-controller-manager,kube-scheduler,kubectl,helm} >/dev/null 2>&1; then
   log "downloading Go modules (progress below; cached in $(go env GOMODCACHE))"
-  for d in etcd kubernetes helm; do (cd "$here/$d" && go mod download -x 2>&1 | grep -E '^# get .*\.zip$' | sed "s/^/  [$d] /" || true); done
+  for d in etcd kubernetes helm; do (cd "$here/$d" && go mod download -x 2>&1 | grep --line-buffered -E '^# get .*\.zip$' | sed -u "s/^/  [$d] /" || true); done
 fi
 
 minor=${K8S_VERSION#v1.}; minor=${minor%%.*}

@@ -29,11 +29,12 @@ def main(argv: list[str] | None = None) -> int:
     na = sub.add_parser("node-agent", help="(internal) run the local node agent")
     na.add_argument("--nodes", type=int, required=True)
     na.add_argument("--kubelet-port", type=int, required=True)
+    na.add_argument("--pod-ip-base", type=int, default=100)
     args = ap.parse_args(argv)
     root = (args.root or default_root()).resolve()
     if args.cmd == "node-agent":
         from .nodeagent import main as node_main
-        node_main(root, args.nodes, args.kubelet_port)
+        node_main(root, args.nodes, args.kubelet_port, args.pod_ip_base)
         return 0
     cluster = LocalCluster(root)
     if args.cmd == "up":

@@ -3,6 +3,7 @@ kube-scheduler and the local node agent, each as a background process on free lo
 ports. State (ports, pids, certificates, kubeconfigs, logs) lives in ``.localcluster/``."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -24,6 +25,14 @@ BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler
 # Stop order: pods first (node agent), then the controllers, then storage last.
 STOP_ORDER = ("node-agent", "kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd")
 SERVICE_CIDR = "10.96.0.0/16"
+
+
+def pod_ip_base(root: Path, nodes: int) -> int:
+    """Second octet of node 0's pod addresses: 100..240 in steps of 10, chosen by the state
+    directory, so clusters of different checkouts can run side by side."""
+    if nodes > 10:
+        raise SystemExit("at most 10 local nodes")
+    return 100 + 10 * (int(hashlib.sha1(str(root).encode()).hexdigest(), 16) % 15)
 
 
 def free_port() -> int:
@@ -240,6 +249,7 @@ class LocalCluster:
                 sys.executable, "-m", "pd_localcluster", f"--root={self.paths.root}", "node-agent",
                 f"--nodes={nodes}",
                 f"--kubelet-port={ports['kubelet']}",
+                f"--pod-ip-base={pod_ip_base(self.paths.root, nodes)}",
             ])
             self._wait_nodes_ready(nodes, procs)
             self._wait_default_serviceaccount(procs)

@@ -1,7 +1,8 @@
 """The local node agent: a stand-in for the kubelet that runs the pods bound to the local
 Nodes as processes on this machine.
 
-Each pod gets its own loopback IP (127.100+n.x.y on node n) which its processes find in
+Each pod gets its own loopback IP (127.<base+n>.x.y on node n; the base differs per
+cluster directory so two local clusters do not hand out the same addresses) which its processes find in
 ``PD_LOCAL_POD_IP`` (the stand-in for a network namespace: servers bind to it). The agent
 registers the Nodes and keeps them Ready (status + Lease), resolves env, starts the
 container's command from the image table, runs readiness/liveness probes, restarts per
@@ -57,8 +58,8 @@ def _die_with_parent() -> None:
 
 
 class IPAllocator:
-    def __init__(self, node_index: int):
-        self.prefix = 100 + node_index
+    def __init__(self, node_index: int, base: int = 100):
+        self.prefix = base + node_index
         self.next = 1
         self.used: set[str] = set()
 
@@ -477,14 +478,14 @@ class PodWorker:
 
 
 class NodeAgent:
-    def __init__(self, root: Path, nodes: int, kubelet_port: int):
+    def __init__(self, root: Path, nodes: int, kubelet_port: int, pod_ip_base: int = 100):
         import httpx
         self.root = root
         self.node_names = [f"local-node-{i + 1}" for i in range(nodes)]
         self.kubelet_port = kubelet_port
         self.api = KubeApi(root / "kubeconfig")
         self.http = httpx.AsyncClient(trust_env=False)
-        self.ips = [IPAllocator(i) for i in range(nodes)]
+        self.ips = [IPAllocator(i, pod_ip_base) for i in range(nodes)]
         self.workers: dict[str, PodWorker] = {}
         self.boot_id = str(uuid.uuid4())
         self._stop = asyncio.Event()
@@ -698,7 +699,7 @@ class NodeAgent:
         await self.api.close()
 
 
-def main(root: Path, nodes: int, kubelet_port: int) -> None:
+def main(root: Path, nodes: int, kubelet_port: int, pod_ip_base: int = 100) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    asyncio.run(NodeAgent(root, nodes, kubelet_port).run())
+    asyncio.run(NodeAgent(root, nodes, kubelet_port, pod_ip_base).run())

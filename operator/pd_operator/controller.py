@@ -28,6 +28,7 @@ log = logging.getLogger("pd_operator.controller")
 Key = tuple[str, str]
 BACKOFF_BASE_S = 0.5
 BACKOFF_CAP_S = 30.0
+TOKEN_TTL_S = 20.0
 
 
 @dataclass
@@ -41,6 +42,7 @@ class DeploymentState:
     verify: dict[str, dict] = field(default_factory=dict)
     last_status: dict | None = None
     token: str | None = None
+    token_read_at: float = 0.0
     proxy_warned: set[str] = field(default_factory=set)
 
     def due(self, decoder: str, cid: int) -> bool:
@@ -135,11 +137,14 @@ class Controller:
                 pass
 
     async def _token(self, key: Key, st: DeploymentState) -> str | None:
-        if st.token:
+        # Re-read now and then: a rotated Secret must show up (as AgentUnauthorized until
+        # the pods restart with it), and RBAC allows `get` on the one Secret, not a watch.
+        if st.token and time.monotonic() - st.token_read_at < TOKEN_TTL_S:
             return st.token
         sec = await self.kube.get("v1", "Secret", key[0], token_secret_name(key[1]))
         if sec and sec.get("data", {}).get("token"):
             st.token = base64.b64decode(sec["data"]["token"]).decode()
+            st.token_read_at = time.monotonic()
         return st.token
 
     async def converge(self, key: Key) -> float:
@@ -198,6 +203,8 @@ class Controller:
             except AgentCallError as err:
                 return e, None, err
         results = await asyncio.gather(*(one(e) for e in targets))
+        if any(err is not None and err.kind == "AgentUnauthorized" for _, _, err in results):
+            st.token = None  # the Secret may have been rotated: read it again next round
         by_pod = {e.pod: i for i, e in enumerate(obs.engines)}
         for e, s, err in results:
             if err is not None:

@@ -5,8 +5,9 @@ import copy
 import json
 
 import pytest
+import yaml
 
-from tests.conftest import Cluster
+from tests.conftest import REPO, Cluster
 from tests.integration.conftest import sample
 
 pytestmark = pytest.mark.integration
@@ -89,3 +90,11 @@ def test_valid_sample_is_accepted_with_defaults(cluster: Cluster, crd, namespace
     assert got["datadist"] == {"port": 26000, "linkTimeoutMs": 5000, "syncKvTimeoutMs": 1000,
                                "topology": "FullMesh", "verifyIntervalSeconds": 60}
     assert got["model"]["kvCache"]["attention"] == "GQA"
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in (REPO / "examples").glob("*.yaml")))
+def test_examples_are_accepted(cluster: Cluster, crd, namespace: str, example: str) -> None:
+    doc = yaml.safe_load((REPO / "examples" / example).read_text())
+    doc["metadata"].pop("namespace", None)
+    r = cluster.kubectl("create", "--dry-run=server", "-n", namespace, "-f", "-", input=json.dumps(doc), check=False)
+    assert r.returncode == 0, r.stderr

@@ -102,3 +102,16 @@ def test_proxy_variables_are_reported(cluster: Cluster, namespace: str, operator
     pod = cluster.get_json("pod", "sim-small-decoder-0", "-n", ns)
     assert {"name": "https_proxy", "value": "http://proxy.corp:3128"} in pod["spec"]["containers"][0]["env"]
 
+
+
+def test_wrong_token_is_agent_unauthorized(cluster: Cluster, namespace: str, operator) -> None:
+    ns = namespace
+    cluster.apply(sample(**{"prefill.replicas": 1, "decoder.replicas": 1}), ns)
+    ready_with(cluster, ns, "1/1")
+    # rotate the Secret under running pods: their agents keep the token they started with
+    cluster.kubectl("patch", "secret", "sim-small-agent-token", "-n", ns, "--type=merge",
+                    "-p", '{"stringData":{"token":"rotated-without-restart"}}')
+    obj = wait_phase(cluster, ns, "Degraded", extra=lambda o: condition(o, "AgentsReady").get("reason") ==
+                     "AgentUnauthorized")
+    assert "rejected the operator's token" in condition(obj, "AgentsReady")["message"]
+    assert operator.proc.poll() is None

@@ -376,3 +376,35 @@ def test_switch_with_links_then_unlink(prompt, decoder):
     with socket.create_connection(("127.0.0.1", port), timeout=1):
         pass  # it listens now
     assert d.link_clusters([p.info()], 1000)[0] is LLMStatusCode.LLM_PARAM_INVALID  # prompts never dial
+
+
+def test_concurrent_link_waiter_gets_processing_link(prompt, decoder):
+    import threading
+    slow = prompt(0, env={"PD_SIM_FAULT_LINK_DELAY_MS": "1500"})
+    other = prompt(1)
+    d = decoder()
+    t = threading.Thread(target=d.link_clusters, args=([slow.info()], 3000))
+    t.start()
+    time.sleep(0.2)  # the first call holds the link mutex while the handshake waits
+    ret, rets = d.link_clusters([other.info()], 300)
+    t.join()
+    assert ret is LLMStatusCode.LLM_PROCESSING_LINK and rets == [LLMStatusCode.LLM_PROCESSING_LINK]
+    assert d.link_clusters([other.info()], 2000)[0] is LLMStatusCode.LLM_SUCCESS  # retry later works
+
+
+def test_check_link_status_during_pull_is_link_busy(prompt, decoder):
+    import threading
+    p = prompt(0, env={"PD_SIM_FAULT_PULL_DELAY_MS": "800"})
+    p.cmd(op="alloc", req_ids=[1], desc=DESC)
+    d = decoder(sync_kv_timeout=5000)
+    d.link_clusters([p.info()], 2000)
+    kv = d.kv_cache_manager
+    cache = kv.allocate_cache(desc())
+    t = threading.Thread(target=kv.pull_cache, args=(CacheKey(0, 1), cache, 0))
+    t.start()
+    time.sleep(0.2)
+    with pytest.raises(LLMException) as ei:
+        d.check_link_status(0)
+    t.join()
+    assert ei.value.status_code is LLMStatusCode.LLM_LINK_BUSY
+    d.check_link_status(0)  # usable again after the pull
