@@ -175,22 +175,16 @@ def resolve_env(
             env[name] = field_ref(pod, vf["fieldRef"]["fieldPath"], pod_ip, host_ip)
         elif "resourceFieldRef" in vf:
             env[name] = _resource_field(container, vf["resourceFieldRef"])
-        elif "configMapKeyRef" in vf:
-            ref = vf["configMapKeyRef"]
-            data = cm_data(ref["name"], ref.get("optional", False))
+        else:
+            kind, ref_key, load = (("ConfigMap", "configMapKeyRef", cm_data) if "configMapKeyRef" in vf
+                                   else ("Secret", "secretKeyRef", secret_data))
+            ref = vf[ref_key]
+            optional = ref.get("optional", False)
+            data = load(ref["name"], optional)
             if data is None or ref["key"] not in data:
-                if ref.get("optional", False):
+                if optional:
                     continue
-                raise ConfigError(f'couldn\'t find key {ref["key"]} in ConfigMap '
-                                  f'{pod["metadata"]["namespace"]}/{ref["name"]}')
-            env[name] = data[ref["key"]]
-        elif "secretKeyRef" in vf:
-            ref = vf["secretKeyRef"]
-            data = secret_data(ref["name"], ref.get("optional", False))
-            if data is None or ref["key"] not in data:
-                if ref.get("optional", False):
-                    continue
-                raise ConfigError(f'couldn\'t find key {ref["key"]} in Secret '
+                raise ConfigError(f'couldn\'t find key {ref["key"]} in {kind} '
                                   f'{pod["metadata"]["namespace"]}/{ref["name"]}')
             env[name] = data[ref["key"]]
     return env

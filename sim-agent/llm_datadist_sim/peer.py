@@ -20,6 +20,16 @@ def desc_of(d):
     return CacheDesc(d["num_tensors"], d["shape"], getattr(DataType, d.get("data_type", "DT_FLOAT16")))
 
 
+def fill_random(cache, slot: int) -> str:
+    """Random bytes into one batch entry (or block) of every tensor; their sha256."""
+    h = hashlib.sha256()
+    for t in range(cache.cache_desc.num_tensors):
+        data = os.urandom(cache.slot_bytes)
+        cache.slot(t, slot)[:] = data
+        h.update(data)
+    return h.hexdigest()
+
+
 def main():
     cluster_id = int(sys.argv[1])
     listen = sys.argv[2]
@@ -39,27 +49,13 @@ def main():
                 keys = [CacheKey(prompt_cluster_id=cluster_id, req_id=r, model_id=cmd.get("model_id", 0))
                         for r in cmd["req_ids"]]
                 cache = kv.allocate_cache(desc_of(cmd["desc"]), keys)
-                shas = []
-                for i in range(len(keys)):
-                    h = hashlib.sha256()
-                    for t in range(cache.cache_desc.num_tensors):
-                        data = os.urandom(cache.slot_bytes)
-                        cache.slot(t, i)[:] = data
-                        h.update(data)
-                    shas.append(h.hexdigest())
+                shas = [fill_random(cache, i) for i in range(len(keys))]
                 caches[cache.cache_id] = cache
                 reply(ok=True, cache_id=cache.cache_id, sha256=shas)
             elif op == "alloc_blocks":
                 cache = kv.allocate_blocks_cache(desc_of(cmd["desc"]),
                                                  BlocksCacheKey(cluster_id, cmd.get("model_id", 0)))
-                shas = []
-                for b in range(cache.slots):
-                    h = hashlib.sha256()
-                    for t in range(cache.cache_desc.num_tensors):
-                        data = os.urandom(cache.slot_bytes)
-                        cache.slot(t, b)[:] = data
-                        h.update(data)
-                    shas.append(h.hexdigest())
+                shas = [fill_random(cache, b) for b in range(cache.slots)]
                 reply(ok=True, sha256=shas)
             elif op == "dealloc":
                 kv.deallocate_cache(caches.pop(cmd["cache_id"]))

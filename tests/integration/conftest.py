@@ -105,23 +105,23 @@ def wait_phase(cluster: Cluster, ns: str, phase: str, name: str = "sim-small", t
         timeout=timeout)
 
 
-def agent_status(cluster: Cluster, ns: str, pod: str, name: str = "sim-small") -> dict:
-    import httpx
+def _agent(cluster: Cluster, ns: str, pod: str, name: str) -> tuple[str, dict]:
     import base64
     token = base64.b64decode(cluster.get_json("secret", f"{name}-agent-token", "-n", ns)["data"]["token"]).decode()
     ip = cluster.get_json("pod", pod, "-n", ns)["status"]["podIP"]
-    return httpx.get(f"http://{ip}:8080/v1/status", headers={"Authorization": f"Bearer {token}"},
-                     trust_env=False, timeout=5).json()
+    return f"http://{ip}:8080", {"Authorization": f"Bearer {token}"}
+
+
+def agent_status(cluster: Cluster, ns: str, pod: str, name: str = "sim-small") -> dict:
+    import httpx
+    url, headers = _agent(cluster, ns, pod, name)
+    return httpx.get(f"{url}/v1/status", headers=headers, trust_env=False, timeout=5).json()
 
 
 def agent_post(cluster: Cluster, ns: str, pod: str, path: str, body: dict, name: str = "sim-small") -> dict:
     import httpx
-    import base64
-    token = base64.b64decode(cluster.get_json("secret", f"{name}-agent-token", "-n", ns)["data"]["token"]).decode()
-    ip = cluster.get_json("pod", pod, "-n", ns)["status"]["podIP"]
-    r = httpx.post(f"http://{ip}:8080{path}", json=body, headers={"Authorization": f"Bearer {token}"},
-                   trust_env=False, timeout=10)
-    return r.json()
+    url, headers = _agent(cluster, ns, pod, name)
+    return httpx.post(f"{url}{path}", json=body, headers=headers, trust_env=False, timeout=10).json()
 
 
 def events(cluster: Cluster, ns: str, name: str = "sim-small") -> list[dict]:
