@@ -325,7 +325,18 @@ class AgentCore:
         )
 
 
+def _host_view(cache) -> None:
+    # Byte-level probes read and write cache memory from Python. The simulator exposes it
+    # (Cache.slot); on the real backend the cache lives in NPU memory and needs a device
+    # copy (torch_npu), which this agent does not do: say so instead of guessing.
+    if not hasattr(cache, "slot"):
+        raise AgentError("LLM_FEATURE_NOT_ENABLED",
+                         "byte-level KV probes need host access to cache memory, which this backend "
+                         "does not expose; links are still checked with check_link_status", 501)
+
+
 def _fill(llm, cache, slots: list[int]) -> bytes:
+    _host_view(cache)
     out = bytearray()
     for t in range(cache.cache_desc.num_tensors):
         for s in slots:
@@ -337,6 +348,7 @@ def _fill(llm, cache, slots: list[int]) -> bytes:
 
 
 def _read(cache, slots: list[int]) -> bytes:
+    _host_view(cache)
     out = bytearray()
     for t in range(cache.cache_desc.num_tensors):
         for s in slots:
