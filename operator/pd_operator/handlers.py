@@ -40,6 +40,8 @@ async def startup(settings: kopf.OperatorSettings, **_) -> None:
     settings.watching.connect_timeout = 10
     settings.networking.request_timeout = 60
     settings.peering.standalone = True
+    # Watch only engine pods, filtered by the API server rather than in the operator.
+    settings.watching.label_selectors["pods"] = LABEL_DEPLOYMENT
     kube = Kube()
     agents = AgentClient()
     STATE.update(kube=kube, agents=agents, events=Events(kube), controller=Controller(kube, agents))

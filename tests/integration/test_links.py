@@ -115,3 +115,23 @@ def test_wrong_token_is_agent_unauthorized(cluster: Cluster, namespace: str, ope
                      "AgentUnauthorized")
     assert "rejected the operator's token" in condition(obj, "AgentsReady")["message"]
     assert operator.proc.poll() is None
+
+
+def test_crashed_agent_is_restarted_and_relinked(cluster: Cluster, namespace: str, operator) -> None:
+    ns = namespace
+    cluster.apply(sample(), ns)
+    obj = ready_with(cluster, ns, "4/4")
+    old_boot = next(m["bootId"] for m in obj["status"]["members"] if m["pod"] == "sim-small-prefill-0")
+    old_ip = next(m["ip"] for m in obj["status"]["members"] if m["pod"] == "sim-small-prefill-0")
+    try:
+        agent_post(cluster, ns, "sim-small-prefill-0", "/v1/admin/faults", {"crash": True})
+    except Exception:  # noqa: BLE001 - the process may die before it answers
+        pass
+    wait_for("a restart of the crashed container", lambda: cluster.get_json("pod", "sim-small-prefill-0", "-n", ns)
+             ["status"]["containerStatuses"][0]["restartCount"] >= 1, timeout=60)
+    obj = wait_phase(cluster, ns, "Ready", timeout=90, extra=lambda o: o["status"]["linksSummary"] == "4/4" and any(
+        m["pod"] == "sim-small-prefill-0" and m.get("bootId") not in (None, old_boot) for m in o["status"]["members"]))
+    assert next(m["ip"] for m in obj["status"]["members"] if m["pod"] == "sim-small-prefill-0") == old_ip
+    for d in DECODERS:
+        assert links_of(cluster, ns, d)[0]["code"] == "LLM_SUCCESS"
+    assert any(e["reason"] == "AgentRestarted" and "sim-small-prefill-0" in e["message"] for e in events(cluster, ns))

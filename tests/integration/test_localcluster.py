@@ -220,3 +220,18 @@ def test_pod_api_access_is_its_service_account_rbac(cluster: Cluster, namespace:
     wait_for("probe-allowed to finish", lambda: cluster.get_json(
         "pod", "probe-allowed", "-n", namespace)["status"].get("phase") == "Succeeded")
     assert "LISTED" in cluster.kubectl("logs", "probe-allowed", "-n", namespace).stdout
+
+
+def test_logs_follow_ends_with_the_container(cluster: Cluster, namespace: str) -> None:
+    cluster.apply({
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "talker"},
+        "spec": {"restartPolicy": "Never", "containers": [{
+            "name": "main", "image": AGENT_IMAGE,
+            "command": ["python", "-c", "import time\nfor i in range(5):\n print('line', i, flush=True)\n"
+                                        " time.sleep(0.4)"]}]},
+    }, namespace)
+    wait_for("talker running", lambda: cluster.get_json("pod", "talker", "-n", namespace)["status"].get("phase")
+             in ("Running", "Succeeded"))
+    out = cluster.kubectl("logs", "-f", "talker", "-n", namespace, timeout=30).stdout
+    assert out.splitlines() == [f"line {i}" for i in range(5)]
+    assert cluster.kubectl("logs", "talker", "-n", namespace, "--tail=2").stdout.splitlines() == ["line 3", "line 4"]
