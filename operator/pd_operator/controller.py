@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
-import random
 import time
 from dataclasses import dataclass, field, replace
 
@@ -17,6 +16,7 @@ from pd_agent.models import Peer
 
 from . import links as lk
 from .agentclient import AgentCallError, AgentClient
+from .backoff import Backoff
 from .api import GROUP, KIND, VERSION, PDDeploymentSpec, parse_spec
 from .builders import token_secret_name
 from .diagnosis import Diagnosis, link_failure
@@ -33,7 +33,9 @@ TOKEN_TTL_S = 20.0
 
 @dataclass
 class DeploymentState:
-    backoff: dict[tuple[str, int], tuple[int, float]] = field(default_factory=dict)
+    link_backoff: Backoff = field(default_factory=lambda: Backoff(BACKOFF_BASE_S, BACKOFF_CAP_S))
+    agent_backoff: Backoff = field(default_factory=lambda: Backoff(1.0, BACKOFF_CAP_S))
+    agent_errors: dict[str, tuple[str, str]] = field(default_factory=dict)
     failures: dict[tuple[str, int], tuple[str, Diagnosis]] = field(default_factory=dict)
     boot_ids: dict[str, str] = field(default_factory=dict)
     verify_round: int = 0
@@ -46,23 +48,20 @@ class DeploymentState:
     proxy_warned: set[str] = field(default_factory=set)
 
     def due(self, decoder: str, cid: int) -> bool:
-        b = self.backoff.get((decoder, cid))
-        return b is None or time.monotonic() >= b[1]
+        return self.link_backoff.due((decoder, cid), time.monotonic())
 
     def fail(self, decoder: str, cid: int, code: str, diag: Diagnosis) -> None:
-        n = self.backoff.get((decoder, cid), (0, 0))[0] + 1
-        delay = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** (n - 1)) * random.uniform(0.5, 1.0)
-        self.backoff[(decoder, cid)] = (n, time.monotonic() + delay)
+        self.link_backoff.fail((decoder, cid), time.monotonic())
         self.failures[(decoder, cid)] = (code, diag)
 
     def succeed(self, decoder: str, cid: int) -> None:
-        self.backoff.pop((decoder, cid), None)
+        self.link_backoff.succeed((decoder, cid))
         self.failures.pop((decoder, cid), None)
 
     def next_retry_in(self) -> float | None:
-        if not self.backoff:
-            return None
-        return max(0.05, min(t for _, t in self.backoff.values()) - time.monotonic())
+        now = time.monotonic()
+        waits = [w for w in (self.link_backoff.next_in(now), self.agent_backoff.next_in(now)) if w is not None]
+        return min(waits) if waits else None
 
 
 def peer_of(e: lk.Engine) -> Peer:
@@ -192,7 +191,15 @@ class Controller:
 
     async def _observe_agents(self, body: dict, spec: PDDeploymentSpec, st: DeploymentState, obs: Observed,
                               token: str, only: set[str] | None = None) -> None:
-        targets = [e for e in obs.engines if e.ip and (only is None or e.pod in only)]
+        now = time.monotonic()
+        targets = []
+        for e in obs.engines:
+            if not e.ip or (only is not None and e.pod not in only):
+                continue
+            if st.agent_backoff.due(e.pod, now):
+                targets.append(e)
+            elif e.pod in st.agent_errors and e.ready:
+                obs.agent_errors[e.pod] = st.agent_errors[e.pod]  # still failing; not asked again yet
 
         async def one(e: lk.Engine):
             try:
@@ -210,10 +217,13 @@ class Controller:
             if err is not None:
                 # a pod that is not Ready yet is expected not to answer
                 if e.ready:
-                    obs.agent_errors[e.pod] = (err.kind, str(err))
+                    obs.agent_errors[e.pod] = st.agent_errors[e.pod] = (err.kind, str(err))
+                    st.agent_backoff.fail(e.pod, time.monotonic())
                 obs.engines[by_pod[e.pod]] = replace(e, agent_ok=False)
                 continue
             obs.agent_errors.pop(e.pod, None)
+            st.agent_errors.pop(e.pod, None)
+            st.agent_backoff.succeed(e.pod)
             obs.engines[by_pod[e.pod]] = replace(e, agent_ok=s.initialized)
             prev = st.boot_ids.get(e.pod)
             if prev and prev != s.boot_id:

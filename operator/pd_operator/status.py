@@ -8,7 +8,7 @@ from . import conditions as cond
 from .api import PDDeploymentSpec
 from .builders import AGENT_PORT, LABEL_GROUP, LABEL_ROLE, POD_INDEX_LABEL, cluster_id
 from .cachedesc import derive
-from .diagnosis import Diagnosis
+from .diagnosis import Diagnosis, proxy_warning, verify_failure
 from .links import Engine
 
 POD_PROBLEMS = {
@@ -134,7 +134,6 @@ def build_status(spec: PDDeploymentSpec, obs: Observed, previous: dict | None) -
     results = [obs.verify[d] for d in sorted(obs.verify)]
     bad = [r for r in results if not r["ok"]]
     if bad:
-        from .diagnosis import verify_failure
         diags = [verify_failure(r["code"], r["decoder"], r["prefill"], r.get("message", ""), obs.model_id)
                  for r in bad]
         conds = cond.set_condition(conds, "KVPathVerified", False, diags[0].reason,
@@ -149,7 +148,6 @@ def build_status(spec: PDDeploymentSpec, obs: Observed, previous: dict | None) -
                                        "waiting for every link to be up", gen)
     # ProxyEnvironment
     if obs.proxy:
-        from .diagnosis import proxy_warning
         d = proxy_warning(obs.proxy)
         conds = cond.set_condition(conds, "ProxyEnvironment", True, d.reason, d.message, gen)
     else:

@@ -104,3 +104,19 @@ def test_restart_mid_reconcile_converges_without_duplicates(cluster: Cluster, na
     managers = {f["manager"] for f in cluster.get_json("statefulset", "sim-small-prefill", "-n", ns, "--show-managed-fields")
                 ["metadata"]["managedFields"] if f["operation"] == "Apply"}
     assert managers == {"pd-operator"}
+
+
+def test_model_change_rolls_pods_onto_the_new_cache_desc(cluster: Cluster, namespace: str, operator) -> None:
+    from tests.integration.conftest import agent_status
+    ns = namespace
+    cluster.apply(sample(**{"prefill.replicas": 1, "decoder.replicas": 1}), ns)
+    wait_phase(cluster, ns, "Ready", extra=lambda o: o["status"]["linksSummary"] == "1/1")
+    cluster.kubectl("patch", "pdd", "sim-small", "-n", ns, "--type=merge",
+                    "-p", '{"spec":{"model":{"kvCache":{"numLayers":8}}}}')
+    obj = wait_phase(cluster, ns, "Ready", timeout=120, extra=lambda o: o["status"]["cacheDesc"]["numTensors"] == 16
+                     and o["status"]["linksSummary"] == "1/1" and all(
+                         agent_status(cluster, ns, m["pod"])["cache_desc"]["num_tensors"] == 16
+                         for m in o["status"]["members"]))
+    assert json.loads(cluster.get_json("configmap", "sim-small-config", "-n", ns)["data"]["cacheDesc"])[
+        "num_tensors"] == 16
+    assert condition(obj, "KVPathVerified")["status"] == "True"
