@@ -120,3 +120,15 @@ def test_model_change_rolls_pods_onto_the_new_cache_desc(cluster: Cluster, names
     assert json.loads(cluster.get_json("configmap", "sim-small-config", "-n", ns)["data"]["cacheDesc"])[
         "num_tensors"] == 16
     assert condition(obj, "KVPathVerified")["status"] == "True"
+
+
+def test_sigterm_shuts_down_cleanly(cluster: Cluster, namespace: str, operator) -> None:
+    cluster.apply(sample(**{"prefill.replicas": 1, "decoder.replicas": 1}), namespace)
+    wait_phase(cluster, namespace, "Ready", extra=lambda o: o["status"]["linksSummary"] == "1/1")
+    assert operator.stop() == 0
+    assert "pd-operator stopped" in operator.logs()
+    # the engines keep serving without the operator: links are state in the agents, not in it
+    obj = pdd(cluster, namespace)
+    dec = next(m for m in obj["status"]["members"] if m["group"] == "decoder")
+    from tests.integration.conftest import agent_status
+    assert [l["code"] for l in agent_status(cluster, namespace, dec["pod"])["links"]] == ["LLM_SUCCESS"]
