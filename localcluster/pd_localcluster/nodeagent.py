@@ -90,6 +90,7 @@ class ContainerRun:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.task: asyncio.Task | None = None
         self.kill_reason = ""
+        self.env: dict[str, str] = {}  # what the running instance was started with
 
     def log_path(self, restart: int | None = None) -> Path:
         return self.log_dir / f"{self.cs.restart_count if restart is None else restart}.log"
@@ -123,6 +124,7 @@ class ContainerRun:
                 await w.sleep_unless_deleted(3)
                 continue
             pull_failures = 0
+            self.env = env
             exit_code = await self._run_once(argv, env, spec)
             if w.deleting:
                 break
@@ -232,7 +234,8 @@ class ContainerRun:
                 writer.close()
                 return True
             if "exec" in probe:
-                env = await w.container_env(self.spec)
+                # the env the container started with: no API reads on every probe
+                env = self.env
                 p = await asyncio.create_subprocess_exec(
                     *command_line({"command": probe["exec"]["command"], "image": self.spec["image"]}, env),
                     env=env, cwd=str(w.dir), stdout=asyncio.subprocess.DEVNULL,

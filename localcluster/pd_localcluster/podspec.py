@@ -175,7 +175,7 @@ def resolve_env(
             env[name] = field_ref(pod, vf["fieldRef"]["fieldPath"], pod_ip, host_ip)
         elif "resourceFieldRef" in vf:
             env[name] = _resource_field(container, vf["resourceFieldRef"])
-        else:
+        elif "configMapKeyRef" in vf or "secretKeyRef" in vf:
             kind, ref_key, load = (("ConfigMap", "configMapKeyRef", cm_data) if "configMapKeyRef" in vf
                                    else ("Secret", "secretKeyRef", secret_data))
             ref = vf[ref_key]
@@ -187,6 +187,8 @@ def resolve_env(
                 raise ConfigError(f'couldn\'t find key {ref["key"]} in {kind} '
                                   f'{pod["metadata"]["namespace"]}/{ref["name"]}')
             env[name] = data[ref["key"]]
+        else:
+            raise ConfigError(f"env {name}: unsupported valueFrom {sorted(vf)}")
     return env
 
 

@@ -247,8 +247,7 @@ class Controller:
                                  port=l.get("port") or 1)
         try:
             for force, stale in ((True, plan.force_unlink), (False, plan.unlink)):
-                for i in range(0, len(stale), lk.MAX_PER_CALL):
-                    batch = stale[i:i + lk.MAX_PER_CALL]
+                for batch in lk.batches(stale):
                     await self.agents.unlink(d.agent_url, token, [to_peer(l) for l in batch], force=force)
                     await self.events.post(body, "Normal", "Unlinked",
                                            f"{d.pod} unlinked {', '.join(l['name'] for l in batch)}"

@@ -37,7 +37,12 @@ class DecoderPlan:
         return not (self.unlink or self.force_unlink or self.link)
 
     def link_batches(self) -> list[list[Engine]]:
-        return [self.link[i:i + MAX_PER_CALL] for i in range(0, len(self.link), MAX_PER_CALL)]
+        return batches(self.link)
+
+
+def batches(items: list, size: int = MAX_PER_CALL) -> list[list]:
+    """link_clusters/unlink_clusters take at most 16 clusters per call."""
+    return [items[i:i + size] for i in range(0, len(items), size)]
 
 
 def prefills_of(engines: list[Engine]) -> list[Engine]:

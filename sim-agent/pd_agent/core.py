@@ -301,7 +301,7 @@ class AgentCore:
         return DrainResult(draining=True, in_flight=in_flight, pending_kv=pending,
                            drained=in_flight == 0 and pending == 0)
 
-    def undrain(self) -> DrainResult:
+    async def undrain(self) -> DrainResult:
         self.draining = False
         in_flight, pending = self.in_flight()
         return DrainResult(draining=False, in_flight=in_flight, pending_kv=pending, drained=False)

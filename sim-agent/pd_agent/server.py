@@ -94,7 +94,7 @@ def _json(model: BaseModel, status: int = 200) -> web.Response:
     return web.json_response(model.model_dump(mode="json"), status=status)
 
 
-def routes(core: AgentCore, token: str | None) -> list[web.RouteDef]:
+def routes(core: AgentCore, token: str | None, http: httpx.AsyncClient) -> list[web.RouteDef]:
     def handler(model, fn: Callable[[BaseModel], Awaitable[BaseModel | None]]):
         async def h(request: web.Request) -> web.Response:
             body = await _body(request, model) if model else None
@@ -119,7 +119,7 @@ def routes(core: AgentCore, token: str | None) -> list[web.RouteDef]:
         return _json(core.status())
 
     async def verify(body: VerifyRequest):
-        return await core.verify(body.peer, _http_of(core), token)
+        return await core.verify(body.peer, http, token)
 
     async def faults(body: FaultsRequest):
         if not hasattr(core.llm, "SIMULATED"):
@@ -154,7 +154,7 @@ def routes(core: AgentCore, token: str | None) -> list[web.RouteDef]:
         web.post("/v1/verify", handler(VerifyRequest, verify)),
         web.post("/v1/probe", handler(ProbeRequest, lambda b: core.probe(b.req_id))),
         web.post("/v1/drain", handler(DrainRequest, lambda b: core.drain(b.timeout_s))),
-        web.post("/v1/undrain", handler(None, lambda _: _async(core.undrain()))),
+        web.post("/v1/undrain", handler(None, lambda _: core.undrain())),
         web.post("/v1/admin/faults", handler(FaultsRequest, faults)),
         web.get("/v1/admin/faults", faults_get),
     ]
@@ -162,21 +162,6 @@ def routes(core: AgentCore, token: str | None) -> list[web.RouteDef]:
         r += [web.post("/v1/prefill", handler(PrefillRequest, inf.prefill)),
               web.post("/v1/decode", handler(DecodeRequest, inf.decode))]
     return r
-
-
-async def _async(value):
-    return value
-
-
-_HTTP_CLIENTS: dict[int, httpx.AsyncClient] = {}
-
-
-def _http_of(core: AgentCore) -> httpx.AsyncClient:
-    # Agent-to-agent calls (verify) must not go through a proxy.
-    c = _HTTP_CLIENTS.get(id(core))
-    if c is None:
-        c = _HTTP_CLIENTS[id(core)] = httpx.AsyncClient(trust_env=False, timeout=10)
-    return c
 
 
 def build_app(core: AgentCore, token: str | None, metrics: AgentMetrics | None = None,
@@ -189,7 +174,9 @@ def build_app(core: AgentCore, token: str | None, metrics: AgentMetrics | None =
     app = web.Application(middlewares=[auth_middleware(token), error_middleware], client_max_size=1 << 20)
     app[CORE] = core
     app[METRICS] = metrics
-    app.add_routes(routes(core, token))
+    # agent-to-agent calls (verify) must not go through a proxy
+    app[HTTP] = httpx.AsyncClient(trust_env=False, timeout=10)
+    app.add_routes(routes(core, token, app[HTTP]))
 
     async def lifecycle(app: web.Application):
         if core.inference is not None:
@@ -197,9 +184,7 @@ def build_app(core: AgentCore, token: str | None, metrics: AgentMetrics | None =
         yield
         if core.inference is not None:
             await core.inference.stop()
-        c = _HTTP_CLIENTS.pop(id(core), None)
-        if c:
-            await c.aclose()
+        await app[HTTP].aclose()
 
     app.cleanup_ctx.append(lifecycle)
     return app

@@ -29,9 +29,11 @@ class OperatorProc:
         self.log_dir = log_dir
         self.proc: subprocess.Popen | None = None
         self.starts = 0
+        self.stopped_by_test = False
 
     def start(self) -> None:
         self.starts += 1
+        self.stopped_by_test = False
         log = open(self.log_dir / f"operator-{self.starts}.log", "wb")
         env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
         env.update(KUBECONFIG=str(self.cluster.kubeconfig), PD_OPERATOR_NAMESPACES=self.namespace)
@@ -40,11 +42,13 @@ class OperatorProc:
 
     def kill(self) -> None:
         """An abrupt stop (SIGKILL), as a node failure would."""
+        self.stopped_by_test = True
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(10)
 
     def stop(self) -> int | None:
+        self.stopped_by_test = True
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -63,12 +67,12 @@ def operator(cluster: Cluster, crd, namespace: str, tmp_path: Path, request):
     op = OperatorProc(cluster, namespace, tmp_path)
     op.start()
     yield op
-    alive = op.proc.poll() is None
+    crashed = op.proc.poll() is not None and not op.stopped_by_test
     op.stop()
     rep = getattr(request.node, "rep_call", None)
     if rep is not None and rep.failed:
         print("---- operator log (tail) ----\n" + op.logs()[-6000:])
-    assert alive or op.starts > 1 or op.proc.returncode in (0, -9), "the operator crashed"
+    assert not crashed, f"the operator exited on its own with code {op.proc.returncode}"
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)

@@ -105,3 +105,9 @@ def test_pod_phase():
     assert pod_phase([c]) == "Succeeded"
     c.state = {"terminated": {"exitCode": 2}}
     assert pod_phase([c]) == "Failed"
+
+
+def test_unsupported_value_from_is_a_config_error():
+    c = {"env": [{"name": "X", "valueFrom": {"fileKeyRef": {"path": "a", "key": "b"}}}]}
+    with pytest.raises(ConfigError, match="X: unsupported valueFrom"):
+        resolve_env(POD, c, "", "", {}, {})
