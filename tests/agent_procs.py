@@ -29,7 +29,7 @@ class AgentProc:
             "PD_LOCAL_POD_IP": self.ip, "POD_NAME": f"{role}-{cluster_id}",
             "LLM_DATADIST_ROLE": role, "LLM_DATADIST_CLUSTER_ID": str(cluster_id),
             "LLM_DATADIST_IP": self.ip, "LLM_DATADIST_PORT": "26000", "PD_AGENT_TOKEN": TOKEN,
-            "PD_SIM_TIME_SCALE": "0.05",
+            "PD_SIM_TIME_SCALE": "0.05", "PD_DRAIN_TIMEOUT_S": "2",
         })
         if cache_desc:
             e["LLM_DATADIST_CACHE_DESC"] = cache_desc
@@ -63,6 +63,10 @@ class AgentProc:
 
     def status(self) -> dict:
         return self.http.get("/v1/status").json()
+
+    def output(self) -> str:
+        """Everything the agent printed (after it exited)."""
+        return self.proc.stdout.read().decode(errors="replace") if self.proc.poll() is not None else ""
 
     def stop(self) -> None:
         if self.proc.poll() is None:

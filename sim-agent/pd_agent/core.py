@@ -19,12 +19,15 @@ import httpx
 
 from .identity import Identity, proxy_environment
 from .models import (
-    AgentStatus, DrainResult, LinkRequest, LinkResult, LinkState, Load, Peer, ProbeResponse,
+    BROKEN_CODES, AgentStatus, DrainResult, LinkRequest, LinkResult, LinkState, Load, NotifyRequest, Peer, ProbeResponse,
     UnlinkRequest, VerifyResult,
 )
 
 PROBE_TTL_S = 60
 PROBE_SEQ = 128
+PENDING_TTL_S = 120        # a prefilled cache nobody pulled is removed after this
+HEALTH_INTERVAL_S = 1.0    # how often links are checked, off the request path
+UNLINK_WAIT_S = 10.0       # a terminating prefill waits this long at most for decoders to unlink it
 
 
 def _code_name(code: Any) -> str:
@@ -50,10 +53,15 @@ class AgentCore:
         self.peers: dict[int, Peer] = {}          # decoder: linked prompt peers by cluster id
         self.link_since: dict[int, float] = {}
         self.ops = asyncio.Lock()                 # link/unlink/switch never interleave
+        self.link_codes: dict[int, str] = {}      # decoder: last code the engine gave per link
         self.draining = False
+        self.terminating = False
         self.last_error = ""
         self.blocks_cache = None                  # paged: this engine's blocks cache
         self._probes: dict[int, float] = {}       # prompt: probe req_id -> created
+        self.kv_pending: dict[int, float] = {}    # prompt: req_id -> prefilled at, until pulled
+        self.linked_by: set[int] = set()          # prompt: decoders that told us they linked
+        self.notifier = None                      # pd_agent.notify.Notifier, set by the server
         self.inference = None                     # set by pd_agent.inference when serving
 
     # ---- engine ------------------------------------------------------------------------
@@ -153,8 +161,12 @@ class AgentCore:
                 if name in ("LLM_SUCCESS", "LLM_ALREADY_LINK"):
                     self.peers[peer.cluster_id] = peer
                     self.link_since.setdefault(peer.cluster_id, time.time())
+                    self.link_codes[peer.cluster_id] = "LLM_SUCCESS"
             if _code_name(ret) != "LLM_SUCCESS":
                 self.last_error = f"link_clusters: {_code_name(ret)} {result}"
+            if self.notifier:
+                await asyncio.gather(*(self.notifier.linked(p.agent_url, True) for p in req.peers
+                                       if result[p.name] in ("LLM_SUCCESS", "LLM_ALREADY_LINK")))
             return LinkResult(ret=_code_name(ret), rets=result,
                               duration_ms=(time.perf_counter() - t0) * 1000)
 
@@ -166,27 +178,67 @@ class AgentCore:
             infos = [self.cluster_info(p) for p in req.peers]
             ret, rets = await asyncio.to_thread(self.engine.unlink_clusters, infos, req.timeout_ms, req.force)
             result = {}
+            released = []
             for peer, code in zip(req.peers, rets):
                 result[peer.name] = _code_name(code)
                 if self.role == "decoder" and _code_name(code) in ("LLM_SUCCESS", "LLM_NOT_YET_LINK"):
-                    self.peers.pop(peer.cluster_id, None)
+                    known = self.peers.pop(peer.cluster_id, None)
                     self.link_since.pop(peer.cluster_id, None)
+                    self.link_codes.pop(peer.cluster_id, None)
+                    released.append((known or peer).agent_url)
+            if self.notifier:
+                await asyncio.gather(*(self.notifier.linked(url, False) for url in released))
             return LinkResult(ret=_code_name(ret), rets=result,
                               duration_ms=(time.perf_counter() - t0) * 1000)
 
     def link_states(self) -> list[LinkState]:
-        out = []
+        """From what the engine last said; never calls into it (see check_links)."""
         if not self.initialized or self.role != "decoder":
-            return out
+            return []
+        out = []
         for cid, peer in list(self.peers.items()):
+            code = self.link_codes.get(cid, "LLM_SUCCESS")
+            out.append(LinkState(name=peer.name, cluster_id=cid, ip=peer.ip, port=peer.port, code=code,
+                                 healthy=code not in BROKEN_CODES, since=self.link_since.get(cid, 0),
+                                 peer_boot_id=peer.boot_id))
+        return out
+
+    def note_link(self, cluster_id: int, code: str) -> None:
+        """What a pull (or a check) said about a link: a broken one stays broken until relinked."""
+        if cluster_id not in self.peers:
+            return
+        if code in BROKEN_CODES or self.link_codes.get(cluster_id) not in BROKEN_CODES:
+            self.link_codes[cluster_id] = code
+
+    def _check_links(self, cluster_ids: list[int]) -> dict[int, str]:
+        codes = {}
+        for cid in cluster_ids:
             try:
                 self.engine.check_link_status(cid)
-                code = "LLM_SUCCESS"
+                codes[cid] = "LLM_SUCCESS"
             except self.llm.LLMException as e:
-                code = _code_name(e.status_code)
-            out.append(LinkState(name=peer.name, cluster_id=cid, ip=peer.ip, port=peer.port, code=code,
-                                 since=self.link_since.get(cid, 0)))
-        return out
+                codes[cid] = _code_name(e.status_code)
+        return codes
+
+    async def check_links(self) -> None:
+        """Ask the engine about every link, in a worker thread: on the real library
+        check_link_status may wait while a pull holds the link, and status polls must never
+        wait on the data path. BUSY and PROCESSING keep the last verdict."""
+        if not self.initialized or self.role != "decoder" or not self.peers:
+            return
+        codes = await asyncio.to_thread(self._check_links, list(self.peers))
+        for cid, code in codes.items():
+            if code in ("LLM_LINK_BUSY", "LLM_PROCESSING_LINK"):
+                continue  # in use or being made: the last verdict stands
+            self.note_link(cid, code)
+
+    async def health_loop(self) -> None:
+        while True:
+            try:
+                await self.check_links()
+            except Exception as e:  # noqa: BLE001 - a failed check must not stop the checks
+                self.last_error = f"check_link_status: {e}"
+            await asyncio.sleep(HEALTH_INTERVAL_S)
 
     # ---- role switching -------------------------------------------------------------------
     async def switch_role(self, role: str) -> None:
@@ -205,6 +257,7 @@ class AgentCore:
                 raise AgentError(_code_name(e.status_code), str(e)) from e
             self.peers.clear()
             self.link_since.clear()
+            self.link_codes.clear()
             await self._ensure_blocks_cache()
 
     # ---- KV-path verification ---------------------------------------------------------------
@@ -231,14 +284,18 @@ class AgentCore:
                              sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
 
     def _expire_probes(self) -> None:
+        self._expire(self._probes, PROBE_TTL_S)
+
+    def _expire(self, created: dict[int, float], ttl: float) -> None:
+        """Remove the cache keys nobody pulled within ttl, so their memory is freed."""
         now = time.monotonic()
-        for req_id, t in list(self._probes.items()):
-            if now - t > PROBE_TTL_S:
-                del self._probes[req_id]
+        for req_id, t in list(created.items()):
+            if now - t > ttl:
+                del created[req_id]
                 try:
                     self.engine.kv_cache_manager.remove_cache_key(
                         self.llm.CacheKey(self.id.cluster_id, req_id, self.id.model_id))
-                except Exception:  # noqa: BLE001 - already pulled
+                except Exception:  # noqa: BLE001 - already pulled, or gone with the engine
                     pass
 
     async def verify(self, peer: Peer, http: httpx.AsyncClient, token: str | None) -> VerifyResult:
@@ -284,10 +341,33 @@ class AgentCore:
                                 message="pulled bytes differ from the prefill's probe", **base)
         return VerifyResult(ok=True, code="LLM_SUCCESS", bytes=len(got), pull_ms=pull_ms, **base)
 
+    # ---- pending KV caches (prompt side) ----------------------------------------------------------
+    def cache_ready(self, req_id: int) -> None:
+        """A prefill left a cache under CacheKey(this cluster, req_id) for a decoder to pull."""
+        self.kv_pending[req_id] = time.monotonic()
+
+    def notify(self, req: NotifyRequest) -> None:
+        for req_id in req.pulled:
+            self.kv_pending.pop(req_id, None)
+        if req.linked is True:
+            self.linked_by.add(req.decoder_cluster_id)
+        elif req.linked is False:
+            self.linked_by.discard(req.decoder_cluster_id)
+
+    def pending_kv(self) -> int:
+        self._expire(self.kv_pending, PENDING_TTL_S)
+        return len(self.kv_pending)
+
+    def incoming(self) -> list[int]:
+        """Prompt side: the decoders linked to this engine."""
+        if self.initialized and self.role == "prompt" and hasattr(self.engine, "sim_links"):
+            return sorted(self.engine.sim_links())
+        return sorted(self.linked_by) if self.role == "prompt" else []
+
     # ---- drain ------------------------------------------------------------------------------
     def in_flight(self) -> tuple[int, int]:
         inf = self.inference
-        return (inf.in_flight, inf.pending_kv) if inf else (0, 0)
+        return (inf.in_flight if inf else 0), self.pending_kv()
 
     async def drain(self, timeout_s: float) -> DrainResult:
         """Stop taking requests, then wait for in-flight work and un-pulled KV caches."""
@@ -306,21 +386,39 @@ class AgentCore:
         in_flight, pending = self.in_flight()
         return DrainResult(draining=False, in_flight=in_flight, pending_kv=pending, drained=False)
 
+    async def terminate(self, timeout_s: float) -> dict:
+        """SIGTERM: refuse new work, finish in-flight requests, wait until every pending KV
+        cache was pulled (or expired), and on the prompt side until the decoders unlinked
+        this engine (the operator does that once nothing is pending), all within timeout_s."""
+        self.terminating = True
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
+        res = await self.drain(timeout_s)
+        drained_ms = (time.monotonic() - t0) * 1000
+        if self.role == "decoder" and self.notifier:
+            # our links go with this process: tell the prefills, so none waits for us to let go
+            await asyncio.gather(*(self.notifier.linked(p.agent_url, False) for p in self.peers.values()))
+        # the decoders' agents report their links to us; a real engine does not list them
+        unlink_deadline = min(deadline, time.monotonic() + UNLINK_WAIT_S)
+        while self.role == "prompt" and self.linked_by and time.monotonic() < unlink_deadline:
+            await asyncio.sleep(0.05)
+        return {"drained": res.drained, "in_flight": res.in_flight, "pending_kv": res.pending_kv,
+                "drain_ms": round(drained_ms, 1), "still_linked": sorted(self.linked_by),
+                "total_ms": round((time.monotonic() - t0) * 1000, 1)}
+
     # ---- status -----------------------------------------------------------------------------
     def status(self) -> AgentStatus:
         load = self.inference.load() if self.inference else Load()
         if self.initialized:
             mgr = self.engine.kv_cache_manager
             load.kv_used_bytes = getattr(mgr, "used_bytes", 0)
-        incoming: list[int] = []
-        if self.initialized and self.role == "prompt" and hasattr(self.engine, "sim_links"):
-            incoming = sorted(self.engine.sim_links())
+        incoming = self.incoming()
         scale = self.llm.memory_scale() if hasattr(self.llm, "memory_scale") else 1
         return AgentStatus(
             pod=self.id.pod, role=self.role, cluster_id=self.id.cluster_id, boot_id=self.boot_id,
             backend=self.id.backend, initialized=self.initialized, ip=self.id.ip, port=self.id.port,
             model_id=self.id.model_id, links=self.link_states(), incoming=incoming, load=load,
-            draining=self.draining, proxy_env=proxy_environment(), memory_scale=scale,
+            draining=self.draining, terminating=self.terminating, proxy_env=proxy_environment(), memory_scale=scale,
             cache_desc=self.id.cache_desc, last_error=self.last_error,
         )
 

@@ -29,6 +29,8 @@ class Identity:
     device_id: int | None = None
     token: str | None = None
     agent_port: int = 8080
+    drain_timeout_s: float = 60.0    # SIGTERM: how long to wait for in-flight work and pending KV
+    engine_start_s: float = 0.0      # simulator: delay before the engine initialises
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "Identity":
@@ -80,7 +82,16 @@ class Identity:
             device_id=int(env["LLM_DATADIST_DEVICE_ID"]) if env.get("LLM_DATADIST_DEVICE_ID") else None,
             token=token,
             agent_port=int(env.get("PD_AGENT_PORT", "8080")),
+            drain_timeout_s=_float(env, "PD_DRAIN_TIMEOUT_S", 60.0),
+            engine_start_s=_float(env, "PD_SIM_ENGINE_START_S", 0.0),
         )
+
+
+def _float(env: dict[str, str], name: str, default: float) -> float:
+    try:
+        return float(env.get(name) or default)
+    except ValueError as e:
+        raise ConfigError(f"{name} must be a number: {e}") from e
 
 
 def proxy_environment(env: dict[str, str] | None = None) -> dict[str, str]:

@@ -8,12 +8,10 @@ import collections
 import time
 from dataclasses import dataclass, field
 
-from .core import AgentCore, AgentError, _code_name
+from .core import BROKEN_CODES, AgentCore, AgentError, _code_name
 from .metrics import AgentMetrics
 from .models import DecodeRequest, DecodeResponse, Load, PrefillRequest, PrefillResponse
 from .timing import TimingModel
-
-PENDING_TTL_S = 120
 
 
 def _p90(values) -> float | None:
@@ -52,7 +50,6 @@ class Inference:
         self.in_flight = 0
         self.completed = 0
         self.failed = 0
-        self._pending: dict[int, float] = {}   # prompt: req_id -> prefilled at
         self._ttft: collections.deque[float] = collections.deque(maxlen=500)
         self._tbt: collections.deque[float] = collections.deque(maxlen=2000)
         self._prefill_wake = asyncio.Event()
@@ -69,34 +66,12 @@ class Inference:
             t.cancel()
 
     # ---- accounting ---------------------------------------------------------------------------
-    @property
-    def pending_kv(self) -> int:
-        self._expire_pending()
-        return len(self._pending)
-
-    def _expire_pending(self) -> None:
-        eng = self.core.engine
-        mgr = eng.kv_cache_manager if self.core.initialized else None
-        keyed = getattr(mgr, "keyed", None)
-        now = time.monotonic()
-        for req_id, t in list(self._pending.items()):
-            ident = (req_id, self.core.id.model_id, 2 ** 64 - 1)
-            if keyed is not None and ident not in keyed:
-                del self._pending[req_id]  # pulled
-            elif now - t > PENDING_TTL_S:
-                del self._pending[req_id]
-                try:
-                    mgr.remove_cache_key(self.core.llm.CacheKey(self.core.id.cluster_id, req_id,
-                                                                self.core.id.model_id))
-                except Exception:  # noqa: BLE001 - already gone
-                    pass
-
     def load(self) -> Load:
         queue = len(self.prefill_q) + len(self.decode_wait)
         running = self._prefill_busy + len(self.decode_running)
         self.m.queue_depth.set(queue)
         self.m.running.set(running)
-        pending = self.pending_kv
+        pending = self.core.pending_kv()
         self.m.pending_kv.set(pending)
         return Load(queue_depth=queue, running=running, in_flight=self.in_flight, pending_kv=pending,
                     completed=self.completed, failed=self.failed, ttft_p90_ms=_p90(self._ttft),
@@ -139,7 +114,7 @@ class Inference:
                     cache = await asyncio.to_thread(mgr.allocate_cache, self.core.desc(batch=1, seq=n), [key])
                     # The engine frees it once the decoder pulls the key.
                     await asyncio.to_thread(mgr.deallocate_cache, cache)
-                    self._pending[b.req.req_id] = time.monotonic()
+                    self.core.cache_ready(b.req.req_id)
                     queue_ms = (t0 - b.enqueued) * 1000
                     self.m.ttft.observe(queue_ms + prefill_ms)
                     self.m.requests.labels("prefill").inc()
@@ -167,9 +142,17 @@ class Inference:
                 key = llm.CacheKey(req.prompt_cluster_id, req.req_id, self.core.id.model_id)
                 await asyncio.to_thread(mgr.pull_cache, key, cache, 0)
             except llm.LLMException as e:
+                code = _code_name(e.status_code)
+                if code in BROKEN_CODES:
+                    self.core.note_link(req.prompt_cluster_id, code)
                 self.failed += 1
-                self.m.failed.labels(_code_name(e.status_code)).inc()
-                raise AgentError(_code_name(e.status_code), str(e), 502) from e
+                self.m.failed.labels(code).inc()
+                raise AgentError(code, str(e), 502) from e
+            self.core.note_link(req.prompt_cluster_id, "LLM_SUCCESS")
+            if self.core.notifier:
+                peer = self.core.peers.get(req.prompt_cluster_id)
+                self.core.notifier.pulled(peer.agent_url if peer and peer.agent_url else req.prompt_agent_url,
+                                          req.req_id)
             pull_ms = (time.monotonic() - t0) * 1000
             self.m.kv_pull.observe(pull_ms)
             job = _Decode(ctx=n, remaining=req.output_tokens,

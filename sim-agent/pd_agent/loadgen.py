@@ -3,7 +3,14 @@
 Arrivals are Poisson (fixed rate) or sinusoidal (rate between --rate-min and --rate-max over
 --period seconds); prompt/output lengths follow the chat or code workload means. Each
 request goes to the least-loaded prefill, then to a decoder linked to it. Reports TTFT/TBT
-percentiles, goodput under the SLOs, and failures by reason."""
+percentiles, goodput under the SLOs, and failures by reason.
+
+A request refused before any token was produced (a draining or terminating pod answers 503
+DRAINING, a pod that is gone refuses the connection, no linked pair exists yet) is retried
+on another pair within --retry-window seconds; if its prefill already ran, the decode is
+retried on another decoder linked to the same prefill, so the cache is still pulled. Such
+refusals and retries are reported apart from failures: a request fails only when no pair
+could take it, or when it failed after it was admitted."""
 from __future__ import annotations
 
 import argparse
@@ -61,6 +68,15 @@ class Result:
     ttft_ms: float = 0
     tbt_ms: float = 0        # mean time between tokens of this request
     reason: str = ""
+    refusals: dict[str, int] = field(default_factory=dict)  # refused before any token, by reason
+
+
+# Refusals that happen before a request produced anything: safe to send elsewhere.
+RETRYABLE = frozenset({"DRAINING", "NoLinkedPair", "ConnectError", "ConnectTimeout", "RemoteProtocolError"})
+
+
+def retryable(reason: str) -> bool:
+    return reason in RETRYABLE
 
 
 @dataclass
@@ -75,6 +91,8 @@ class Summary:
     slo_attainment: float
     ttft_ms: dict[str, float | None] = field(default_factory=dict)
     tbt_ms: dict[str, float | None] = field(default_factory=dict)
+    retried: int = 0                     # requests that were refused at least once
+    refused_by_reason: dict[str, int] = field(default_factory=dict)
 
 
 def summarize(results: list[Result], duration_s: float, slo_ttft_ms: float, slo_tbt_ms: float) -> Summary:
@@ -83,6 +101,10 @@ def summarize(results: list[Result], duration_s: float, slo_ttft_ms: float, slo_
     for r in results:
         if not r.ok:
             failed[r.reason] = failed.get(r.reason, 0) + 1
+    refused: dict[str, int] = {}
+    for r in results:
+        for k, v in r.refusals.items():
+            refused[k] = refused.get(k, 0) + v
     good = [r for r in ok if r.ttft_ms <= slo_ttft_ms and r.tbt_ms <= slo_tbt_ms]
     pct = lambda vals: {f"p{q}": percentile(vals, q) for q in (50, 90, 99)}  # noqa: E731
     return Summary(
@@ -91,6 +113,7 @@ def summarize(results: list[Result], duration_s: float, slo_ttft_ms: float, slo_
         goodput_rps=len(good) / duration_s if duration_s else 0,
         slo_attainment=len(good) / len(results) if results else 0,
         ttft_ms=pct([r.ttft_ms for r in ok]), tbt_ms=pct([r.tbt_ms for r in ok]),
+        retried=sum(1 for r in results if r.refusals), refused_by_reason=refused,
     )
 
 
@@ -99,13 +122,19 @@ def summarize(results: list[Result], duration_s: float, slo_ttft_ms: float, slo_
 class Fleet:
     """The agents and who is linked to whom, refreshed from /v1/status."""
 
-    def __init__(self, urls: list[str], http: httpx.AsyncClient):
+    def __init__(self, urls: list[str], http: httpx.AsyncClient, discover=None):
         self.urls = urls
         self.http = http
+        self.discover = discover   # () -> agent URLs, re-read so pods that come and go are followed
         self.prefills: list[dict] = []
         self.decoders: list[dict] = []
 
     async def refresh(self) -> None:
+        if self.discover is not None:
+            try:
+                self.urls = await asyncio.to_thread(self.discover)
+            except Exception as e:  # noqa: BLE001 - keep the last list; the API server may be restarting
+                print(f"loadgen: discovery failed, keeping {len(self.urls)} agents: {e}", file=sys.stderr)
         async def one(url):
             try:
                 st = (await self.http.get(f"{url}/v1/status")).json()
@@ -117,9 +146,13 @@ class Fleet:
         self.prefills = [s for s in sts if s["role"] == "prompt" and not s["draining"]]
         self.decoders = [s for s in sts if s["role"] == "decoder" and not s["draining"]]
 
-    def pick(self, rng: random.Random) -> tuple[dict, dict] | None:
+    def linked(self, p: dict, d: dict) -> bool:
+        return any(l["cluster_id"] == p["cluster_id"] and l.get("healthy", l["code"] == "LLM_SUCCESS")
+                   for l in d["links"])
+
+    def pick(self, rng: random.Random, avoid: set[str] = frozenset()) -> tuple[dict, dict] | None:
         pairs = [(p, d) for p in self.prefills for d in self.decoders
-                 if any(l["cluster_id"] == p["cluster_id"] and l["code"] == "LLM_SUCCESS" for l in d["links"])]
+                 if p["url"] not in avoid and d["url"] not in avoid and self.linked(p, d)]
         if not pairs:
             return None
         load = lambda s: s["load"]["queue_depth"] + s["load"]["running"]  # noqa: E731
@@ -127,29 +160,87 @@ class Fleet:
         pairs = [(p, d) for p, d in pairs if load(p) == best_p]
         return rng.choice(pairs)
 
+    def decoder_for(self, rng: random.Random, p: dict, avoid: set[str]) -> dict | None:
+        ds = [d for d in self.decoders if d["url"] not in avoid and self.linked(p, d)]
+        return rng.choice(ds) if ds else None
+
+    def refused(self, url: str) -> None:
+        """A pod said it is draining (or is gone): stop choosing it until it says otherwise."""
+        self.prefills = [s for s in self.prefills if s["url"] != url]
+        self.decoders = [s for s in self.decoders if s["url"] != url]
+
+
+async def _post(http: httpx.AsyncClient, url: str, body: dict) -> tuple[dict | None, str]:
+    """(body, "") on 200, else (None, reason)."""
+    try:
+        r = await http.post(url, json=body)
+    except httpx.HTTPError as e:
+        return None, type(e).__name__
+    if r.status_code != 200:
+        try:
+            return None, r.json().get("code", str(r.status_code))
+        except ValueError:
+            return None, str(r.status_code)
+    return r.json(), ""
+
 
 async def one_request(http: httpx.AsyncClient, fleet: Fleet, rng: random.Random, req_id: int,
-                      prompt: int, output: int) -> Result:
-    pair = fleet.pick(rng)
-    if pair is None:
-        return Result(ok=False, reason="NoLinkedPair")
-    p, d = pair
+                      prompt: int, output: int, retry_window: float = 10.0) -> Result:
     t0 = time.monotonic()
-    try:
-        r = await http.post(f"{p['url']}/v1/prefill", json={"req_id": req_id, "prompt_tokens": prompt})
-        if r.status_code != 200:
-            return Result(ok=False, reason=r.json().get("code", str(r.status_code)))
-        prefill_done = time.monotonic()
-        r = await http.post(f"{d['url']}/v1/decode", json={
+    deadline = t0 + retry_window
+    refusals: dict[str, int] = {}
+    avoid: set[str] = set()
+
+    def refuse(reason: str, url: str | None) -> None:
+        refusals[reason] = refusals.get(reason, 0) + 1
+        if url:
+            avoid.add(url)
+            fleet.refused(url)
+
+    async def backoff() -> bool:
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.1)
+        return True
+
+    # prefill: on any pair that admits it
+    while True:
+        pair = fleet.pick(rng, avoid)
+        if pair is None:
+            refuse("NoLinkedPair", None)
+            if await backoff():
+                avoid.clear()  # the fleet view was refreshed meanwhile
+                continue
+            return Result(ok=False, reason="NoLinkedPair", refusals=refusals)
+        p, d = pair
+        _, why = await _post(http, f"{p['url']}/v1/prefill", {"req_id": req_id, "prompt_tokens": prompt})
+        if not why:
+            break
+        if not retryable(why):
+            return Result(ok=False, reason=why, refusals=refusals)
+        refuse(why, p["url"])
+        if not await backoff():
+            return Result(ok=False, reason=why, refusals=refusals)
+    # decode: the cache lives on p, so only decoders linked to p can take it
+    while True:
+        decode_sent = time.monotonic()
+        body, why = await _post(http, f"{d['url']}/v1/decode", {
             "req_id": req_id, "prompt_cluster_id": p["cluster_id"], "prompt_tokens": prompt,
-            "output_tokens": output})
-        if r.status_code != 200:
-            return Result(ok=False, reason=r.json().get("code", str(r.status_code)))
-        body = r.json()
-    except httpx.HTTPError as e:
-        return Result(ok=False, reason=type(e).__name__)
-    ttft = (prefill_done - t0) * 1000 + body["first_token_ms"]
-    return Result(ok=True, ttft_ms=ttft, tbt_ms=body["tbt_ms_mean"])
+            "output_tokens": output, "prompt_agent_url": p["url"]})
+        if not why:
+            break
+        if not retryable(why):
+            return Result(ok=False, reason=why, refusals=refusals)
+        refuse(why, d["url"])
+        nxt = None
+        while nxt is None:
+            nxt = fleet.decoder_for(rng, p, avoid)
+            if nxt is None and not await backoff():
+                return Result(ok=False, reason="NoDecoderForCache", refusals=refusals)
+        d = nxt
+    # first_token_ms is counted by the decoder from the moment it took the request
+    ttft = (decode_sent - t0) * 1000 + body["first_token_ms"]
+    return Result(ok=True, ttft_ms=ttft, tbt_ms=body["tbt_ms_mean"], refusals=refusals)
 
 
 async def run(args: argparse.Namespace) -> Summary:
@@ -158,7 +249,11 @@ async def run(args: argparse.Namespace) -> Summary:
     async with httpx.AsyncClient(trust_env=False, headers=headers,
                                  timeout=httpx.Timeout(120, connect=5),
                                  limits=httpx.Limits(max_connections=1000)) as http:
-        fleet = Fleet(args.agent, http)
+        discover = None
+        if args.deployment:
+            discover = lambda: args.agent + discover_agents(args.kubeconfig, args.namespace,  # noqa: E731
+                                                            args.deployment)
+        fleet = Fleet(args.agent, http, discover)
         await fleet.refresh()
         times = arrival_times(args.arrival, args.duration, rng, args.rate, args.rate_min, args.rate_max,
                               args.period)
@@ -178,17 +273,22 @@ async def run(args: argparse.Namespace) -> Summary:
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(one_request(
                 http, fleet, rng, base_id + i, sample_length(p_mean, rng, args.max_prompt),
-                sample_length(o_mean, rng, args.max_output))))
+                sample_length(o_mean, rng, args.max_output), args.retry_window)))
         results = await asyncio.gather(*tasks)
         ref.cancel()
         return summarize(list(results), time.monotonic() - start, args.slo_ttft_ms, args.slo_tbt_ms)
 
 
-def discover(kubeconfig: str | None, namespace: str, deployment: str) -> list[str]:
+_core_api = None
+
+
+def discover_agents(kubeconfig: str | None, namespace: str, deployment: str) -> list[str]:
+    global _core_api
     from kubernetes import client, config
-    config.load_kube_config(config_file=kubeconfig)
-    pods = client.CoreV1Api().list_namespaced_pod(
-        namespace, label_selector=f"pdoperator.io/deployment={deployment}").items
+    if _core_api is None:
+        _core_api = client.CoreV1Api(config.new_client_from_config(config_file=kubeconfig))
+    pods = _core_api.list_namespaced_pod(namespace, label_selector=f"pdoperator.io/deployment={deployment}",
+                                         _request_timeout=5).items
     return [f"http://{p.status.pod_ip}:8080" for p in pods if p.status.pod_ip]
 
 
@@ -212,11 +312,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slo-ttft-ms", type=float, default=1500)
     ap.add_argument("--slo-tbt-ms", type=float, default=80)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--retry-window", type=float, default=10.0,
+                    help="seconds a refused request (draining pod, no linked pair) keeps trying other pairs")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    if args.deployment:
-        args.agent += discover(args.kubeconfig, args.namespace, args.deployment)
-    if not args.agent:
+    if not args.agent and not args.deployment:
         ap.error("give --agent URLs or --deployment")
     s = asyncio.run(run(args))
     if args.json:
@@ -224,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         fmt = lambda d: " ".join(f"{k}={v:.1f}" if v is not None else f"{k}=-" for k, v in d.items())  # noqa: E731
         print(f"requests {s.requests}  completed {s.completed}  failed {s.failed} {s.failed_by_reason or ''}")
+        print(f"retried {s.retried} (refusals before any token: {s.refused_by_reason or 'none'})")
         print(f"throughput {s.throughput_rps:.2f} req/s  goodput {s.goodput_rps:.2f} req/s  "
               f"SLO attainment {s.slo_attainment:.1%}")
         print(f"TTFT ms {fmt(s.ttft_ms)}")

@@ -6,10 +6,19 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 Role = Literal["prompt", "decoder"]
+# A link is broken only when the engine says so: LLM_LINK_BUSY (a pull is running on it) and
+# LLM_PROCESSING_LINK (it is being made) are a healthy link at work.
+BROKEN_CODES = frozenset({"LLM_NOT_YET_LINK", "LLM_LINK_FAILED", "LLM_WAIT_PROCESS_TIMEOUT"})
 
 
 class _Body(BaseModel):
+    """A request body: strict, so a typo is a 400 naming the field."""
     model_config = ConfigDict(extra="forbid")
+
+
+class _Reply(BaseModel):
+    """A response body: forward-compatible, so a newer agent's extra fields are ignored."""
+    model_config = ConfigDict(extra="ignore")
 
 
 class Peer(_Body):
@@ -18,7 +27,8 @@ class Peer(_Body):
     cluster_id: int = Field(ge=0, lt=2**64)
     ip: str = Field(min_length=1)
     port: int = Field(ge=1, le=65535)
-    agent_url: str | None = Field(default=None, description="the peer's agent, for verify")
+    agent_url: str | None = Field(default=None, description="the peer's agent: verify, and pull notices")
+    boot_id: str | None = Field(default=None, description="the peer agent's boot id when the link was made")
 
 
 class LinkRequest(_Body):
@@ -32,7 +42,7 @@ class UnlinkRequest(_Body):
     force: bool = False
 
 
-class LinkResult(_Body):
+class LinkResult(_Reply):
     ret: str
     rets: dict[str, str]  # peer name -> LLMStatusCode name
     duration_ms: float = 0
@@ -46,7 +56,7 @@ class VerifyRequest(_Body):
     peer: Peer
 
 
-class VerifyResult(_Body):
+class VerifyResult(_Reply):
     ok: bool
     code: str
     message: str = ""
@@ -60,7 +70,7 @@ class ProbeRequest(_Body):
     req_id: int = Field(ge=0, lt=2**64)
 
 
-class ProbeResponse(_Body):
+class ProbeResponse(_Reply):
     prompt_cluster_id: int
     req_id: int
     model_id: int
@@ -74,7 +84,7 @@ class DrainRequest(_Body):
     timeout_s: float = Field(default=30, ge=0)
 
 
-class DrainResult(_Body):
+class DrainResult(_Reply):
     draining: bool
     in_flight: int
     pending_kv: int
@@ -86,7 +96,7 @@ class PrefillRequest(_Body):
     prompt_tokens: int = Field(gt=0)
 
 
-class PrefillResponse(_Body):
+class PrefillResponse(_Reply):
     prompt_cluster_id: int
     req_id: int
     model_id: int
@@ -97,17 +107,26 @@ class PrefillResponse(_Body):
 class DecodeRequest(_Body):
     req_id: int = Field(ge=0, lt=2**64)
     prompt_cluster_id: int = Field(ge=0, lt=2**64)
+    prompt_agent_url: str | None = Field(default=None, description="where to report the pull, if the "
+                                         "decoder does not know the prefill's agent from its link")
     prompt_tokens: int = Field(gt=0)
     output_tokens: int = Field(gt=0)
 
 
-class DecodeResponse(_Body):
+class DecodeResponse(_Reply):
     tokens: int
     pull_ms: float
     first_token_ms: float
     tbt_ms_mean: float
     tbt_ms_max: float
     total_ms: float
+
+
+class NotifyRequest(_Body):
+    """Decoder agent -> prefill agent: what the v1 API does not tell the prompt side."""
+    decoder_cluster_id: int = Field(ge=0, lt=2**64)
+    pulled: list[int] = Field(default_factory=list, description="req_ids whose KV cache was pulled")
+    linked: bool | None = Field(default=None, description="True: linked to you; False: unlinked you")
 
 
 class FaultsRequest(_Body):
@@ -118,16 +137,18 @@ class FaultsRequest(_Body):
     crash: bool = False
 
 
-class LinkState(_Body):
+class LinkState(_Reply):
     name: str
     cluster_id: int
     ip: str = ""
     port: int = 0
-    code: str  # LLMStatusCode name from check_link_status (LLM_SUCCESS when usable)
+    code: str  # the last LLMStatusCode the engine gave for this link (check_link_status or a pull)
     since: float = 0
+    healthy: bool = True       # False only when the engine said the link is broken
+    peer_boot_id: str | None = None
 
 
-class Load(_Body):
+class Load(_Reply):
     queue_depth: int = 0
     running: int = 0
     in_flight: int = 0
@@ -140,7 +161,7 @@ class Load(_Body):
     tbt_p90_ms: float | None = None
 
 
-class AgentStatus(_Body):
+class AgentStatus(_Reply):
     pod: str
     role: Role
     cluster_id: int
@@ -154,6 +175,7 @@ class AgentStatus(_Body):
     incoming: list[int] = []  # prompt side: decoder cluster ids linked to it
     load: Load = Load()
     draining: bool = False
+    terminating: bool = False     # SIGTERM received: draining, then exiting
     proxy_env: dict[str, str] = {}
     memory_scale: int = 1
     cache_desc: dict = {}

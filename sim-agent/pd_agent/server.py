@@ -24,9 +24,10 @@ from .identity import ConfigError, Identity, import_backend
 from .inference import Inference
 from .metrics import AgentMetrics
 from .models import (
-    DecodeRequest, DrainRequest, FaultsRequest, LinkRequest, PrefillRequest, ProbeRequest,
+    DecodeRequest, DrainRequest, FaultsRequest, LinkRequest, NotifyRequest, PrefillRequest, ProbeRequest,
     SwitchRoleRequest, UnlinkRequest, VerifyRequest,
 )
+from .notify import Notifier
 
 log = logging.getLogger("pd_agent")
 CORE = web.AppKey("core", AgentCore)
@@ -139,6 +140,9 @@ def routes(core: AgentCore, token: str | None, http: httpx.AsyncClient) -> list[
     async def init(_):
         await core.init()
 
+    async def notify(body: NotifyRequest):
+        core.notify(body)
+
     async def switch(body: SwitchRoleRequest):
         await core.switch_role(body.role)
 
@@ -155,6 +159,7 @@ def routes(core: AgentCore, token: str | None, http: httpx.AsyncClient) -> list[
         web.post("/v1/probe", handler(ProbeRequest, lambda b: core.probe(b.req_id))),
         web.post("/v1/drain", handler(DrainRequest, lambda b: core.drain(b.timeout_s))),
         web.post("/v1/undrain", handler(None, lambda _: core.undrain())),
+        web.post("/v1/notify", handler(NotifyRequest, notify)),
         web.post("/v1/admin/faults", handler(FaultsRequest, faults)),
         web.get("/v1/admin/faults", faults_get),
     ]
@@ -179,19 +184,36 @@ def build_app(core: AgentCore, token: str | None, metrics: AgentMetrics | None =
     app.add_routes(routes(core, token, app[HTTP]))
 
     async def lifecycle(app: web.Application):
+        if core.notifier is None:
+            core.notifier = Notifier(app[HTTP], token, core.id.cluster_id)
+            core.notifier.start()
+        health = asyncio.create_task(core.health_loop(), name="link-health")
         if core.inference is not None:
             core.inference.start()
         yield
+        health.cancel()
         if core.inference is not None:
             await core.inference.stop()
+        await core.notifier.stop()
         await app[HTTP].aclose()
 
     app.cleanup_ctx.append(lifecycle)
     return app
 
 
+async def _wait(ev: asyncio.Event, seconds: float) -> None:
+    try:
+        await asyncio.wait_for(ev.wait(), seconds)
+    except asyncio.TimeoutError:
+        pass
+
+
 async def _serve(identity: Identity, host: str, port: int) -> None:
     llm = import_backend(identity.backend)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
     core = AgentCore(llm, identity)
     app = build_app(core, identity.token)
     runner = web.AppRunner(app, access_log=None)
@@ -201,9 +223,13 @@ async def _serve(identity: Identity, host: str, port: int) -> None:
     log.info("agent %s (%s, cluster_id %d) serving on %s:%d, datadist %s:%d, backend %s",
              identity.pod, identity.role, identity.cluster_id, host, port, identity.ip, identity.port,
              identity.backend)
+    if identity.engine_start_s > 0:
+        # the simulator's stand-in for loading weights and building the engine
+        log.info("engine start-up takes %.1fs", identity.engine_start_s)
+        await _wait(stop, identity.engine_start_s)
     # Keep trying to init: a bad listen address is reported in /healthz, not a crash loop.
     delay = 0.5
-    while not core.initialized:
+    while not core.initialized and not stop.is_set():
         try:
             t0 = time.perf_counter()
             await core.init()
@@ -211,13 +237,13 @@ async def _serve(identity: Identity, host: str, port: int) -> None:
         except Exception as e:  # noqa: BLE001
             core.last_error = f"init: {e}"
             log.error("engine init failed: %s; retrying in %.1fs", e, delay)
-            await asyncio.sleep(delay)
+            await _wait(stop, delay)
             delay = min(10, delay * 2)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    if core.initialized:
+        log.info("SIGTERM: refusing new work, draining (up to %.0fs)", identity.drain_timeout_s)
+        res = await core.terminate(identity.drain_timeout_s)
+        log.info("drained: %s", json.dumps(res))
     log.info("shutting down")
     await runner.cleanup()
     await core.finalize()

@@ -16,6 +16,22 @@ import yaml
 from tests.conftest import REPO, Cluster, wait_for
 
 
+@pytest.fixture
+def agents():
+    """Agents as real processes on their own loopback IPs, stopped at the end."""
+    from tests.agent_procs import AgentProc
+
+    started: list[AgentProc] = []
+
+    def make(role: str, cluster_id: int, **kw) -> AgentProc:
+        a = AgentProc(role, cluster_id, **kw)
+        started.append(a)
+        return a
+    yield make
+    for a in started:
+        a.stop()
+
+
 @pytest.fixture(scope="session")
 def crd(cluster: Cluster) -> None:
     cluster.kubectl("apply", "-f", str(REPO / "crds" / "pddeployment.yaml"))

@@ -10,19 +10,7 @@ import pytest
 from aiohttp import web
 
 from tests.agent_procs import TOKEN, AgentProc, next_ip
-
-
-@pytest.fixture
-def agents():
-    started: list[AgentProc] = []
-
-    def make(role: str, cluster_id: int, **kw) -> AgentProc:
-        a = AgentProc(role, cluster_id, **kw)
-        started.append(a)
-        return a
-    yield make
-    for a in started:
-        a.stop()
+from tests.conftest import wait_for
 
 
 def test_auth_and_bad_input(agents):
@@ -63,7 +51,8 @@ def test_link_verify_requests_metrics(agents):
     dc = d.post("/v1/decode", {"req_id": 7, "prompt_cluster_id": 0, "prompt_tokens": 300,
                                "output_tokens": 5}).json()
     assert dc["tokens"] == 5 and dc["tbt_ms_mean"] > 0
-    assert p.status()["load"]["pending_kv"] == 0
+    # the decoder's agent tells the prefill's agent the cache was pulled (the v1 API does not)
+    wait_for("pull notice", lambda: p.status()["load"]["pending_kv"] == 0, timeout=5)
     # the same key twice: already pulled
     r = d.post("/v1/decode", {"req_id": 7, "prompt_cluster_id": 0, "prompt_tokens": 300, "output_tokens": 5})
     assert r.status_code == 502 and r.json()["code"] == "LLM_KV_CACHE_NOT_EXIST"
@@ -98,7 +87,7 @@ def test_drain_waits_for_pending_kv(agents):
     assert r == {"draining": True, "in_flight": 0, "pending_kv": 1, "drained": False}
     assert p.post("/v1/prefill", {"req_id": 2, "prompt_tokens": 100}).status_code == 503
     d.post("/v1/decode", {"req_id": 1, "prompt_cluster_id": 0, "prompt_tokens": 100, "output_tokens": 2})
-    assert p.post("/v1/drain", {"timeout_s": 1}).json()["drained"] is True
+    assert p.post("/v1/drain", {"timeout_s": 5}).json()["drained"] is True
     assert p.post("/v1/undrain").json()["draining"] is False
 
 
@@ -176,4 +165,5 @@ def test_loadgen_cli_against_agents(agents):
     s = json.loads(out.stdout)
     assert s["requests"] > 10 and s["failed"] == 0 and s["completed"] == s["requests"]
     assert s["ttft_ms"]["p90"] > 0 and s["goodput_rps"] > 0
-    assert p1.status()["load"]["pending_kv"] == 0 and p2.status()["load"]["pending_kv"] == 0
+    wait_for("pull notices", lambda: p1.status()["load"]["pending_kv"] == 0
+             and p2.status()["load"]["pending_kv"] == 0, timeout=5)

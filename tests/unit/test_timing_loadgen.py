@@ -56,3 +56,21 @@ def test_summary_goodput():
     assert s.completed == 3 and s.failed == 1 and s.failed_by_reason == {"X": 1}
     assert s.goodput_rps == 0.5 and s.slo_attainment == 0.25
     assert percentile([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 90) == 9
+
+
+def test_summary_counts_refusals_apart_from_failures():
+    rs = [Result(True, 100, 20, refusals={"DRAINING": 1}), Result(True, 100, 20),
+          Result(False, reason="NoLinkedPair", refusals={"NoLinkedPair": 3}),
+          Result(False, reason="LLM_NOT_YET_LINK")]
+    s = summarize(rs, 1.0, slo_ttft_ms=1500, slo_tbt_ms=80)
+    assert s.completed == 2 and s.failed == 2 and s.retried == 2
+    assert s.refused_by_reason == {"DRAINING": 1, "NoLinkedPair": 3}
+    assert s.failed_by_reason == {"NoLinkedPair": 1, "LLM_NOT_YET_LINK": 1}
+
+
+def test_only_refusals_before_any_token_are_retried():
+    from pd_agent.loadgen import retryable
+    assert retryable("DRAINING") and retryable("ConnectError") and retryable("NoLinkedPair")
+    # a data-path error after admission is a failure, never hidden by a retry
+    for code in ("LLM_NOT_YET_LINK", "LLM_WAIT_PROCESS_TIMEOUT", "LLM_KV_CACHE_NOT_EXIST", "ReadTimeout"):
+        assert not retryable(code)
