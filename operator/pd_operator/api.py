@@ -135,7 +135,8 @@ class Rebalance(Model):
     min_prefill: int = Field(default=1, ge=0, le=1024)
     min_decoder: int = Field(default=1, ge=0, le=1024)
     cooldown_seconds: int = Field(default=60, ge=0, le=86400)
-    drain_timeout_seconds: int = Field(default=60, ge=0, le=3600)
+    drain_timeout_seconds: int | None = Field(default=None, ge=0, le=3600,
+                                              description="drain timeout of a switch (default spec.drainTimeoutSeconds)")
     targets: Targets | None = None
     schedule: list[ScheduleEntry] | None = Field(default=None, max_length=64)
     manual: Manual | None = None
@@ -146,6 +147,36 @@ class Ascend(Model):
     hccn_conf: str = "/etc/hccn.conf"
     driver_path: str = "/usr/local/Ascend/driver"
     extra_host_paths: list[str] = Field(default_factory=lambda: ["/usr/local/dcmi", "/usr/local/bin/npu-smi"])
+
+
+class SimTiming(Model):
+    """Coefficients of the simulator's timing models (REFERENCE §B); unset ones keep their defaults.
+    Prefill batch: a*sum(p) + b*sum(p^2) + c ms; decode step: a*sum(ctx) + b*batch + c ms."""
+    prefill_a: float | None = Field(default=None, ge=0)
+    prefill_b: float | None = Field(default=None, ge=0)
+    prefill_c: float | None = Field(default=None, ge=0)
+    decode_a: float | None = Field(default=None, ge=0)
+    decode_b: float | None = Field(default=None, ge=0)
+    decode_c: float | None = Field(default=None, ge=0)
+    kv_alpha_ms: float | None = Field(default=None, ge=0)
+    kv_bandwidth_gbps: float | None = Field(default=None, gt=0, description="GB/s")
+
+
+class SimFaults(Model):
+    """Faults the simulated engines start with (also settable at run time on each agent)."""
+    refuse_links: bool = Field(default=False, description="prompt side stops listening")
+    link_delay_ms: int = Field(default=0, ge=0, le=600000, description="prompt side answers link handshakes late")
+    pull_delay_ms: int = Field(default=0, ge=0, le=600000, description="prompt side answers pulls late")
+    pull_fail: bool = Field(default=False, description="prompt side fails every pull")
+
+
+class Sim(Model):
+    """Simulator settings (backend sim only)."""
+    time_scale: float = Field(default=1.0, gt=0, le=100, description="multiplies all simulated time")
+    timing: SimTiming | None = None
+    engine_start_seconds: float = Field(default=0, ge=0, le=3600,
+                                        description="delay before the engine initialises, like loading weights")
+    faults: SimFaults | None = None
 
 
 class PDDeploymentSpec(Model):
@@ -166,6 +197,8 @@ class PDDeploymentSpec(Model):
          "self.decoder.clusterIdBase + self.decoder.replicas <= self.prefill.clusterIdBase",
          "spec.prefill.clusterIdBase and spec.decoder.clusterIdBase ranges overlap: cluster_ids must be unique",
          ".decoder"),
+        ("!has(self.sim) || self.backend == 'sim'",
+         "spec.sim applies only to backend sim", ".sim"),
     ))
     backend: Literal["sim", "llm-datadist"] = "sim"
     image: str = Field(min_length=1, max_length=1024, pattern=r"^\S+$")
@@ -175,7 +208,12 @@ class PDDeploymentSpec(Model):
     prefill: Group = Field(default_factory=Group, json_schema_extra={"default": {}})
     decoder: Group = Field(default_factory=Group, json_schema_extra={"default": {}})
     rebalance: Rebalance | None = None
+    drain_timeout_seconds: int = Field(
+        default=60, ge=0, le=3600,
+        description="how long a leaving pod may finish in-flight requests and wait for its KV caches "
+                    "to be pulled; terminationGracePeriodSeconds follows it")
     ascend: Ascend | None = None
+    sim: Sim | None = None
 
 
 # ---- status ---------------------------------------------------------------------------------

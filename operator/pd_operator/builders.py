@@ -20,6 +20,7 @@ AGENT_PORT = 8080
 GROUPS = ("prefill", "decoder")
 ENGINE_ROLE = {"prefill": "prompt", "decoder": "decoder"}  # LLM_DATADIST_ROLE per home group
 DEFAULT_BASE = {"prefill": 0, "decoder": 1000}
+TERMINATION_MARGIN_S = 10
 
 
 def sts_name(name: str, group: str) -> str:
@@ -109,12 +110,33 @@ def _env(name: str, spec: PDDeploymentSpec, group: str) -> list[dict]:
         {"name": "PD_AGENT_TOKEN", "valueFrom": {"secretKeyRef": {
             "name": token_secret_name(name), "key": "token"}}},
     ]
+    env.append({"name": "PD_DRAIN_TIMEOUT_S", "value": str(spec.drain_timeout_seconds)})
     if spec.backend == "sim":
         scale = derive(spec.model.kv_cache).sim_memory_scale()
         env.append({"name": "PD_SIM_MEMORY_SCALE", "value": str(scale)})
+        env += sim_env(spec)
     g = spec.prefill if group == "prefill" else spec.decoder
     env += [{"name": e.name, "value": e.value} for e in g.env or []]
     return env
+
+
+def sim_env(spec: PDDeploymentSpec) -> list[dict]:
+    """spec.sim as the simulator's own settings (PD_SIM_*, PD_SIM_FAULT_*)."""
+    if spec.sim is None:
+        return []
+    sim = spec.sim
+    values: dict[str, object] = {"PD_SIM_TIME_SCALE": sim.time_scale,
+                                 "PD_SIM_ENGINE_START_S": sim.engine_start_seconds}
+    for k, v in (sim.timing.model_dump(exclude_none=True) if sim.timing else {}).items():
+        values[f"PD_SIM_{k.upper()}"] = v
+    for k, v in (sim.faults.model_dump() if sim.faults else {}).items():
+        values[f"PD_SIM_FAULT_{k.upper()}"] = int(v) if isinstance(v, bool) else v
+    return [{"name": k, "value": str(v)} for k, v in values.items()]
+
+
+def termination_grace_seconds(spec: PDDeploymentSpec) -> int:
+    """The agent drains for at most drainTimeoutSeconds after SIGTERM; the rest is shutdown."""
+    return spec.drain_timeout_seconds + TERMINATION_MARGIN_S
 
 
 def _ascend_volumes(spec: PDDeploymentSpec) -> tuple[list[dict], list[dict]]:
@@ -151,7 +173,7 @@ def statefulset(name: str, namespace: str, spec: PDDeploymentSpec, group: str, o
         container["resources"] = g.resources.model_dump(exclude_none=True)
     if mounts:
         container["volumeMounts"] = mounts
-    pod_spec: dict = {"containers": [container], "terminationGracePeriodSeconds": 30,
+    pod_spec: dict = {"containers": [container], "terminationGracePeriodSeconds": termination_grace_seconds(spec),
                       "enableServiceLinks": False}
     if volumes:
         pod_spec["volumes"] = volumes

@@ -29,6 +29,7 @@ Key = tuple[str, str]
 BACKOFF_BASE_S = 0.5
 BACKOFF_CAP_S = 30.0
 TOKEN_TTL_S = 20.0
+HOLDING_RECHECK_S = 0.5
 
 
 @dataclass
@@ -65,7 +66,8 @@ class DeploymentState:
 
 
 def peer_of(e: lk.Engine) -> Peer:
-    return Peer(name=e.pod, cluster_id=e.cluster_id, ip=e.ip or "", port=e.port, agent_url=e.agent_url)
+    return Peer(name=e.pod, cluster_id=e.cluster_id, ip=e.ip or "", port=e.port, agent_url=e.agent_url,
+                boot_id=e.boot_id)
 
 
 class Controller:
@@ -153,8 +155,11 @@ class Controller:
         ns, name = key
         st = self.states.setdefault(key, DeploymentState())
         spec = parse_spec(body["spec"])
-        pods = [p for p in self.pods.get(key, {}).values() if not p["metadata"].get("deletionTimestamp")]
-        engines = [engine_of(p, spec) for p in pods]
+        # Terminating pods stay in view: a leaving prefill keeps its links until its KV
+        # caches were pulled, and is then unlinked from the decoders' side.
+        all_pods = list(self.pods.get(key, {}).values())
+        pods = [p for p in all_pods if not p["metadata"].get("deletionTimestamp")]
+        engines = [engine_of(p, spec) for p in all_pods]
         obs = Observed(generation=body["metadata"].get("generation", 0), pods=pods, engines=engines,
                        model_id=spec.model.model_id)
         token = await self._token(key, st)
@@ -184,6 +189,8 @@ class Controller:
         if status != st.last_status:
             await self._write_status(key, status)
             st.last_status = status
+        if lk.holding_links(obs.engines, obs.reported):
+            return HOLDING_RECHECK_S  # a leaving prefill is unlinked as soon as nothing waits on it
         if status["phase"] != "Ready":
             retry = st.next_retry_in()
             return min(1.0, retry) if retry is not None else 1.0
@@ -215,8 +222,8 @@ class Controller:
         by_pod = {e.pod: i for i, e in enumerate(obs.engines)}
         for e, s, err in results:
             if err is not None:
-                # a pod that is not Ready yet is expected not to answer
-                if e.ready:
+                # a pod that is not Ready yet, or is leaving, is expected not to answer
+                if e.ready and not e.terminating:
                     obs.agent_errors[e.pod] = st.agent_errors[e.pod] = (err.kind, str(err))
                     st.agent_backoff.fail(e.pod, time.monotonic())
                 obs.engines[by_pod[e.pod]] = replace(e, agent_ok=False)
@@ -224,7 +231,9 @@ class Controller:
             obs.agent_errors.pop(e.pod, None)
             st.agent_errors.pop(e.pod, None)
             st.agent_backoff.succeed(e.pod)
-            obs.engines[by_pod[e.pod]] = replace(e, agent_ok=s.initialized)
+            obs.engines[by_pod[e.pod]] = replace(
+                e, agent_ok=s.initialized, boot_id=s.boot_id, draining=s.draining or s.terminating,
+                busy=s.load.in_flight > 0 or s.load.pending_kv > 0)
             prev = st.boot_ids.get(e.pod)
             if prev and prev != s.boot_id:
                 await self.events.post(body, "Normal", "AgentRestarted",

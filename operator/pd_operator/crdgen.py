@@ -46,6 +46,10 @@ def _structural(node: dict, defs: dict) -> dict:
                 out[k] = _structural(v, defs)
         elif k == "const":
             out["enum"] = [v]
+        elif k in ("exclusiveMinimum", "exclusiveMaximum") and not isinstance(v, bool):
+            # JSON Schema 2020 gives the bound; OpenAPI v3.0 (CRDs) wants a bound plus a flag
+            out["minimum" if k == "exclusiveMinimum" else "maximum"] = v
+            out[k] = True
         else:
             out[k] = v
     if out.get("type") == "object" and "properties" not in out and "additionalProperties" not in out:

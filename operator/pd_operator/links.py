@@ -1,9 +1,17 @@
 """Link planning (pure): desired links from current roles and topology, compared with
-what each decoder's agent reports, gives what to unlink and what to link."""
+what each decoder's agent reports, gives what to unlink and what to link.
+
+A link is broken only when the engine says so (LLM_NOT_YET_LINK, LLM_LINK_FAILED, a pull's
+LLM_WAIT_PROCESS_TIMEOUT), when the prefill's agent restarted since the link was made
+(boot id), or when its ip/port moved; a busy link is a link at work. A prefill that is
+leaving (terminating, or draining) gets no new links but keeps the ones it has while KV
+caches on it wait to be pulled; then it is unlinked normally, from the decoder's side."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Callable
+
+from pd_agent.models import BROKEN_CODES
 
 MAX_PER_CALL = 16  # link_clusters takes at most 16 clusters per call
 
@@ -19,10 +27,27 @@ class Engine:
     ready: bool = False
     agent_ok: bool = False   # reachable, authorised and initialised
     agent_url: str | None = None
+    boot_id: str | None = None      # the agent's, as last observed
+    terminating: bool = False       # the pod has a deletionTimestamp
+    draining: bool = False          # the agent refuses new work
+    busy: bool | None = None        # in-flight requests or un-pulled KV caches; None: not known
 
     @property
     def linkable(self) -> bool:
         return self.ready and self.agent_ok and bool(self.ip)
+
+    @property
+    def leaving(self) -> bool:
+        return self.terminating or self.draining
+
+    @property
+    def serving(self) -> bool:
+        return self.linkable and not self.leaving
+
+    @property
+    def holding(self) -> bool:
+        """A leaving prefill whose links must stay: caches wait on it, or it cannot say."""
+        return self.leaving and bool(self.ip) and self.busy is not False
 
 
 @dataclass
@@ -46,11 +71,26 @@ def batches(items: list, size: int = MAX_PER_CALL) -> list[list]:
 
 
 def prefills_of(engines: list[Engine]) -> list[Engine]:
-    return sorted((e for e in engines if e.role == "prefill" and e.linkable), key=lambda e: e.cluster_id)
+    return sorted((e for e in engines if e.role == "prefill" and e.serving), key=lambda e: e.cluster_id)
 
 
 def decoders_of(engines: list[Engine]) -> list[Engine]:
-    return sorted((e for e in engines if e.role == "decoder" and e.linkable), key=lambda e: e.cluster_id)
+    return sorted((e for e in engines if e.role == "decoder" and e.serving), key=lambda e: e.cluster_id)
+
+
+def held_prefills(engines: list[Engine]) -> dict[int, Engine]:
+    return {e.cluster_id: e for e in engines if e.role == "prefill" and e.holding}
+
+
+def broken(link: dict, target: Engine) -> bool:
+    """Whether a reported link to `target` must be re-made."""
+    code = link.get("code", "LLM_SUCCESS")
+    if not link.get("healthy", code not in BROKEN_CODES) or code in BROKEN_CODES:
+        return True
+    if link.get("ip") != target.ip or link.get("port") != target.port:
+        return True  # the peer moved
+    seen = link.get("peer_boot_id")
+    return bool(seen and target.boot_id and seen != target.boot_id)  # the peer restarted
 
 
 def desired(engines: list[Engine], topology: str = "FullMesh") -> dict[str, list[Engine]]:
@@ -63,8 +103,10 @@ def desired(engines: list[Engine], topology: str = "FullMesh") -> dict[str, list
 
 def plan(engines: list[Engine], reported: dict[str, list[dict]], topology: str = "FullMesh",
          due: Callable[[str, int], bool] = lambda d, c: True) -> list[DecoderPlan]:
-    """`reported[decoder] = [{name, cluster_id, ip, port, code}, ...]` from each agent's status."""
+    """`reported[decoder] = [{name, cluster_id, ip, port, code, healthy, peer_boot_id}, ...]`
+    from each agent's status."""
     want = desired(engines, topology)
+    held = held_prefills(engines)
     by_pod = {e.pod: e for e in engines}
     plans = []
     for dpod, peers in want.items():
@@ -72,21 +114,27 @@ def plan(engines: list[Engine], reported: dict[str, list[dict]], topology: str =
         have = {l["cluster_id"]: l for l in reported.get(dpod, [])}
         wanted = {e.cluster_id: e for e in peers}
         for cid, link in have.items():
-            target = wanted.get(cid)
+            target = wanted.get(cid) or held.get(cid)
             if target is None:
-                (p.unlink if link["code"] == "LLM_SUCCESS" else p.force_unlink).append(link)
-            elif link["code"] != "LLM_SUCCESS" or link.get("ip") != target.ip or link.get("port") != target.port:
-                p.force_unlink.append(link)  # broken, or the peer moved: re-make it
-                if due(dpod, cid):
+                # gone, scaled away, or a leaving prefill with nothing left to pull
+                (p.force_unlink if _engine_says_broken(link) else p.unlink).append(link)
+            elif broken(link, target):
+                p.force_unlink.append(link)  # re-make it (a leaving prefill gets no new link)
+                if cid in wanted and due(dpod, cid):
                     p.link.append(target)
         for cid, target in wanted.items():
             if cid not in have and due(dpod, cid):
                 p.link.append(target)
         if not p.empty:
             plans.append(p)
-    # decoders that are not linkable (switching, not ready) keep their links until the
-    # switcher or a restart handles them; prefills never dial.
+    # decoders that are not serving (leaving, not ready) keep their links until they go
+    # or the switcher handles them; prefills never dial.
     return plans
+
+
+def _engine_says_broken(link: dict) -> bool:
+    code = link.get("code", "LLM_SUCCESS")
+    return code in BROKEN_CODES or not link.get("healthy", True)
 
 
 def counts(engines: list[Engine], reported: dict[str, list[dict]], topology: str = "FullMesh") -> tuple[int, int]:
@@ -96,11 +144,14 @@ def counts(engines: list[Engine], reported: dict[str, list[dict]], topology: str
     up = 0
     for dpod, peers in want.items():
         have = {l["cluster_id"]: l for l in reported.get(dpod, [])}
-        for e in peers:
-            l = have.get(e.cluster_id)
-            if l and l["code"] == "LLM_SUCCESS" and l.get("ip") == e.ip and l.get("port") == e.port:
-                up += 1
+        up += sum(1 for e in peers if e.cluster_id in have and not broken(have[e.cluster_id], e))
     return expected, up
+
+
+def holding_links(engines: list[Engine], reported: dict[str, list[dict]]) -> int:
+    """Links still kept to leaving prefills (the loop re-checks soon while there are any)."""
+    held = held_prefills(engines)
+    return sum(1 for ls in reported.values() for l in ls if l["cluster_id"] in held)
 
 
 def verify_pairs(engines: list[Engine], round_no: int) -> list[tuple[Engine, Engine]]:

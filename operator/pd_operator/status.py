@@ -47,7 +47,8 @@ def engine_of(pod: dict, spec: PDDeploymentSpec, agent_ok: bool = False) -> Engi
     return Engine(pod=pod["metadata"]["name"], group=group, role=labels.get(LABEL_ROLE, group),
                   cluster_id=cluster_id(spec, group, pod_index(pod)), ip=ip, port=spec.datadist.port,
                   ready=pod_ready(pod), agent_ok=agent_ok,
-                  agent_url=f"http://{ip}:{AGENT_PORT}" if ip else None)
+                  agent_url=f"http://{ip}:{AGENT_PORT}" if ip else None,
+                  terminating=bool(pod["metadata"].get("deletionTimestamp")))
 
 
 @dataclass

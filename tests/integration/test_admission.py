@@ -30,6 +30,12 @@ DELETE = object()
 REBAL = {"policy": "Load", "minPrefill": 1, "minDecoder": 1}
 
 CASES = [
+    ("sim block on the real backend", lambda d: d["spec"].update(backend="llm-datadist", sim={"timeScale": 0.1}),
+     "spec.sim"),
+    ("zero time scale", with_("spec.sim", {"timeScale": 0}), "spec.sim.timeScale"),
+    ("negative fault delay", with_("spec.sim", {"faults": {"pullDelayMs": -1}}), "spec.sim.faults.pullDelayMs"),
+    ("unknown timing coefficient", with_("spec.sim", {"timing": {"prefillZ": 1}}), "spec.sim.timing"),
+    ("negative drain timeout", with_("spec.drainTimeoutSeconds", -1), "spec.drainTimeoutSeconds"),
     ("negative replicas", with_("spec.prefill.replicas", -1), "spec.prefill.replicas"),
     ("port zero", with_("spec.datadist.port", 0), "spec.datadist.port"),
     ("port too big", with_("spec.datadist.port", 70000), "spec.datadist.port"),

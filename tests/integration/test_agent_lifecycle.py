@@ -6,8 +6,6 @@ import json
 import signal
 import threading
 
-import pytest
-
 from tests.agent_procs import AgentProc
 from tests.conftest import wait_for
 

@@ -80,6 +80,29 @@ def test_children_set_and_owner():
         assert ref["uid"] == "uid-1" and ref["controller"] and ref["kind"] == "PDDeployment"
 
 
+def test_sim_settings_and_drain_timeout_reach_the_pods():
+    spec = parse_spec({**SPEC, "drainTimeoutSeconds": 45, "sim": {
+        "timeScale": 0.1, "engineStartSeconds": 2, "timing": {"prefillC": 5},
+        "faults": {"pullDelayMs": 200, "pullFail": True}}})
+    sts = builders.statefulset("x", "ns", spec, "prefill", builders.owner_reference("x", "u"))
+    pod = sts["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    assert env["PD_SIM_TIME_SCALE"] == "0.1" and env["PD_SIM_ENGINE_START_S"] == "2.0"
+    assert env["PD_SIM_PREFILL_C"] == "5.0" and "PD_SIM_DECODE_C" not in env
+    assert env["PD_SIM_FAULT_PULL_DELAY_MS"] == "200" and env["PD_SIM_FAULT_PULL_FAIL"] == "1"
+    assert env["PD_DRAIN_TIMEOUT_S"] == "45"
+    assert pod["terminationGracePeriodSeconds"] == 45 + builders.TERMINATION_MARGIN_S
+    # the agent and the simulator read these names back
+    from llm_datadist_sim.faults import Faults
+    from pd_agent.identity import Identity
+    from pd_agent.timing import TimingModel
+    assert TimingModel.from_env(env).time_scale == 0.1 and TimingModel.from_env(env).prefill_c == 5
+    f = Faults.from_env(env)
+    assert f.pull_delay_ms == 200 and f.pull_fail is True
+    ident = Identity.from_env({**env, "LLM_DATADIST_CLUSTER_ID": "3"})
+    assert ident.drain_timeout_s == 45 and ident.engine_start_s == 2
+
+
 def test_statefulset_shape():
     sts = by_kind_name(children())[("StatefulSet", "llm-decoder")]
     spec = sts["spec"]
@@ -166,6 +189,64 @@ def test_plan_removes_stale_and_relinks_broken_or_moved():
     assert plan.unlink == [gone]
     assert plan.force_unlink == [broken, moved]
     assert [e.pod for e in plan.link] == ["p0", "p1"]
+
+
+@pytest.mark.parametrize("code", ["LLM_LINK_BUSY", "LLM_PROCESSING_LINK", "LLM_SUCCESS"])
+def test_a_busy_or_linking_link_is_healthy(code):
+    """check_link_status gives LINK_BUSY during a pull: that link is at work, not broken."""
+    p0, d0 = eng("p0", "prefill", 0), eng("d0", "decoder", 1000)
+    assert links.plan([p0, d0], {"d0": [{**up(p0), "code": code}]}) == []
+    assert links.counts([p0, d0], {"d0": [{**up(p0), "code": code}]}) == (1, 1)
+
+
+@pytest.mark.parametrize("code", ["LLM_NOT_YET_LINK", "LLM_LINK_FAILED", "LLM_WAIT_PROCESS_TIMEOUT"])
+def test_the_engine_says_broken(code):
+    p0, d0 = eng("p0", "prefill", 0), eng("d0", "decoder", 1000)
+    bad = {**up(p0), "code": code, "healthy": False}
+    [plan] = links.plan([p0, d0], {"d0": [bad]})
+    assert plan.force_unlink == [bad] and [e.pod for e in plan.link] == ["p0"]
+
+
+def test_a_restarted_prefill_is_relinked_by_boot_id():
+    from dataclasses import replace
+    p0, d0 = replace(eng("p0", "prefill", 0), boot_id="new"), eng("d0", "decoder", 1000)
+    old = {**up(p0), "peer_boot_id": "old"}
+    [plan] = links.plan([p0, d0], {"d0": [old]})
+    assert plan.force_unlink == [old] and [e.pod for e in plan.link] == ["p0"]
+    assert links.plan([p0, d0], {"d0": [{**up(p0), "peer_boot_id": "new"}]}) == []
+
+
+def test_a_leaving_prefill_keeps_its_links_while_caches_wait():
+    from dataclasses import replace
+    p0, d0 = eng("p0", "prefill", 0), eng("d0", "decoder", 1000)
+    p1 = replace(eng("p1", "prefill", 1), terminating=True, busy=True)
+    reported = {"d0": [up(p0), up(p1)]}
+    assert links.plan([p0, p1, d0], reported) == []           # held: caches wait on p1
+    assert links.counts([p0, p1, d0], reported) == (1, 1)      # but not expected any more
+    assert links.holding_links([p0, p1, d0], reported) == 1
+    unknown = replace(p1, busy=None)                            # its agent has not said yet
+    assert links.plan([p0, unknown, d0], reported) == []
+    draining = replace(p1, terminating=False, draining=True)   # drained, not terminating: same
+    assert links.plan([p0, draining, d0], reported) == []
+    # a leaving prefill gets no new link
+    [plan] = links.plan([p0, p1, d0], {"d0": [up(p0)]}) or [None]
+    assert plan is None
+    # nothing left to pull: unlinked normally (both ends), not by force
+    done = replace(p1, busy=False)
+    [plan] = links.plan([p0, done, d0], reported)
+    assert plan.unlink == [up(p1)] and plan.force_unlink == [] and plan.link == []
+    assert links.holding_links([p0, done, d0], reported) == 0
+    # a held link the engine says is broken is dropped, never re-made
+    [plan] = links.plan([p0, p1, d0], {"d0": [up(p0), {**up(p1), "code": "LLM_LINK_FAILED"}]})
+    assert plan.force_unlink == [{**up(p1), "code": "LLM_LINK_FAILED"}] and plan.link == []
+
+
+def test_a_leaving_decoder_dials_nothing_and_keeps_its_links():
+    from dataclasses import replace
+    p0, p1 = eng("p0", "prefill", 0), eng("p1", "prefill", 1)
+    d0 = replace(eng("d0", "decoder", 1000), terminating=True)
+    assert links.plan([p0, p1, d0], {"d0": [up(p0)]}) == []
+    assert links.counts([p0, p1, d0], {"d0": [up(p0)]}) == (0, 0)
 
 
 def test_plan_skips_unready_and_switching_and_prefills_never_dial():
