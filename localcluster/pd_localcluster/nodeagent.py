@@ -634,6 +634,7 @@ class NodeAgent:
         resp = web.StreamResponse(headers={"Content-Type": "text/plain"})
         await resp.prepare(request)
         data = path.read_bytes() if path.exists() else b""
+        end = len(data)  # a follower continues from here
         if "tailLines" in q:
             n = int(q["tailLines"])
             lines = data.splitlines(keepends=True)
@@ -645,24 +646,28 @@ class NodeAgent:
         await resp.write(data)
         sent += len(data)
         if q.get("follow") == "true" and not previous:
-            pos = path.stat().st_size if path.exists() else 0
             instance = run.instance
-            while limit is None or sent < limit:
-                chunk = b""
-                if path.exists():
-                    with open(path, "rb") as f:
-                        f.seek(pos)
-                        chunk = f.read()
-                if chunk:
-                    pos += len(chunk)
-                    if limit is not None:
-                        chunk = chunk[: limit - sent]
-                    await resp.write(chunk)
-                    sent += len(chunk)
-                elif not run.running and (run.instance != instance or run.cs.done or w.deleting):
-                    break
-                else:
-                    await asyncio.sleep(0.2)
+            # Hold the file open: a deleted pod's directory is removed as soon as its process
+            # exits, and its last lines (a graceful shutdown's) must still reach the follower.
+            f = None
+            try:
+                while limit is None or sent < limit:
+                    if f is None and path.exists():
+                        f = open(path, "rb")
+                        f.seek(end)
+                    chunk = f.read() if f is not None else b""
+                    if chunk:
+                        if limit is not None:
+                            chunk = chunk[: limit - sent]
+                        await resp.write(chunk)
+                        sent += len(chunk)
+                    elif not run.running and (run.instance != instance or run.cs.done or w.deleting):
+                        break
+                    else:
+                        await asyncio.sleep(0.2)
+            finally:
+                if f is not None:
+                    f.close()
         await resp.write_eof()
         return resp
 

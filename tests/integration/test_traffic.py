@@ -1,0 +1,143 @@
+"""The fleet under traffic: the load generator runs while the operator verifies, scales
+both groups, restarts, and pods are deleted. No request may fail, and no link whose peer
+was alive may be torn down by force."""
+from __future__ import annotations
+
+import base64
+import json
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import REPO, Cluster, wait_for
+from tests.integration.conftest import agent_status, events, sample, wait_phase
+
+pytestmark = pytest.mark.integration
+
+# 2k-token prompts; every pull is held 150 ms on the prompt side, so pulls overlap the
+# operator's status polls and the agents' link checks all the time.
+TRAFFIC_SPEC = {
+    "model.kvCache.maxSeqLen": 2048,
+    "datadist.verifyIntervalSeconds": 5,
+    "datadist.syncKvTimeoutMs": 3000,
+    "drainTimeoutSeconds": 30,
+    "sim": {"timeScale": 0.5, "faults": {"pullDelayMs": 150}},
+}
+
+
+class Load:
+    """`python -m pd_agent.loadgen` against the deployment, as a user runs it."""
+
+    def __init__(self, cluster: Cluster, ns: str, duration: float, rate: float = 7, workload: str = "code",
+                 max_output: int = 32, name: str = "sim-small"):
+        token = base64.b64decode(cluster.get_json("secret", f"{name}-agent-token", "-n", ns)["data"]["token"]).decode()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pd_agent.loadgen", "--kubeconfig", str(cluster.kubeconfig), "--namespace", ns,
+             "--deployment", name, "--token", token, "--rate", str(rate), "--duration", str(duration),
+             "--workload", workload, "--max-prompt", "2048", "--max-output", str(max_output), "--json"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+        self.started = time.monotonic()
+        self.duration = duration
+
+    def result(self) -> dict:
+        out, err = self.proc.communicate(timeout=self.duration + 120)
+        assert self.proc.returncode in (0, 1), err
+        summary = json.loads(out)
+        print(f"\nloadgen: {json.dumps(summary)}")
+        return summary
+
+
+def force_unlinks(cluster: Cluster, ns: str) -> list[str]:
+    return [e["message"] for e in events(cluster, ns) if e["reason"] == "Unlinked" and "broken link" in e["message"]]
+
+
+def scale(cluster: Cluster, ns: str, group: str, n: int) -> None:
+    cluster.kubectl("patch", "pdd", "sim-small", "-n", ns, "--type=merge", "-p",
+                    json.dumps({"spec": {group: {"replicas": n}}}))
+
+
+def settled(cluster: Cluster, ns: str, links: str, pods: int, timeout: float = 120) -> dict:
+    """Ready with the given links, and exactly `pods` engine pods left (leavers gone)."""
+    obj = wait_phase(cluster, ns, "Ready", timeout=timeout, extra=lambda o: o["status"]["linksSummary"] == links)
+    wait_for(f"{pods} engine pods", lambda: len(cluster.get_json(
+        "pods", "-n", ns, "-l", "pdoperator.io/deployment=sim-small")["items"]) == pods, timeout=timeout)
+    return obj
+
+
+def probes_served(cluster: Cluster, ns: str, pod: str) -> int:
+    import httpx
+    ip = cluster.get_json("pod", pod, "-n", ns)["status"]["podIP"]
+    text = httpx.get(f"http://{ip}:8080/metrics", trust_env=False, timeout=5).text
+    m = re.search(r'pd_agent_api_calls_total\{code="200",op="probe"\} (\d+)', text)
+    return int(m.group(1)) if m else 0
+
+
+def test_scaling_and_operator_restart_under_load_fail_no_request(cluster: Cluster, namespace: str, operator):
+    ns = namespace
+    cluster.apply(sample(**TRAFFIC_SPEC), ns)
+    settled(cluster, ns, "4/4", 4)
+    load = Load(cluster, ns, duration=90)
+    steps = []
+
+    def step(what, fn):
+        t0 = time.monotonic()
+        fn()
+        steps.append(f"{what} {time.monotonic() - t0:.1f}s")
+
+    time.sleep(5)
+    step("prefill 2->3", lambda: (scale(cluster, ns, "prefill", 3), settled(cluster, ns, "6/6", 5)))
+    step("prefill 3->2", lambda: (scale(cluster, ns, "prefill", 2), settled(cluster, ns, "4/4", 4)))
+    step("decoder 2->3", lambda: (scale(cluster, ns, "decoder", 3), settled(cluster, ns, "6/6", 5)))
+    step("decoder 3->2", lambda: (scale(cluster, ns, "decoder", 2), settled(cluster, ns, "4/4", 4)))
+
+    def restart():
+        operator.stop()
+        operator.start()
+        time.sleep(3)
+        settled(cluster, ns, "4/4", 4)
+    step("operator restart", restart)
+    print("\nsteps: " + ", ".join(steps))
+    assert time.monotonic() - load.started < load.duration, "the changes outlasted the load"
+
+    s = load.result()
+    assert s["failed"] == 0, s["failed_by_reason"]
+    assert s["completed"] >= 0.7 * 7 * load.duration, s
+    assert force_unlinks(cluster, ns) == []
+    # verify rounds ran against the serving prefills while requests flowed
+    assert probes_served(cluster, ns, "sim-small-prefill-0") + probes_served(cluster, ns, "sim-small-prefill-1") >= 4
+    # pulls and link checks overlapped: the agents saw the links busy and kept them
+    for d in ("sim-small-decoder-0", "sim-small-decoder-1"):
+        assert all(l["healthy"] for l in agent_status(cluster, ns, d)["links"])
+
+
+def test_deleted_pods_drain_and_fail_no_request(cluster: Cluster, namespace: str, operator):
+    ns = namespace
+    # chat: long outputs, so a deleted decoder has decodes in flight to finish
+    cluster.apply(sample(**TRAFFIC_SPEC, **{"model.kvCache.maxBatch": 8}), ns)
+    settled(cluster, ns, "4/4", 4)
+    load = Load(cluster, ns, duration=45, rate=3, workload="chat", max_output=256)
+    time.sleep(5)
+    drains = {}
+    for pod in ("sim-small-prefill-0", "sim-small-decoder-1"):
+        old_uid = cluster.get_json("pod", pod, "-n", ns)["metadata"]["uid"]
+        logs = subprocess.Popen([str(cluster.bin_dir / "kubectl"), f"--kubeconfig={cluster.kubeconfig}", "logs",
+                                 "-f", pod, "-n", ns], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        t0 = time.monotonic()
+        cluster.kubectl("delete", "pod", pod, "-n", ns, timeout=90)   # waits until the pod is gone
+        gone_s = time.monotonic() - t0
+        out = logs.communicate(timeout=30)[0]
+        line = next((l for l in out.splitlines() if "drained: " in l), None)
+        assert line, f"{pod} did not drain on SIGTERM:\n{out[-2000:]}"
+        drains[pod] = {**json.loads(line.split("drained: ", 1)[1]), "deleted_in_s": round(gone_s, 2)}
+        assert drains[pod]["drained"], drains[pod]
+        wait_for(f"{pod} replaced", lambda: cluster.get_json("pod", pod, "-n", ns)["metadata"]["uid"] != old_uid,
+                 timeout=60)
+        settled(cluster, ns, "4/4", 4)
+    print(f"\ndrains: {json.dumps(drains)}")
+    assert drains["sim-small-prefill-0"]["still_linked"] == []  # decoders let go of it before it exited
+    s = load.result()
+    assert s["failed"] == 0, s["failed_by_reason"]
+    assert force_unlinks(cluster, ns) == []
