@@ -1,63 +1,91 @@
-"""Async client of the in-pod agents (httpx): bounded concurrency, timeouts, typed bodies."""
+"""Async client of the in-pod agents (httpx): timeouts, typed bodies, metrics.
+
+Concurrency is bounded per deployment (the caller passes its limiter), so one deployment
+whose links time out never holds up another's. Any answer that is not what the API says (an
+HTTP error, a body that is not JSON or not the model) is an AgentCallError, never an
+exception that escapes into the reconcile; unknown fields in a reply are ignored."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 
 import httpx
+from pydantic import BaseModel, ValidationError
 
 from pd_agent.models import AgentStatus, LinkRequest, LinkResult, Peer, UnlinkRequest, VerifyRequest, VerifyResult
+
+from .metrics import OperatorMetrics
+
+STATUS_TIMEOUT_S = 3.0
 
 
 class AgentCallError(Exception):
     def __init__(self, kind: str, message: str, code: str = ""):
         super().__init__(message)
-        self.kind = kind      # AgentUnreachable | AgentUnauthorized | AgentError
+        self.kind = kind      # AgentUnreachable | AgentUnauthorized | AgentError | AgentBadReply
         self.code = code      # the agent's error code, if it answered
 
 
 class AgentClient:
-    def __init__(self, concurrency: int = 32, timeout: float = 5.0):
+    def __init__(self, metrics: OperatorMetrics | None = None, timeout: float = 5.0):
         self._http = httpx.AsyncClient(trust_env=False, timeout=httpx.Timeout(timeout, connect=2.0),
-                                       limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
-        self._sem = asyncio.Semaphore(concurrency)
+                                       limits=httpx.Limits(max_connections=512, max_keepalive_connections=128))
+        self.metrics = metrics or OperatorMetrics()
 
     async def close(self) -> None:
         await self._http.aclose()
 
-    async def _call(self, method: str, url: str, token: str, body=None, timeout: float | None = None) -> dict:
-        async with self._sem:
+    async def _call(self, op: str, method: str, url: str, token: str, reply: type[BaseModel], body=None,
+                    timeout: float | None = None, limiter: asyncio.Semaphore | None = None) -> BaseModel:
+        t0 = time.perf_counter()
+        result = "ok"
+        try:
+            async with limiter or contextlib.nullcontext():
+                try:
+                    r = await self._http.request(
+                        method, url, headers={"Authorization": f"Bearer {token}"},
+                        json=body.model_dump(mode="json") if body is not None else None,
+                        **({"timeout": timeout} if timeout else {}))
+                except httpx.HTTPError as e:
+                    raise AgentCallError("AgentUnreachable", f"{url}: {type(e).__name__}: {e}".rstrip(": ")) from e
+            if r.status_code == 401:
+                raise AgentCallError("AgentUnauthorized", f"{url}: the agent rejected the operator's token")
+            if r.status_code >= 400:
+                try:
+                    data = r.json()
+                except ValueError:
+                    data = {"message": r.text[:300]}
+                raise AgentCallError("AgentError", f"{url}: {data.get('message')}", data.get("code", ""))
             try:
-                r = await self._http.request(
-                    method, url, headers={"Authorization": f"Bearer {token}"},
-                    json=body.model_dump(mode="json") if body is not None else None,
-                    **({"timeout": timeout} if timeout else {}))
-            except httpx.HTTPError as e:
-                raise AgentCallError("AgentUnreachable", f"{url}: {type(e).__name__}: {e}") from e
-        if r.status_code == 401:
-            raise AgentCallError("AgentUnauthorized", f"{url}: the agent rejected the operator's token")
-        if r.status_code >= 400:
-            try:
-                data = r.json()
-            except ValueError:
-                data = {"message": r.text[:300]}
-            raise AgentCallError("AgentError", f"{url}: {data.get('message')}", data.get("code", ""))
-        return r.json()
+                return reply.model_validate(r.json())
+            except ValueError as e:  # not JSON, or JSON that is not the reply (ValidationError is one)
+                what = "is not the expected reply" if isinstance(e, ValidationError) else "is not JSON"
+                raise AgentCallError("AgentBadReply", f"{url}: answered {r.status_code} with a body that {what}: "
+                                                      f"{r.text[:120]!r}") from e
+        except AgentCallError as e:
+            result = e.kind
+            raise
+        finally:
+            self.metrics.agent_calls.labels(op, result).inc()
+            self.metrics.agent_seconds.labels(op).observe(time.perf_counter() - t0)
 
-    async def status(self, base: str, token: str) -> AgentStatus:
-        return AgentStatus.model_validate(await self._call("GET", f"{base}/v1/status", token, timeout=3))
+    async def status(self, base: str, token: str, limiter=None) -> AgentStatus:
+        return await self._call("status", "GET", f"{base}/v1/status", token, AgentStatus,
+                                timeout=STATUS_TIMEOUT_S, limiter=limiter)
 
-    async def init(self, base: str, token: str) -> AgentStatus:
-        return AgentStatus.model_validate(await self._call("POST", f"{base}/v1/init", token))
+    async def init(self, base: str, token: str, limiter=None) -> AgentStatus:
+        return await self._call("init", "POST", f"{base}/v1/init", token, AgentStatus, limiter=limiter)
 
-    async def link(self, base: str, token: str, peers: list[Peer], timeout_ms: int) -> LinkResult:
-        body = LinkRequest(peers=peers, timeout_ms=timeout_ms)
-        data = await self._call("POST", f"{base}/v1/link", token, body, timeout=timeout_ms / 1000 * 1.5 + 5)
-        return LinkResult.model_validate(data)
+    async def link(self, base: str, token: str, peers: list[Peer], timeout_ms: int, limiter=None) -> LinkResult:
+        return await self._call("link", "POST", f"{base}/v1/link", token, LinkResult,
+                                LinkRequest(peers=peers, timeout_ms=timeout_ms),
+                                timeout=timeout_ms / 1000 * 1.5 + 5, limiter=limiter)
 
-    async def unlink(self, base: str, token: str, peers: list[Peer], force: bool = False) -> LinkResult:
-        return LinkResult.model_validate(
-            await self._call("POST", f"{base}/v1/unlink", token, UnlinkRequest(peers=peers, force=force)))
+    async def unlink(self, base: str, token: str, peers: list[Peer], force: bool = False, limiter=None) -> LinkResult:
+        return await self._call("unlink", "POST", f"{base}/v1/unlink", token, LinkResult,
+                                UnlinkRequest(peers=peers, force=force), limiter=limiter)
 
-    async def verify(self, base: str, token: str, peer: Peer) -> VerifyResult:
-        return VerifyResult.model_validate(
-            await self._call("POST", f"{base}/v1/verify", token, VerifyRequest(peer=peer), timeout=20))
+    async def verify(self, base: str, token: str, peer: Peer, limiter=None) -> VerifyResult:
+        return await self._call("verify", "POST", f"{base}/v1/verify", token, VerifyResult,
+                                VerifyRequest(peer=peer), timeout=20, limiter=limiter)

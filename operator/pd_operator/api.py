@@ -238,16 +238,24 @@ class PeerLink(Model):
     code: str
 
 
+def map_list(*keys: str) -> dict:
+    """A list keyed by fields (the API conventions' map-list), so server-side apply merges by key."""
+    return {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": list(keys)}
+
+
 class Member(Model):
+    """One engine pod: a summary; only failing links are listed, healthy ones are counted."""
     pod: str
-    group: Literal["prefill", "decoder"]
+    group: str
     role: str
-    cluster_id: int
+    cluster_id: int | None = None
     ip: str | None = None
-    port: int
+    port: int | None = None
     ready: bool = False
     boot_id: str | None = None
-    links: list[PeerLink] | None = None
+    links: LinkCounts | None = Field(default=None, description="decoders: links up/expected")
+    failing_links: list[PeerLink] | None = Field(default=None, description="links that are down, with the code")
+    last_error: str | None = Field(default=None, description="what is wrong with this member, if anything")
 
 
 class CacheDescStatus(Model):
@@ -274,11 +282,12 @@ class PDDeploymentStatus(Model):
     decoder: int | None = None
     links: LinkCounts | None = None
     links_summary: str | None = Field(default=None, description="links up/expected, for kubectl get")
-    members: list[Member] | None = None
-    conditions: list[Condition] | None = None
+    members: list[Member] | None = Field(default=None, json_schema_extra=map_list("pod"))
+    conditions: list[Condition] | None = Field(default=None, json_schema_extra=map_list("type"))
     cache_desc: CacheDescStatus | None = None
     last_switch: LastSwitch | None = None
-    last_verified: dict[str, Any] | None = None
+    last_verified: dict[str, Any] | None = Field(
+        default=None, description="the last KV-path verification round: paths probed, bytes, slowest pull")
     observed_generation: int | None = None
 
 

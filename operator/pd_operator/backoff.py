@@ -38,3 +38,7 @@ class Backoff(Generic[K]):
 
     def keys(self) -> list[K]:
         return list(self._state)
+
+    def prune(self, keep: Callable[[K], bool]) -> None:
+        """Forget keys that no longer matter (a pod that is gone, a link no longer wanted)."""
+        self._state = {k: v for k, v in self._state.items() if keep(k)}

@@ -1,25 +1,23 @@
-"""Kopf handlers: thin I/O around the pure builders and the controller loop.
-
-- on create/update/resume: server-side apply the children (one field manager) and post
-  an Event describing what changed;
-- on every PDDeployment or pod event: feed the controller's cache and wake its worker;
-- startup/cleanup: settings, the controller task, graceful shutdown."""
+"""Kopf is the event source, nothing more: every watch event on a PDDeployment, its pods or
+its children (StatefulSets, Services, ConfigMaps) lands in the controller's caches and wakes
+that deployment's one reconcile (reconcile.py). No handler applies anything, so there is
+one reconciler, and no finalizer: owner references clean up after a deleted PDDeployment."""
 from __future__ import annotations
 
 import logging
-import secrets
 
 import kopf
 
 from .agentclient import AgentClient
-from .api import GROUP, PLURAL, VERSION, parse_spec
-from .builders import LABEL_DEPLOYMENT, desired_children, owner_reference, token_secret
-from .controller import Controller
-from .events import Events
-from .kube import Kube, KubeError
+from .api import GROUP, PLURAL, VERSION
+from .builders import LABEL_DEPLOYMENT
+from .kube import Kube
+from .metrics import OperatorMetrics, serve
+from .reconcile import Controller
 
 log = logging.getLogger("pd_operator")
 STATE: dict = {}
+WATCHED_CHILDREN = (("apps", "v1", "statefulsets"), ("", "v1", "services"), ("", "v1", "configmaps"))
 
 
 def _controller() -> Controller | None:
@@ -28,23 +26,24 @@ def _controller() -> Controller | None:
 
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, **_) -> None:
-    # Progress and diff-base live in annotations: the structural status schema would prune
-    # status.kopf silently.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="pdoperator.io")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix="pdoperator.io", key="last-handled-configuration")
-    settings.persistence.finalizer = "pdoperator.io/finalizer"
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.watching.connect_timeout = 10
     settings.networking.request_timeout = 60
     settings.peering.standalone = True
-    # Watch only engine pods, filtered by the API server rather than in the operator.
+    # Watch only what carries the deployment label, filtered by the API server.
     settings.watching.label_selectors["pods"] = LABEL_DEPLOYMENT
+    for group, _, plural in WATCHED_CHILDREN:
+        settings.watching.label_selectors[f"{group}/{plural}" if group else plural] = LABEL_DEPLOYMENT
+    metrics = OperatorMetrics()
     kube = Kube()
-    agents = AgentClient()
-    STATE.update(kube=kube, agents=agents, events=Events(kube), controller=Controller(kube, agents))
+    agents = AgentClient(metrics)
+    STATE.update(kube=kube, agents=agents, metrics=metrics, controller=Controller(kube, agents, metrics),
+                 metrics_runner=await serve(metrics))
     log.info("pd-operator started")
 
 
@@ -53,53 +52,13 @@ async def cleanup(**_) -> None:
     c = _controller()
     if c:
         await c.stop()
+    if STATE.get("metrics_runner"):
+        await STATE["metrics_runner"].cleanup()
     if STATE.get("agents"):
         await STATE["agents"].close()
     if STATE.get("kube"):
         await STATE["kube"].close()
     log.info("pd-operator stopped")
-
-
-def _describe(diff) -> str:
-    parts = []
-    for op, path, old, new in diff or []:
-        field = ".".join(str(p) for p in path)
-        if field.startswith("metadata"):
-            continue
-        parts.append(f"{field}: {old!r} -> {new!r}" if op == "change" else f"{op} {field}")
-    return "; ".join(parts)[:900]
-
-
-@kopf.on.resume(GROUP, VERSION, PLURAL)
-@kopf.on.create(GROUP, VERSION, PLURAL)
-@kopf.on.update(GROUP, VERSION, PLURAL)
-async def apply_children(body, spec, name, namespace, uid, reason, diff, **_) -> None:
-    kube: Kube = STATE["kube"]
-    events: Events = STATE["events"]
-    try:
-        parsed = parse_spec(dict(spec))
-    except ValueError as e:  # admission validation should have caught it
-        await events.post(dict(body), "Warning", "InvalidSpec", str(e))
-        raise kopf.PermanentError(f"invalid spec: {e}")
-    owner = owner_reference(name, uid)
-    try:
-        await kube.create(token_secret(name, namespace, secrets.token_urlsafe(32), owner))
-        for obj in desired_children(name, namespace, uid, parsed):
-            await kube.apply(obj)
-    except KubeError as e:
-        await events.post(dict(body), "Warning", "ApplyFailed", str(e))
-        if 400 <= e.status < 500 and e.status not in (409, 429):
-            raise kopf.PermanentError(str(e))
-        raise kopf.TemporaryError(str(e), delay=5)
-    if reason == "create":
-        await events.post(dict(body), "Normal", "Created",
-                          f"created StatefulSets {name}-prefill ({parsed.prefill.replicas}) and "
-                          f"{name}-decoder ({parsed.decoder.replicas}), Services and ConfigMap")
-    elif reason == "update":
-        await events.post(dict(body), "Normal", "Updated", _describe(diff) or "spec applied")
-    c = _controller()
-    if c:
-        c.poke((namespace, name))
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
@@ -114,3 +73,15 @@ async def pod_event(event, **_) -> None:
     c = _controller()
     if c and event.get("object"):
         c.on_pod(event.get("type"), event["object"])
+
+
+def _child_handler(group: str, version: str, plural: str) -> None:
+    @kopf.on.event(group, version, plural, labels={LABEL_DEPLOYMENT: kopf.PRESENT})
+    async def child_event(event, **_) -> None:
+        c = _controller()
+        if c and event.get("object"):
+            c.on_child(event.get("type"), event["object"])
+
+
+for _g, _v, _p in WATCHED_CHILDREN:
+    _child_handler(_g, _v, _p)

@@ -31,6 +31,7 @@ class Engine:
     terminating: bool = False       # the pod has a deletionTimestamp
     draining: bool = False          # the agent refuses new work
     busy: bool | None = None        # in-flight requests or un-pulled KV caches; None: not known
+    cache_desc: str | None = None   # canonical JSON of the CacheDesc the engine runs with
 
     @property
     def linkable(self) -> bool:
@@ -93,12 +94,29 @@ def broken(link: dict, target: Engine) -> bool:
     return bool(seen and target.boot_id and seen != target.boot_id)  # the peer restarted
 
 
+def compatible(d: Engine, p: Engine) -> bool:
+    """Only engines with an identical CacheDesc can move KV caches (a model roll mixes them)."""
+    return d.cache_desc == p.cache_desc
+
+
 def desired(engines: list[Engine], topology: str = "FullMesh") -> dict[str, list[Engine]]:
-    """FullMesh: every decoder links every prefill."""
+    """FullMesh: every decoder links every prefill that runs the same CacheDesc."""
     if topology != "FullMesh":
         raise ValueError(f"unknown topology {topology!r}")
     prefills = prefills_of(engines)
-    return {d.pod: prefills for d in decoders_of(engines)}
+    by_desc: dict[str | None, list[Engine]] = {}
+    for p in prefills:
+        by_desc.setdefault(p.cache_desc, []).append(p)
+    return {d.pod: by_desc.get(d.cache_desc, []) for d in decoders_of(engines)}
+
+
+def mismatches(engines: list[Engine]) -> list[tuple[Engine, Engine]]:
+    """(decoder, prefill) pairs that FullMesh would link but whose CacheDescs differ: never dialled."""
+    by_desc: dict[str | None, list[Engine]] = {}
+    for p in prefills_of(engines):
+        by_desc.setdefault(p.cache_desc, []).append(p)
+    return [(d, p) for d in decoders_of(engines) for desc, ps in by_desc.items() if desc != d.cache_desc
+            for p in ps]
 
 
 def plan(engines: list[Engine], reported: dict[str, list[dict]], topology: str = "FullMesh",
@@ -115,12 +133,16 @@ def plan(engines: list[Engine], reported: dict[str, list[dict]], topology: str =
         wanted = {e.cluster_id: e for e in peers}
         for cid, link in have.items():
             target = wanted.get(cid) or held.get(cid)
+            if target is not None and not compatible(p.decoder, target):
+                target = None  # a link across CacheDescs cannot carry a cache: drop it
+            if not due(dpod, cid):
+                continue       # the last attempt on this link failed: wait for its backoff
             if target is None:
                 # gone, scaled away, or a leaving prefill with nothing left to pull
                 (p.force_unlink if _engine_says_broken(link) else p.unlink).append(link)
             elif broken(link, target):
                 p.force_unlink.append(link)  # re-make it (a leaving prefill gets no new link)
-                if cid in wanted and due(dpod, cid):
+                if cid in wanted:
                     p.link.append(target)
         for cid, target in wanted.items():
             if cid not in have and due(dpod, cid):
@@ -137,15 +159,29 @@ def _engine_says_broken(link: dict) -> bool:
     return code in BROKEN_CODES or not link.get("healthy", True)
 
 
+def per_decoder(engines: list[Engine], reported: dict[str, list[dict]],
+                topology: str = "FullMesh") -> dict[str, tuple[int, int, list[dict]]]:
+    """decoder -> (expected, up, reported links that are down), over desired links."""
+    out = {}
+    for dpod, peers in desired(engines, topology).items():
+        have = {l["cluster_id"]: l for l in reported.get(dpod, [])}
+        up, down = 0, []
+        for e in peers:
+            link = have.get(e.cluster_id)
+            if link is None:
+                continue
+            if broken(link, e):
+                down.append(link)
+            else:
+                up += 1
+        out[dpod] = (len(peers), up, down)
+    return out
+
+
 def counts(engines: list[Engine], reported: dict[str, list[dict]], topology: str = "FullMesh") -> tuple[int, int]:
     """(expected, up) over desired links."""
-    want = desired(engines, topology)
-    expected = sum(len(v) for v in want.values())
-    up = 0
-    for dpod, peers in want.items():
-        have = {l["cluster_id"]: l for l in reported.get(dpod, [])}
-        up += sum(1 for e in peers if e.cluster_id in have and not broken(have[e.cluster_id], e))
-    return expected, up
+    per = per_decoder(engines, reported, topology).values()
+    return sum(e for e, _, _ in per), sum(u for _, u, _ in per)
 
 
 def holding_links(engines: list[Engine], reported: dict[str, list[dict]]) -> int:
@@ -157,7 +193,10 @@ def holding_links(engines: list[Engine], reported: dict[str, list[dict]]) -> int
 def verify_pairs(engines: list[Engine], round_no: int) -> list[tuple[Engine, Engine]]:
     """Each decoder probes one prefill per round, rotating, so every P-D path is covered
     over max(P) rounds."""
-    prefills = prefills_of(engines)
-    if not prefills:
-        return []
-    return [(d, prefills[(round_no + i) % len(prefills)]) for i, d in enumerate(decoders_of(engines))]
+    want = desired(engines)
+    out = []
+    for i, d in enumerate(decoders_of(engines)):
+        prefills = want[d.pod]
+        if prefills:
+            out.append((d, prefills[(round_no + i) % len(prefills)]))
+    return out

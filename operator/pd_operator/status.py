@@ -1,33 +1,26 @@
-"""Status as a pure function of what was observed: pods, agent reports, link attempts and
-verification results -> members, counts, phase and conditions."""
+"""Status as a pure function of one pass's observation: members, counts, phase and
+conditions. Linear in members plus failures: healthy links are counted, failing ones are
+listed. Condition messages carry no number that changes from pass to pass (durations go to
+`lastVerified`), so a pass that changes nothing writes nothing."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from . import conditions as cond
+from . import links as lk
 from .api import PDDeploymentSpec
-from .builders import AGENT_PORT, LABEL_GROUP, LABEL_ROLE, POD_INDEX_LABEL, cluster_id
+from .builders import LABEL_GROUP
 from .cachedesc import derive
 from .diagnosis import Diagnosis, proxy_warning, verify_failure
 from .links import Engine
+from .members import Problem, pod_index, pod_ready
 
 POD_PROBLEMS = {
     "ErrImagePull": "ImagePullError", "ImagePullBackOff": "ImagePullError", "InvalidImageName": "ImagePullError",
     "CrashLoopBackOff": "CrashLoopBackOff", "CreateContainerConfigError": "ConfigError",
     "CreateContainerError": "ConfigError", "RunContainerError": "CrashLoopBackOff",
 }
-
-
-def pod_index(pod: dict) -> int:
-    idx = pod["metadata"].get("labels", {}).get(POD_INDEX_LABEL)
-    if idx is not None and str(idx).isdigit():
-        return int(idx)
-    return int(pod["metadata"]["name"].rsplit("-", 1)[-1])
-
-
-def pod_ready(pod: dict) -> bool:
-    return any(c.get("type") == "Ready" and c.get("status") == "True"
-               for c in pod.get("status", {}).get("conditions", []) or [])
+MAX_LISTED = 5   # failures named in one condition message; the rest are counted
 
 
 def pod_problem(pod: dict) -> Diagnosis | None:
@@ -40,97 +33,122 @@ def pod_problem(pod: dict) -> Diagnosis | None:
     return None
 
 
-def engine_of(pod: dict, spec: PDDeploymentSpec, agent_ok: bool = False) -> Engine:
-    labels = pod["metadata"].get("labels", {})
-    group = labels.get(LABEL_GROUP, "prefill")
-    ip = pod.get("status", {}).get("podIP")
-    return Engine(pod=pod["metadata"]["name"], group=group, role=labels.get(LABEL_ROLE, group),
-                  cluster_id=cluster_id(spec, group, pod_index(pod)), ip=ip, port=spec.datadist.port,
-                  ready=pod_ready(pod), agent_ok=agent_ok,
-                  agent_url=f"http://{ip}:{AGENT_PORT}" if ip else None,
-                  terminating=bool(pod["metadata"].get("deletionTimestamp")))
-
-
 @dataclass
 class Observed:
-    """Everything one pass of the controller saw or did."""
+    """Everything one pass saw, and what the operator remembers of earlier passes."""
     generation: int
-    pods: list[dict]
-    engines: list[Engine]
+    pods: list[dict]                      # live engine pods (no deletionTimestamp)
+    engines: list[Engine]                 # readable members, leaving ones included, with agents' reports
+    problems: list[Problem] = field(default_factory=list)   # members that cannot be read
+    observed_generation: int | None = None  # the generation whose children were applied
     boot_ids: dict[str, str] = field(default_factory=dict)
     agent_errors: dict[str, tuple[str, str]] = field(default_factory=dict)   # pod -> (reason, message)
     reported: dict[str, list[dict]] = field(default_factory=dict)            # decoder -> link states
     link_failures: dict[tuple[str, int], tuple[str, Diagnosis]] = field(default_factory=dict)  # -> (code, diag)
-    expected: int = 0
-    up: int = 0
     verify: dict[str, dict] = field(default_factory=dict)  # decoder -> last VerifyResult dict
+    verified_at: str | None = None
     proxy: dict[str, dict[str, str]] = field(default_factory=dict)
     model_id: int = 0
+    topology: str = "FullMesh"
+    blocked: Diagnosis | None = None      # a terminal error (rejected apply): reported, not retried hot
+
+
+def _listed(messages: list[str]) -> str:
+    shown = " | ".join(messages[:MAX_LISTED])
+    return shown + (f" | and {len(messages) - MAX_LISTED} more" if len(messages) > MAX_LISTED else "")
+
+
+def _members(obs: Observed, per: dict[str, tuple[int, int, list[dict]]],
+             failures_by_decoder: dict[str, list[tuple[int, str]]]) -> list[dict]:
+    by_pod: dict[str, Engine | Problem] = {e.pod: e for e in obs.engines}
+    by_pod.update({p.pod: p for p in obs.problems})
+    names = {e.pod: e for e in obs.engines}
+    by_cid = {e.cluster_id: e.pod for e in obs.engines}
+    out = []
+    for p in sorted(obs.pods, key=lambda p: (p["metadata"].get("labels", {}).get(LABEL_GROUP, ""),
+                                             pod_index(p) or 0, p["metadata"]["name"])):
+        name = p["metadata"]["name"]
+        m = by_pod.get(name)
+        if isinstance(m, Problem) or m is None:
+            out.append({"pod": name, "group": m.group if m else "-", "role": "-", "ready": pod_ready(p),
+                        "lastError": m.message if m else "not a member"})
+            continue
+        e = names[name]
+        row = {"pod": e.pod, "group": e.group, "role": e.role, "clusterId": e.cluster_id, "ip": e.ip,
+               "port": e.port, "ready": e.ready, "bootId": obs.boot_ids.get(e.pod)}
+        if e.pod in per:
+            expected, up, down = per[e.pod]
+            row["links"] = {"expected": expected, "up": up}
+            failing = {l["cluster_id"]: l["code"] for l in down}
+            for cid, code in failures_by_decoder.get(e.pod, []):
+                failing.setdefault(cid, code)
+            if failing:
+                row["failingLinks"] = [{"peer": by_cid.get(cid, str(cid)), "clusterId": cid, "code": code}
+                                       for cid, code in sorted(failing.items())]
+        problem = pod_problem(p)
+        err = obs.agent_errors.get(e.pod)
+        if err or problem:
+            row["lastError"] = err[1] if err else problem.message
+        out.append({k: v for k, v in row.items() if v is not None})
+    return out
 
 
 def build_status(spec: PDDeploymentSpec, obs: Observed, previous: dict | None) -> dict:
-    prev_conds = (previous or {}).get("conditions")
+    conds = (previous or {}).get("conditions")
     gen = obs.generation
     desired_pods = spec.prefill.replicas + spec.decoder.replicas
-    live = [p for p in obs.pods if not p["metadata"].get("deletionTimestamp")]
+    live = obs.pods
     ready = [p for p in live if pod_ready(p)]
-    by_pod = {e.pod: e for e in obs.engines}
+    per = lk.per_decoder(obs.engines, obs.reported, obs.topology)
+    expected = sum(e for e, _, _ in per.values())
+    up = sum(u for _, u, _ in per.values())
+    failures_by_decoder: dict[str, list[tuple[int, str]]] = {}
+    for (dpod, cid), (code, _) in obs.link_failures.items():
+        failures_by_decoder.setdefault(dpod, []).append((cid, code))
+    members = _members(obs, per, failures_by_decoder)
 
-    members = []
-    for p in sorted(live, key=lambda p: (p["metadata"].get("labels", {}).get(LABEL_GROUP, ""), pod_index(p))):
-        e = by_pod[p["metadata"]["name"]]
-        m = {"pod": e.pod, "group": e.group, "role": e.role, "clusterId": e.cluster_id, "ip": e.ip,
-             "port": e.port, "ready": e.ready}
-        if e.pod in obs.boot_ids:
-            m["bootId"] = obs.boot_ids[e.pod]
-        if e.role == "decoder":
-            links = [{"peer": l["name"], "clusterId": l["cluster_id"], "code": l["code"]}
-                     for l in obs.reported.get(e.pod, [])]
-            seen = {l["clusterId"] for l in links}
-            for (dpod, cid), (code, _) in sorted(obs.link_failures.items()):
-                if dpod == e.pod and cid not in seen:
-                    peer = next((x.pod for x in obs.engines if x.cluster_id == cid), str(cid))
-                    links.append({"peer": peer, "clusterId": cid, "code": code})
-            m["links"] = links
-        members.append({k: v for k, v in m.items() if v is not None})
-
-    conds = prev_conds
     # PodsReady
     problems = [d for d in (pod_problem(p) for p in live) if d]
+    strays = [p for p in obs.problems if any(x["metadata"]["name"] == p.pod for x in live)]
     if problems:
         conds = cond.set_condition(conds, "PodsReady", False, problems[0].reason,
-                                   "; ".join(d.message for d in problems), gen)
-    elif len(ready) >= desired_pods and len(live) == desired_pods:
+                                   _listed([d.message for d in problems]), gen)
+    elif len(ready) >= desired_pods and len(live) - len(strays) == desired_pods:
         conds = cond.set_condition(conds, "PodsReady", True, "AllPodsReady",
-                                   f"{len(ready)}/{desired_pods} pods ready", gen)
+                                   f"{len(ready) - len(strays)}/{desired_pods} pods ready", gen)
     else:
         waiting = sorted(p["metadata"]["name"] for p in live if not pod_ready(p))
         conds = cond.set_condition(conds, "PodsReady", False, "PodsNotReady",
                                    f"{len(ready)}/{desired_pods} pods ready"
-                                   + (f"; waiting for {', '.join(waiting)}" if waiting else ""), gen)
+                                   + (f"; waiting for {', '.join(waiting[:MAX_LISTED])}" if waiting else "")
+                                   + (f" and {len(waiting) - MAX_LISTED} more" if len(waiting) > MAX_LISTED else ""),
+                                   gen)
     # AgentsReady
     if obs.agent_errors:
         first = sorted(obs.agent_errors.items())[0][1][0]
-        conds = cond.set_condition(conds, "AgentsReady", False, first, "; ".join(
-            f"{pod}: {msg}" for pod, (_, msg) in sorted(obs.agent_errors.items())), gen)
+        conds = cond.set_condition(conds, "AgentsReady", False, first, _listed(
+            [f"{pod}: {msg}" for pod, (_, msg) in sorted(obs.agent_errors.items())]), gen)
     else:
-        conds = cond.set_condition(conds, "AgentsReady", True, "AgentsReachable",
-                                   f"{len(obs.boot_ids)} agents answer", gen)
+        conds = cond.set_condition(conds, "AgentsReady", True, "AgentsReachable", "every ready pod's agent answers",
+                                   gen)
     # LinksReady
     failures = sorted(obs.link_failures.items())
+    mismatched = lk.mismatches(obs.engines)
     if failures:
         diag = failures[0][1][1]
         conds = cond.set_condition(conds, "LinksReady", False, diag.reason,
-                                   " | ".join(d.message for _, (_, d) in failures), gen)
-    elif obs.expected == 0:
+                                   _listed([d.message for _, (_, d) in failures]), gen)
+    elif mismatched:
+        conds = cond.set_condition(conds, "LinksReady", False, "CacheDescMismatch", _listed(
+            [f"{d.pod} and {p.pod} run different CacheDescs and are not linked" for d, p in mismatched])
+            + "; expected while a model change rolls out, otherwise check spec.model.kvCache", gen)
+    elif expected == 0:
         conds = cond.set_condition(conds, "LinksReady", False, "NoPeers",
                                    "need at least one ready prefill and one ready decoder to link", gen)
-    elif obs.up < obs.expected:
-        conds = cond.set_condition(conds, "LinksReady", False, "Linking",
-                                   f"{obs.up}/{obs.expected} links up", gen)
+    elif up < expected:
+        conds = cond.set_condition(conds, "LinksReady", False, "Linking", f"{up}/{expected} links up", gen)
     else:
-        conds = cond.set_condition(conds, "LinksReady", True, "AllLinksUp",
-                                   f"{obs.up}/{obs.expected} links up", gen)
+        conds = cond.set_condition(conds, "LinksReady", True, "AllLinksUp", f"{up}/{expected} links up", gen)
     # KVPathVerified
     results = [obs.verify[d] for d in sorted(obs.verify)]
     bad = [r for r in results if not r["ok"]]
@@ -138,10 +156,10 @@ def build_status(spec: PDDeploymentSpec, obs: Observed, previous: dict | None) -
         diags = [verify_failure(r["code"], r["decoder"], r["prefill"], r.get("message", ""), obs.model_id)
                  for r in bad]
         conds = cond.set_condition(conds, "KVPathVerified", False, diags[0].reason,
-                                   " | ".join(d.message for d in diags), gen)
-    elif results and obs.expected and obs.up == obs.expected:
-        conds = cond.set_condition(conds, "KVPathVerified", True, "Verified", "; ".join(
-            f"{r['decoder']} <- {r['prefill']}: {r['bytes']} B in {r['pull_ms']:.2f} ms" for r in results), gen)
+                                   _listed([d.message for d in diags]), gen)
+    elif results and expected and up == expected:
+        conds = cond.set_condition(conds, "KVPathVerified", True, "Verified",
+                                   "every decoder pulled a probe cache from a prefill and the bytes matched", gen)
     else:
         prev = cond.get(conds, "KVPathVerified")
         if not prev or prev["status"] == "True":
@@ -156,7 +174,7 @@ def build_status(spec: PDDeploymentSpec, obs: Observed, previous: dict | None) -
                                    "no agent reports proxy variables", gen)
 
     # phase and summary
-    degraded = bool(problems or obs.agent_errors or failures or bad)
+    degraded = bool(problems or obs.agent_errors or failures or bad or obs.blocked)
     pods_ok = cond.is_true(conds, "PodsReady")
     links_ok = cond.is_true(conds, "LinksReady")
     verified = cond.is_true(conds, "KVPathVerified")
@@ -170,9 +188,10 @@ def build_status(spec: PDDeploymentSpec, obs: Observed, previous: dict | None) -
         phase = "Ready"
     not_ok = [c for c in (conds or []) if c["type"] in ("PodsReady", "AgentsReady", "LinksReady", "KVPathVerified")
               and c["status"] != "True"]
-    if phase == "Ready":
-        conds = cond.set_condition(conds, "Ready", True, "Ready",
-                                   f"{obs.up}/{obs.expected} links up and KV path verified", gen)
+    if obs.blocked:
+        conds = cond.set_condition(conds, "Ready", False, obs.blocked.reason, obs.blocked.message, gen)
+    elif phase == "Ready":
+        conds = cond.set_condition(conds, "Ready", True, "Ready", "links up and KV path verified", gen)
     else:
         first = not_ok[0] if not_ok else {"reason": phase, "message": ""}
         conds = cond.set_condition(conds, "Ready", False, first["reason"], first["message"], gen)
@@ -185,14 +204,22 @@ def build_status(spec: PDDeploymentSpec, obs: Observed, previous: dict | None) -
     if spec.backend == "sim":
         cache["simMemoryScale"] = derived.sim_memory_scale()
     ready_names = {p["metadata"]["name"] for p in ready}
-    return {
+    out = {
         "phase": phase,
         "prefill": sum(1 for e in obs.engines if e.role == "prefill" and e.pod in ready_names),
         "decoder": sum(1 for e in obs.engines if e.role == "decoder" and e.pod in ready_names),
-        "links": {"expected": obs.expected, "up": obs.up},
-        "linksSummary": f"{obs.up}/{obs.expected}",
+        "links": {"expected": expected, "up": up},
+        "linksSummary": f"{up}/{expected}",
         "members": members,
         "conditions": conds,
         "cacheDesc": cache,
-        "observedGeneration": gen,
     }
+    good = [r for r in results if r["ok"]]
+    if good:
+        out["lastVerified"] = {"paths": [f"{r['decoder']} <- {r['prefill']}" for r in good],
+                               "bytes": sum(r["bytes"] for r in good),
+                               "slowestPullMs": round(max(r["pull_ms"] for r in good), 2),
+                               **({"at": obs.verified_at} if obs.verified_at else {})}
+    if obs.observed_generation is not None:
+        out["observedGeneration"] = obs.observed_generation
+    return out

@@ -38,7 +38,16 @@ def crd(cluster: Cluster) -> None:
     cluster.kubectl("wait", "--for=condition=Established", "crd/pddeployments.pdoperator.io", "--timeout=30s")
 
 
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class OperatorProc:
+    kubeconfig: Path | None = None   # a test may point the operator elsewhere (a proxy)
+
     def __init__(self, cluster: Cluster, namespace: str, log_dir: Path):
         self.cluster = cluster
         self.namespace = namespace
@@ -46,13 +55,16 @@ class OperatorProc:
         self.proc: subprocess.Popen | None = None
         self.starts = 0
         self.stopped_by_test = False
+        self.metrics_port = _free_port()
+        self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
 
     def start(self) -> None:
         self.starts += 1
         self.stopped_by_test = False
         log = open(self.log_dir / f"operator-{self.starts}.log", "wb")
         env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
-        env.update(KUBECONFIG=str(self.cluster.kubeconfig), PD_OPERATOR_NAMESPACES=self.namespace)
+        env.update(KUBECONFIG=str(self.kubeconfig or self.cluster.kubeconfig), PD_OPERATOR_NAMESPACES=self.namespace,
+                   PD_OPERATOR_METRICS_ADDR=f"127.0.0.1:{self.metrics_port}")
         self.proc = subprocess.Popen([sys.executable, "-m", "pd_operator"], env=env, stdout=log,
                                      stderr=subprocess.STDOUT)
 
@@ -73,6 +85,14 @@ class OperatorProc:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode if self.proc else None
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The operator's own /metrics, as Prometheus would scrape it (0 when absent)."""
+        import httpx
+        from prometheus_client.parser import text_string_to_metric_families
+        text = httpx.get(self.metrics_url, trust_env=False, timeout=5).text
+        return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+                   if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
     def logs(self) -> str:
         return "\n".join(p.read_text(errors="replace") for p in sorted(self.log_dir.glob("operator-*.log")))

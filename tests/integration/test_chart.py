@@ -45,5 +45,12 @@ def test_operator_installed_by_the_chart_runs_with_its_rbac(cluster: Cluster, cr
         logs = cluster.kubectl("logs", pod["metadata"]["name"], "-n", namespace).stdout
         assert "pd-operator started" in logs and "Linked" in logs
         assert "Forbidden" not in logs and "403" not in logs
+        # the operator's metrics, where the chart's Service points
+        import httpx
+        svc = cluster.get_json("service", f"{release}-pd-operator-metrics", "-n", namespace)
+        assert svc["spec"]["ports"][0]["port"] == 8080
+        text = httpx.get(f"http://{pod['status']['podIP']}:8080/metrics", trust_env=False, timeout=5).text
+        assert 'pd_operator_reconciles_total{result="ok"}' in text
+        assert 'pd_operator_deployment_phase{name="sim-small"' in text
     finally:
         helm(cluster, "uninstall", release, "-n", namespace, "--wait", "--timeout", "60s")

@@ -60,7 +60,7 @@ def test_deleted_prefill_is_relinked_to_its_replacement(cluster: Cluster, namesp
     assert operator.proc.pid == pid and operator.proc.poll() is None
     # the new path was verified too
     wait_for("a verification against the replacement", lambda: "sim-small-prefill-0" in
-             condition(pdd(cluster, ns), "KVPathVerified").get("message", ""), timeout=60)
+             " ".join(pdd(cluster, ns)["status"].get("lastVerified", {}).get("paths", [])), timeout=60)
 
 
 def test_fault_diagnosis_and_recovery(cluster: Cluster, namespace: str, operator) -> None:

@@ -98,9 +98,11 @@ def test_restart_mid_reconcile_converges_without_duplicates(cluster: Cluster, na
     secrets = cluster.get_json("secret", "sim-small-agent-token", "-n", ns)
     assert secrets["metadata"]["uid"] == token_before
     # every decoder holds exactly the two desired links (no duplicates from the restarts)
+    from tests.integration.conftest import agent_status
     for m in obj["status"]["members"]:
         if m["group"] == "decoder":
-            assert sorted(l["clusterId"] for l in m["links"]) == [0, 1]
+            assert m["links"] == {"expected": 2, "up": 2} and "failingLinks" not in m
+            assert sorted(l["cluster_id"] for l in agent_status(cluster, ns, m["pod"])["links"]) == [0, 1]
     managers = {f["manager"] for f in cluster.get_json("statefulset", "sim-small-prefill", "-n", ns, "--show-managed-fields")
                 ["metadata"]["managedFields"] if f["operation"] == "Apply"}
     assert managers == {"pd-operator"}

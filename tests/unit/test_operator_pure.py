@@ -9,7 +9,8 @@ import yaml
 from pd_operator import builders, conditions, crdgen, links
 from pd_operator.api import KvCache, parse_spec
 from pd_operator.cachedesc import derive
-from pd_operator.status import Observed, build_status, engine_of
+from pd_operator.members import member_of, with_report
+from pd_operator.status import Observed, build_status
 
 REPO = Path(__file__).resolve().parents[2]
 SPEC = yaml.safe_load((REPO / "examples" / "sim-small.yaml").read_text())["spec"]
@@ -289,16 +290,17 @@ def pod(name, group, idx, ready=True, ip="127.1.0.1", waiting=None):
 def test_status_ready_and_pending():
     spec = parse_spec({**SPEC, "prefill": {"replicas": 1}, "decoder": {"replicas": 1}})
     pods = [pod("x-prefill-0", "prefill", 0, ip="127.1.0.1"), pod("x-decoder-0", "decoder", 0, ip="127.1.0.2")]
-    engines = [engine_of(p, spec, agent_ok=True) for p in pods]
+    from dataclasses import replace
+    engines = [replace(member_of(p, spec), agent_ok=True) for p in pods]
     obs = Observed(generation=3, pods=pods, engines=engines, boot_ids={"x-prefill-0": "a", "x-decoder-0": "b"},
-                   reported={"x-decoder-0": [up(engines[0])]}, expected=1, up=1,
+                   reported={"x-decoder-0": [up(engines[0])]}, observed_generation=3,
                    verify={"x-decoder-0": {"ok": True, "code": "LLM_SUCCESS", "decoder": "x-decoder-0",
                                            "prefill": "x-prefill-0", "bytes": 10, "pull_ms": 1.0}})
     s = build_status(spec, obs, None)
     assert s["phase"] == "Ready" and s["linksSummary"] == "1/1" and s["observedGeneration"] == 3
     assert s["prefill"] == 1 and s["decoder"] == 1
     dec = next(m for m in s["members"] if m["pod"] == "x-decoder-0")
-    assert dec["clusterId"] == 1000 and dec["links"] == [{"peer": "x-prefill-0", "clusterId": 0, "code": "LLM_SUCCESS"}]
+    assert dec["clusterId"] == 1000 and dec["links"] == {"expected": 1, "up": 1} and "failingLinks" not in dec
     assert conditions.is_true(s["conditions"], "KVPathVerified")
     obs.pods = [pod("x-prefill-0", "prefill", 0, ready=False), pods[1]]
     assert build_status(spec, obs, s)["phase"] == "Pending"
@@ -308,7 +310,7 @@ def test_status_image_error_is_degraded_with_reason():
     spec = parse_spec({**SPEC, "prefill": {"replicas": 1}, "decoder": {"replicas": 0}})
     p = pod("x-prefill-0", "prefill", 0, ready=False,
             waiting={"reason": "ImagePullBackOff", "message": "image nope:1 not available"})
-    s = build_status(spec, Observed(generation=1, pods=[p], engines=[engine_of(p, spec)]), None)
+    s = build_status(spec, Observed(generation=1, pods=[p], engines=[member_of(p, spec)]), None)
     c = conditions.get(s["conditions"], "PodsReady")
     assert s["phase"] == "Degraded" and c["reason"] == "ImagePullError" and "nope:1" in c["message"]
 

@@ -1,0 +1,108 @@
+"""Act: the thin I/O the reconcile decided on. Server-side apply under the one field
+manager, link/unlink/verify through the agents, Events. Agent failures come back as
+results (recorded in the deployment's memory); API errors are raised for the error policy."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+
+from pd_agent.models import Peer
+
+from . import children as ch
+from . import links as lk
+from .agentclient import AgentCallError, AgentClient
+from .builders import token_secret
+from .diagnosis import Diagnosis, link_failure
+from .events import Events
+from .kube import Kube
+from .metrics import OperatorMetrics
+from .state import Memory
+
+log = logging.getLogger("pd_operator.act")
+
+
+def peer_of(e: lk.Engine) -> Peer:
+    return Peer(name=e.pod, cluster_id=e.cluster_id, ip=e.ip or "", port=e.port, agent_url=e.agent_url,
+                boot_id=e.boot_id)
+
+
+def _peer_of_link(link: dict) -> Peer:
+    return Peer(name=link["name"], cluster_id=link["cluster_id"], ip=link.get("ip") or "0.0.0.0",
+                port=link.get("port") or 1)
+
+
+async def ensure_token(kube: Kube, name: str, namespace: str, owner: dict) -> None:
+    """The agents' bearer token: created once, never re-generated (running pods hold it)."""
+    await kube.create(token_secret(name, namespace, secrets.token_urlsafe(32), owner))
+
+
+async def apply_children(kube: Kube, metrics: OperatorMetrics, mem: Memory, objs: list[dict]) -> None:
+    for obj in objs:
+        got = await kube.apply(obj)
+        mem.applied[ch.child_key(obj)] = (ch.digest(obj), ch.marker(got))
+        metrics.applies.labels(obj["kind"]).inc()
+
+
+async def execute(body: dict, agents: AgentClient, events: Events, metrics: OperatorMetrics, mem: Memory,
+                  plan: lk.DecoderPlan, token: str, link_timeout_ms: int) -> None:
+    d = plan.decoder
+    try:
+        for force, stale in ((True, plan.force_unlink), (False, plan.unlink)):
+            for batch in lk.batches(stale):
+                res = await agents.unlink(d.agent_url, token, [_peer_of_link(l) for l in batch], force=force,
+                                          limiter=mem.limiter)
+                for code in res.rets.values():
+                    metrics.link_ops.labels("force_unlink" if force else "unlink", code).inc()
+                names = ", ".join(l["name"] for l in batch)
+                await events.post(body, "Normal", "Unlinked", f"{d.pod} unlinked {names}"
+                                  + (" (broken link, local end)" if force else ""))
+        for batch in plan.link_batches():
+            res = await agents.link(d.agent_url, token, [peer_of(e) for e in batch], link_timeout_ms,
+                                    limiter=mem.limiter)
+            ok, bad = [], []
+            for e in batch:
+                code = res.rets.get(e.pod, "LLM_FAILED")
+                metrics.link_ops.labels("link", code).inc()
+                if code in ("LLM_SUCCESS", "LLM_ALREADY_LINK"):
+                    mem.succeed(d.pod, e.cluster_id)
+                    ok.append(e.pod)
+                else:
+                    diag = link_failure(code, d.pod, e.pod, e.ip or "", e.port, link_timeout_ms)
+                    mem.fail(d.pod, e.cluster_id, code, diag)
+                    bad.append((code, diag))
+            if ok:
+                await events.post(body, "Normal", "Linked", f"{d.pod} linked {', '.join(ok)} (LLM_SUCCESS) "
+                                  f"in {res.duration_ms:.0f} ms", key=f"{d.pod} linked {', '.join(ok)}")
+            for code, diag in bad:
+                await events.post(body, "Warning", diag.reason, f"{code}: {diag.message}")
+    except AgentCallError as err:
+        log.info("agent call to %s failed: %s", d.pod, err)
+        diag = Diagnosis(err.kind, f"{d.pod}: {err}")
+        for cid in {e.cluster_id for e in plan.link} | {l["cluster_id"] for l in plan.unlink + plan.force_unlink}:
+            mem.fail(d.pod, cid, err.code or err.kind, diag)
+
+
+async def verify(body: dict, agents: AgentClient, events: Events, mem: Memory,
+                 pairs: list[tuple[lk.Engine, lk.Engine]], token: str) -> None:
+    """One verification round: each decoder pulls a probe from one prefill."""
+    async def one(d: lk.Engine, p: lk.Engine) -> dict:
+        try:
+            return (await agents.verify(d.agent_url, token, peer_of(p), limiter=mem.limiter)).model_dump()
+        except AgentCallError as err:
+            return {"ok": False, "code": err.code or err.kind, "message": str(err), "prefill": p.pod,
+                    "decoder": d.pod, "bytes": 0, "pull_ms": 0}
+    results = await asyncio.gather(*(one(d, p) for d, p in pairs))
+    first_time = not mem.verify
+    for r in results:
+        before = mem.verify.get(r["decoder"])
+        mem.verify[r["decoder"]] = r
+        if not r["ok"] and (before is None or before.get("ok")):
+            await events.post(body, "Warning", "KVPathVerifyFailed",
+                              f"{r['decoder']} <- {r['prefill']}: {r['code']} {r.get('message', '')}")
+    if first_time and results and all(r["ok"] for r in results):
+        await events.post(body, "Normal", "KVPathVerified", "; ".join(
+            f"{r['decoder']} <- {r['prefill']}: {r['bytes']} B in {r['pull_ms']:.2f} ms" for r in results),
+            key="first verification")
+    mem.verified_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

@@ -1,0 +1,64 @@
+"""Members (pure): who each engine pod is. Before its agent answers, a pod is known by its
+labels (group, pod index); once it answers, the identity used for linking (cluster_id,
+ip, port, CacheDesc) is what the agent reports about the engine it runs, not what today's
+spec would compute: during a roll the two differ. A pod that cannot be read (no index, an
+unknown group) becomes a Problem on that member, never an exception for the deployment."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+
+from pd_agent.models import AgentStatus
+
+from .api import PDDeploymentSpec
+from .builders import AGENT_PORT, GROUPS, LABEL_GROUP, LABEL_ROLE, POD_INDEX_LABEL, cluster_id
+from .links import Engine
+
+
+@dataclass(frozen=True)
+class Problem:
+    pod: str
+    group: str
+    message: str
+
+
+def pod_index(pod: dict) -> int | None:
+    idx = pod["metadata"].get("labels", {}).get(POD_INDEX_LABEL)
+    if idx is not None and str(idx).isdigit():
+        return int(idx)
+    tail = pod["metadata"]["name"].rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else None
+
+
+def pod_ready(pod: dict) -> bool:
+    return any(c.get("type") == "Ready" and c.get("status") == "True"
+               for c in pod.get("status", {}).get("conditions", []) or [])
+
+
+def member_of(pod: dict, spec: PDDeploymentSpec) -> Engine | Problem:
+    meta = pod["metadata"]
+    labels = meta.get("labels", {})
+    group = labels.get(LABEL_GROUP, "")
+    if group not in GROUPS:
+        return Problem(meta["name"], group or "-", f"unknown {LABEL_GROUP} label {group!r}: expected prefill or "
+                                                   f"decoder; this pod is not linked")
+    index = pod_index(pod)
+    if index is None:
+        return Problem(meta["name"], group, f"no {POD_INDEX_LABEL} label and no ordinal in the name: not a pod of "
+                                            f"the {group} StatefulSet; it is not linked")
+    ip = pod.get("status", {}).get("podIP")
+    return Engine(pod=meta["name"], group=group, role=labels.get(LABEL_ROLE, group),
+                  cluster_id=cluster_id(spec, group, index), ip=ip, port=spec.datadist.port,
+                  ready=pod_ready(pod), agent_url=f"http://{ip}:{AGENT_PORT}" if ip else None,
+                  terminating=bool(meta.get("deletionTimestamp")))
+
+
+def canonical(desc: dict) -> str:
+    return json.dumps(desc, sort_keys=True, separators=(",", ":"))
+
+
+def with_report(e: Engine, s: AgentStatus) -> Engine:
+    """The engine as its agent describes it."""
+    return replace(e, agent_ok=s.initialized, boot_id=s.boot_id, cluster_id=s.cluster_id, ip=s.ip or e.ip,
+                   port=s.port, cache_desc=canonical(s.cache_desc), draining=s.draining or s.terminating,
+                   busy=s.load.in_flight > 0 or s.load.pending_kv > 0)

@@ -1,0 +1,51 @@
+"""Observe: what the agents report, gathered under per-member backoff. Every failure comes
+back as a result on that member, never as an exception for the deployment.
+
+A pod is asked only when its backoff allows: an agent that keeps failing (a crash loop, a
+pod that never gets Ready, a black-holed address) is asked at 1, 2, 4 … 30 s intervals,
+like any other failing call. The backoff key includes the pod's readiness, so a pod that
+just became Ready is asked at once."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from pd_agent.models import AgentStatus
+
+from .agentclient import AgentCallError, AgentClient
+from .backoff import Backoff
+from .links import Engine
+
+
+@dataclass(frozen=True)
+class Report:
+    status: AgentStatus | None = None
+    error: AgentCallError | None = None
+
+
+def backoff_key(e: Engine) -> tuple[str, bool]:
+    return e.pod, e.ready
+
+
+async def gather(engines: list[Engine], client: AgentClient, token: str, backoff: Backoff, now: float,
+                 limiter: asyncio.Semaphore, only: set[str] | None = None) -> dict[str, Report]:
+    """Reports from the agents that are due; init the ones whose engine is not initialised."""
+    targets = [e for e in engines if e.agent_url and (only is None or e.pod in only)
+               and backoff.due(backoff_key(e), now)]
+
+    async def one(e: Engine) -> tuple[Engine, Report]:
+        try:
+            s = await client.status(e.agent_url, token, limiter)
+            if not s.initialized and e.ready:
+                s = await client.init(e.agent_url, token, limiter)
+            return e, Report(status=s)
+        except AgentCallError as err:
+            return e, Report(error=err)
+    out = {}
+    for e, rep in await asyncio.gather(*(one(e) for e in targets)):
+        if rep.error is not None:
+            backoff.fail(backoff_key(e), now)
+        else:
+            backoff.succeed(backoff_key(e))
+        out[e.pod] = rep
+    return out

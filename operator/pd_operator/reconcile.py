@@ -1,0 +1,414 @@
+"""The one reconcile per PDDeployment: observe → decide → record → act.
+
+- observe: the resource, its children and pods (watch caches, checked against a fresh list
+  now and then so an object deleted while a watch was away leaves no ghost), and what each
+  agent reports about its engine;
+- decide (pure): the desired children (builders), which of them to apply (children), the
+  link plan (links), the verification round, the status (status);
+- record: status, written once per pass and before the pass acts, so whatever it is about
+  to do is recorded first;
+- act: server-side apply under one field manager, link, unlink, verify, Events. A pass
+  that acted wakes the next one at once; its results are observed there.
+
+Kopf is only the event source (handlers.py): every watch event lands in a cache here and
+wakes the deployment's worker. Errors go through `error_policy`: terminal ones (a spec
+that does not parse, an apply the API server rejects) become a condition and are not
+retried hot; transient ones back off."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import time
+
+from . import act, children as ch, links as lk, observe
+from .agentclient import AgentClient
+from .api import GROUP, KIND, VERSION, PDDeploymentSpec, parse_spec
+from .builders import LABEL_DEPLOYMENT, desired_children, owner_reference, token_secret_name
+from .conditions import set_condition
+from .diagnosis import Diagnosis
+from .events import Events
+from .kube import Kube, KubeError
+from .members import Problem, member_of, with_report
+from .metrics import OperatorMetrics
+from .state import Memory
+from .status import Observed, build_status
+
+log = logging.getLogger("pd_operator.reconcile")
+Key = tuple[str, str]
+CHILD_KINDS = {"StatefulSet": "apps/v1", "Service": "v1", "ConfigMap": "v1"}
+RESYNC_S = 5.0            # a Ready deployment is looked at again after this, events or not
+NOT_READY_RESYNC_S = 1.0
+RELIST_S = 30.0           # caches are checked against a fresh list this often
+HOLDING_RECHECK_S = 0.5   # a leaving prefill is unlinked as soon as nothing waits on it
+TOKEN_TTL_S = 20.0
+ACTED_DELAY_S = 0.05      # the next pass after one that acted
+
+
+class TerminalError(Exception):
+    """Retrying will not help until the spec changes."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.diagnosis = Diagnosis(reason, message)
+
+
+def error_policy(error: Exception, attempts: int) -> float | None:
+    """Seconds until the next pass after a failed one; None: wait for a change."""
+    if isinstance(error, TerminalError):
+        return None
+    return min(30.0, 0.5 * 2 ** (attempts - 1))
+
+
+def spec_changes(old: dict | None, new: dict, prefix: str = "spec") -> list[str]:
+    """Leaf fields that differ, as `path: old -> new`, for the Updated Event."""
+    if not isinstance(old, dict) or not isinstance(new, dict):
+        return [] if old == new else [f"{prefix}: {old!r} -> {new!r}"]
+    out = []
+    for k in sorted(set(old) | set(new)):
+        out += spec_changes(old.get(k), new.get(k), f"{prefix}.{k}")
+    return out
+
+
+def verify_due(engines: list[lk.Engine], reported: dict[str, list[dict]], mem: Memory, now: float,
+               interval_s: float) -> list[tuple[lk.Engine, lk.Engine]]:
+    """Verify when every desired link is up and either the link set changed or the interval passed."""
+    expected, up = lk.counts(engines, reported)
+    if not expected or up != expected:
+        return []
+    link_set = frozenset((d, l["cluster_id"]) for d, ls in reported.items() for l in ls)
+    if link_set == mem.verified_links and now < mem.next_verify:
+        return []
+    mem.verified_links = link_set
+    return lk.verify_pairs(engines, mem.verify_round)
+
+
+class Controller:
+    def __init__(self, kube: Kube, agents: AgentClient, metrics: OperatorMetrics | None = None):
+        self.kube = kube
+        self.agents = agents
+        self.metrics = metrics or agents.metrics
+        self.events = Events(kube)
+        self.deployments: dict[Key, dict] = {}
+        self.pods: dict[Key, dict[str, tuple[dict, float]]] = {}        # -> name -> (object, cached at)
+        self.children: dict[Key, dict[ch.ChildKey, tuple[dict, float]]] = {}
+        self.relisted_at: dict[Key, float] = {}
+        self.memory: dict[Key, Memory] = {}
+        self.wake: dict[Key, asyncio.Event] = {}
+        self.tasks: dict[Key, asyncio.Task] = {}
+        self.stopping = False
+
+    # ---- fed by Kopf's watch events ------------------------------------------------------
+    def on_deployment(self, etype: str | None, body: dict) -> None:
+        key = (body["metadata"]["namespace"], body["metadata"]["name"])
+        if etype == "DELETED" or body["metadata"].get("deletionTimestamp"):
+            self.deployments.pop(key, None)
+            task = self.tasks.pop(key, None)
+            if task:
+                task.cancel()
+            self.memory.pop(key, None)
+            self.metrics.forget(*key)
+            return
+        before = self.deployments.get(key)
+        self.deployments[key] = body
+        if key not in self.tasks and not self.stopping:
+            self.wake[key] = asyncio.Event()
+            self.tasks[key] = asyncio.create_task(self._worker(key), name=f"pdd/{key[0]}/{key[1]}")
+        # Our own status writes come back as events; only a spec change needs a pass.
+        if before is None or before["metadata"].get("generation") != body["metadata"].get("generation"):
+            self.poke(key)
+
+    def on_pod(self, etype: str | None, body: dict) -> None:
+        meta = body["metadata"]
+        key = (meta["namespace"], meta.get("labels", {}).get(LABEL_DEPLOYMENT, ""))
+        self._cache(self.pods.setdefault(key, {}), meta["name"], etype, body)
+        self.poke(key)
+
+    def on_child(self, etype: str | None, body: dict) -> None:
+        meta = body["metadata"]
+        key = (meta["namespace"], meta.get("labels", {}).get(LABEL_DEPLOYMENT, ""))
+        self._cache(self.children.setdefault(key, {}), (body.get("kind", ""), meta["name"]), etype, body)
+        self.poke(key)
+
+    @staticmethod
+    def _cache(cache: dict, name, etype: str | None, body: dict) -> None:
+        if etype == "DELETED":
+            cache.pop(name, None)
+        else:
+            cache[name] = (body, time.monotonic())
+
+    def poke(self, key: Key) -> None:
+        ev = self.wake.get(key)
+        if ev:
+            ev.set()
+
+    async def stop(self) -> None:
+        self.stopping = True
+        for t in self.tasks.values():
+            t.cancel()
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+
+    # ---- the worker ----------------------------------------------------------------------
+    async def _worker(self, key: Key) -> None:
+        while not self.stopping:
+            self.wake[key].clear()
+            t0 = time.perf_counter()
+            mem = self.memory.setdefault(key, Memory())
+            try:
+                delay = await self.reconcile(key)
+                mem.errors = 0
+                self.metrics.reconciles.labels("requeue" if delay == ACTED_DELAY_S else "ok").inc()
+            except asyncio.CancelledError:
+                raise
+            except TerminalError as e:
+                log.warning("%s/%s: %s", key[0], key[1], e)
+                self.metrics.reconciles.labels("terminal").inc()
+                await self._record_terminal(key, mem, e.diagnosis)
+                delay = error_policy(e, 1)
+            except Exception as e:  # noqa: BLE001 - never let one deployment stop the operator
+                mem.errors += 1
+                delay = error_policy(e, mem.errors)
+                (log.warning if isinstance(e, KubeError) else log.exception)(
+                    "%s/%s: pass failed (%s), again in %.1fs", key[0], key[1], e, delay)
+                self.metrics.reconciles.labels("transient").inc()
+            self.metrics.reconcile_seconds.observe(time.perf_counter() - t0)
+            try:
+                await asyncio.wait_for(self.wake[key].wait(), delay)
+                await asyncio.sleep(0.1)  # coalesce bursts of watch events
+            except asyncio.TimeoutError:
+                pass
+
+    # ---- observe ---------------------------------------------------------------------------
+    async def _relist(self, key: Key) -> None:
+        """Check the caches against a fresh list: a watch that reconnects lists again but sends
+        no DELETED for objects removed while it was away."""
+        ns, name = key
+        t0 = time.monotonic()
+        selector = f"{LABEL_DEPLOYMENT}={name}"
+        pods = {p["metadata"]["name"]: p for p in await self.kube.list("v1", "Pod", ns, selector)}
+        kids = {}
+        for kind, api_version in CHILD_KINDS.items():
+            for obj in await self.kube.list(api_version, kind, ns, selector):
+                obj.setdefault("kind", kind)
+                kids[(kind, obj["metadata"]["name"])] = obj
+        for cache, fresh in ((self.pods.setdefault(key, {}), pods), (self.children.setdefault(key, {}), kids)):
+            for k, (_, cached_at) in list(cache.items()):
+                if k not in fresh and cached_at < t0:
+                    log.info("%s/%s: %s is gone (not in a fresh list)", ns, name, k)
+                    del cache[k]
+            for k, obj in fresh.items():
+                if k not in cache or cache[k][1] < t0:
+                    cache[k] = (obj, t0)
+        self.relisted_at[key] = t0
+
+    async def _token(self, key: Key, mem: Memory) -> str | None:
+        # Re-read now and then: a rotated Secret must show up (as AgentUnauthorized until
+        # the pods restart with it), and RBAC allows `get` on the Secret, not a watch.
+        if mem.token and time.monotonic() - mem.token_read_at < TOKEN_TTL_S:
+            return mem.token
+        sec = await self.kube.get("v1", "Secret", key[0], token_secret_name(key[1]))
+        mem.token = base64.b64decode(sec["data"]["token"]).decode() if sec and sec.get("data", {}).get("token") \
+            else None
+        mem.token_read_at = time.monotonic()
+        return mem.token
+
+    async def _take_reports(self, body: dict, mem: Memory, engines: list[lk.Engine],
+                            reports: dict[str, observe.Report], obs: Observed) -> list[lk.Engine]:
+        """Merge this pass's reports (and the last good ones of members not asked) into the engines."""
+        out = []
+        for e in engines:
+            rep = reports.get(e.pod)
+            if rep is not None and rep.error is not None:
+                mem.reports.pop(e.pod, None)
+                if e.ready and not e.terminating:  # a pod that is not Ready, or leaving, may well not answer
+                    mem.agent_errors[e.pod] = (rep.error.kind, str(rep.error))
+                else:
+                    mem.agent_errors.pop(e.pod, None)
+            elif rep is not None:
+                s = rep.status
+                mem.agent_errors.pop(e.pod, None)
+                prev = mem.boot_ids.get(e.pod)
+                if prev and prev != s.boot_id:
+                    await self.events.post(body, "Normal", "AgentRestarted",
+                                           f"{e.pod} restarted (boot id {s.boot_id[:8]}); relinking",
+                                           key=f"{e.pod} restarted")
+                mem.boot_ids[e.pod] = s.boot_id
+                mem.reports[e.pod] = s
+                if s.proxy_env and f"{e.pod}/{s.boot_id}" not in mem.proxy_warned:
+                    mem.proxy_warned.add(f"{e.pod}/{s.boot_id}")
+                    await self.events.post(body, "Warning", "ProxyEnvironment",
+                                           f"{e.pod} has {', '.join(sorted(s.proxy_env))} set; datadist links "
+                                           f"can be rerouted. Unset them or list peers in no_proxy")
+            if e.pod in mem.agent_errors and e.ready and not e.terminating:
+                obs.agent_errors[e.pod] = mem.agent_errors[e.pod]
+            s = mem.reports.get(e.pod)
+            if s is not None:
+                e = with_report(e, s)
+                obs.boot_ids[e.pod] = s.boot_id
+                if s.role == "decoder":
+                    obs.reported[e.pod] = [link.model_dump() for link in s.links]
+                if s.proxy_env:
+                    obs.proxy[e.pod] = s.proxy_env
+            out.append(e)
+        return out
+
+    # ---- the pass ------------------------------------------------------------------------------
+    async def reconcile(self, key: Key) -> float | None:
+        body = self.deployments.get(key)
+        if body is None:
+            return None
+        ns, name = key
+        mem = self.memory.setdefault(key, Memory())
+        meta = body["metadata"]
+        gen = meta.get("generation", 0)
+        now = time.monotonic()
+        try:
+            spec = parse_spec(body["spec"])
+        except ValueError as e:
+            raise TerminalError("InvalidSpec", f"spec is invalid (admission should have refused it): {e}") from e
+
+        # observe
+        if now - self.relisted_at.get(key, 0.0) > RELIST_S:
+            await self._relist(key)
+        all_pods = [o for o, _ in self.pods.get(key, {}).values()]
+        live = [p for p in all_pods if not p["metadata"].get("deletionTimestamp")]
+        observed_children = {k: o for k, (o, _) in self.children.get(key, {}).items()}
+        members = [member_of(p, spec) for p in all_pods]
+        problems = [m for m in members if isinstance(m, Problem)]
+        engines = [m for m in members if not isinstance(m, Problem)]
+        token = await self._token(key, mem)
+        obs = Observed(generation=gen, pods=live, engines=engines, problems=problems, model_id=spec.model.model_id,
+                       topology=spec.datadist.topology)
+        if token:
+            reports = await observe.gather(engines, self.agents, token, mem.agent_backoff, now, mem.limiter)
+            if any(r.error is not None and r.error.kind == "AgentUnauthorized" for r in reports.values()):
+                mem.token_read_at = 0.0  # the Secret may have been rotated: read it again next pass
+        else:
+            reports = {}
+        obs.engines = engines = await self._take_reports(body, mem, engines, reports, obs)
+        alive = {e.pod: e for e in engines}
+        mem.agent_backoff.prune(lambda k: k[0] in alive and k[1] == alive[k[0]].ready)
+        for pod in [p for p in mem.reports if p not in alive]:
+            mem.reports.pop(pod, None)
+            mem.agent_errors.pop(pod, None)
+
+        # decide
+        blocked = mem.blocked if mem.blocked_generation == gen else None
+        desired = desired_children(name, ns, meta["uid"], spec)
+        to_apply = [] if blocked else ch.to_apply(desired, observed_children, mem.applied)
+        plans = lk.plan(engines, obs.reported, spec.datadist.topology, due=mem.due) if token else []
+        want = {(d, e.cluster_id) for d, es in lk.desired(engines, spec.datadist.topology).items() for e in es}
+        # failures are reported for wanted links only; backoff also covers links still to unlink
+        reported_keys = {(d, link["cluster_id"]) for d, ls in obs.reported.items() for link in ls}
+        for k in [k for k in mem.failures if k not in want]:
+            mem.failures.pop(k)
+        mem.link_backoff.prune(lambda k: k in want or k in reported_keys)
+        obs.link_failures = dict(mem.failures)
+        pairs = verify_due(engines, obs.reported, mem, now, spec.datadist.verify_interval_seconds) if token else []
+        if not want:
+            mem.verify.clear()
+        obs.verify = {d: r for d, r in mem.verify.items() if d in alive}
+        obs.verified_at = mem.verified_at
+        obs.blocked = blocked
+        # observedGeneration moves only once the children of this generation were applied
+        obs.observed_generation = gen if not to_apply and not blocked else \
+            (body.get("status") or {}).get("observedGeneration")
+        status = build_status(spec, obs, body.get("status"))
+
+        # record
+        if status != mem.last_status:
+            await self._write_status(key, status)
+            mem.last_status = status
+        self._observe_phase(key, mem, status, now)
+
+        # act
+        acted = False
+        if token is None:
+            await act.ensure_token(self.kube, name, ns, owner_reference(name, meta["uid"]))
+            acted = True
+        if to_apply:
+            await self._apply(body, spec, mem, gen, to_apply, created=not observed_children,
+                              everything=len(to_apply) == len(desired))
+            acted = True
+        if plans:
+            await asyncio.gather(*(act.execute(body, self.agents, self.events, self.metrics, mem, p, token,
+                                               spec.datadist.link_timeout_ms) for p in plans))
+            acted = True
+        if pairs:
+            await act.verify(body, self.agents, self.events, mem, pairs, token)
+            mem.verify_round += 1
+            interval = spec.datadist.verify_interval_seconds
+            mem.next_verify = now + (interval if all(r["ok"] for r in mem.verify.values()) else min(interval, 5))
+            acted = True
+        if acted:
+            return ACTED_DELAY_S
+        if lk.holding_links(engines, obs.reported):
+            return HOLDING_RECHECK_S
+        if status["phase"] != "Ready":
+            retry = mem.next_retry_in()
+            return min(NOT_READY_RESYNC_S, retry) if retry is not None else NOT_READY_RESYNC_S
+        return min(RESYNC_S, max(0.5, mem.next_verify - time.monotonic()))
+
+    # ---- act ---------------------------------------------------------------------------------
+    async def _apply(self, body: dict, spec: PDDeploymentSpec, mem: Memory, gen: int, objs: list[dict],
+                     created: bool, everything: bool) -> None:
+        try:
+            await act.apply_children(self.kube, self.metrics, mem, objs)
+        except KubeError as e:
+            if 400 <= e.status < 500 and e.status not in (409, 429):
+                mem.blocked = Diagnosis("ApplyRejected", f"the API server rejected an owned object: {e}")
+                mem.blocked_generation = gen
+                await self.events.post(body, "Warning", "ApplyRejected", str(e))
+                raise TerminalError("ApplyRejected", str(e)) from e
+            raise
+        name = body["metadata"]["name"]
+        if mem.applied_event_generation != gen:
+            mem.applied_event_generation = gen
+            what = (f"StatefulSets {name}-prefill ({spec.prefill.replicas}) and {name}-decoder "
+                    f"({spec.decoder.replicas}), Services and ConfigMap")
+            if created:
+                await self.events.post(body, "Normal", "Created", f"created {what}")
+            else:
+                changes = spec_changes(mem.applied_spec, body["spec"]) if mem.applied_spec else []
+                await self.events.post(body, "Normal", "Updated", f"generation {gen}: "
+                                       + ("; ".join(changes)[:700] if changes else f"applied {what}"))
+        elif not everything:  # (everything: the first pass after a restart)
+            await self.events.post(body, "Normal", "DriftRepaired", "re-applied " + ", ".join(
+                f"{o['kind']} {o['metadata']['name']}" for o in objs) + " (changed or deleted outside the operator)",
+                key="drift " + ", ".join(sorted(o["metadata"]["name"] for o in objs)))
+        mem.applied_spec = body["spec"]
+
+    async def _record_terminal(self, key: Key, mem: Memory, diag: Diagnosis) -> None:
+        body = self.deployments.get(key)
+        if body is None:
+            return
+        gen = body["metadata"].get("generation", 0)
+        mem.blocked, mem.blocked_generation = diag, gen
+        prev = body.get("status") or {}
+        conds = set_condition(prev.get("conditions"), "Ready", False, diag.reason, diag.message, gen)
+        status = {**{k: v for k, v in prev.items() if k != "conditions"}, "conditions": conds, "phase": "Degraded"}
+        if status != mem.last_status:
+            await self._write_status(key, status)
+            mem.last_status = status
+        await self.events.post(body, "Warning", diag.reason, diag.message)
+
+    def _observe_phase(self, key: Key, mem: Memory, status: dict, now: float) -> None:
+        self.metrics.set_phase(key[0], key[1], status["phase"])
+        pods_ready = next((c["status"] == "True" for c in status["conditions"] if c["type"] == "PodsReady"), False)
+        if not pods_ready:
+            mem.pods_ready_at, mem.was_ready = None, False
+        elif mem.pods_ready_at is None:
+            mem.pods_ready_at = now
+        if status["phase"] == "Ready" and not mem.was_ready and mem.pods_ready_at is not None:
+            mem.was_ready = True
+            self.metrics.ready_seconds.observe(now - mem.pods_ready_at)
+
+    async def _write_status(self, key: Key, status: dict) -> None:
+        obj = {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND,
+               "metadata": {"name": key[1], "namespace": key[0]}, "status": status}
+        try:
+            await self.kube.apply(obj, subresource="status")
+        except KubeError as e:
+            if e.status != 404:
+                raise
+

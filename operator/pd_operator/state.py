@@ -1,0 +1,62 @@
+"""What the operator remembers about one PDDeployment between passes: retry memory
+(backoff per link and per agent), the last results of link attempts and verification, what
+it applied, and the per-deployment concurrency limit. Nothing here is needed for
+correctness after a restart: each pass re-observes; memory only avoids hot retries and
+repeated Events."""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from .backoff import Backoff
+from .children import Applied, ChildKey
+from .diagnosis import Diagnosis
+
+LINK_BACKOFF = (0.5, 30.0)
+AGENT_BACKOFF = (1.0, 30.0)
+AGENT_CONCURRENCY = 16   # calls in flight to one deployment's agents
+
+
+@dataclass
+class Memory:
+    link_backoff: Backoff = field(default_factory=lambda: Backoff(*LINK_BACKOFF))
+    agent_backoff: Backoff = field(default_factory=lambda: Backoff(*AGENT_BACKOFF))
+    agent_errors: dict[str, tuple[str, str]] = field(default_factory=dict)
+    failures: dict[tuple[str, int], tuple[str, Diagnosis]] = field(default_factory=dict)
+    boot_ids: dict[str, str] = field(default_factory=dict)
+    reports: dict = field(default_factory=dict)          # pod -> last AgentStatus
+    verify_round: int = 0
+    next_verify: float = 0.0
+    verified_links: frozenset = frozenset()
+    verify: dict[str, dict] = field(default_factory=dict)
+    verified_at: str | None = None
+    last_status: dict | None = None
+    token: str | None = None
+    token_read_at: float = 0.0
+    proxy_warned: set[str] = field(default_factory=set)
+    applied: dict[ChildKey, Applied] = field(default_factory=dict)
+    applied_event_generation: int | None = None
+    applied_spec: dict | None = None      # the spec whose children were applied last
+    blocked: Diagnosis | None = None      # a terminal error for this generation
+    blocked_generation: int | None = None
+    errors: int = 0                       # consecutive transient errors
+    pods_ready_at: float | None = None
+    was_ready: bool = False
+    limiter: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(AGENT_CONCURRENCY))
+
+    def due(self, decoder: str, cid: int) -> bool:
+        return self.link_backoff.due((decoder, cid), time.monotonic())
+
+    def fail(self, decoder: str, cid: int, code: str, diag: Diagnosis) -> None:
+        self.link_backoff.fail((decoder, cid), time.monotonic())
+        self.failures[(decoder, cid)] = (code, diag)
+
+    def succeed(self, decoder: str, cid: int) -> None:
+        self.link_backoff.succeed((decoder, cid))
+        self.failures.pop((decoder, cid), None)
+
+    def next_retry_in(self) -> float | None:
+        now = time.monotonic()
+        waits = [w for w in (self.link_backoff.next_in(now), self.agent_backoff.next_in(now)) if w is not None]
+        return min(waits) if waits else None
