@@ -172,6 +172,7 @@ class LocalCluster:
                                  start_new_session=True, cwd=self.paths.root)
             procs[name] = p
             state["pids"][name] = p.pid
+            state.setdefault("argv", {})[name] = argv
             self.paths.state.write_text(json.dumps(state, indent=2))
 
         server = f"https://127.0.0.1:{ports['apiserver']}"
@@ -261,6 +262,21 @@ class LocalCluster:
             self.paths.state.unlink(missing_ok=True)
             raise
         log(f"cluster up in {time.monotonic() - t0:.1f}s; export KUBECONFIG={self.paths.kubeconfig}")
+
+    def restart_apiserver(self, down_seconds: float = 1.0) -> None:
+        """Stop kube-apiserver and start it again with the same flags: every client's watch
+        breaks, and its watch cache starts over, so clients that resume list again."""
+        state = self.load_state()
+        if not state or "argv" not in state:
+            raise RuntimeError("no running local cluster (or one started before restarts were possible)")
+        self._stop_pid("kube-apiserver", state["pids"]["kube-apiserver"])
+        time.sleep(down_seconds)
+        out = open(self.paths.logs / "kube-apiserver.log", "ab")
+        p = subprocess.Popen(state["argv"]["kube-apiserver"], stdout=out, stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.paths.root)
+        state["pids"]["kube-apiserver"] = p.pid
+        self.paths.state.write_text(json.dumps(state, indent=2))
+        _wait("kube-apiserver /readyz", lambda: self.apiserver_ready(state), 90, {"kube-apiserver": p})
 
     def _kubectl(self, *args: str) -> str:
         state = self.load_state()

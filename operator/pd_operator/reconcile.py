@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import os
 import time
 
 from . import act, children as ch, links as lk, observe
@@ -39,7 +40,8 @@ Key = tuple[str, str]
 CHILD_KINDS = {"StatefulSet": "apps/v1", "Service": "v1", "ConfigMap": "v1"}
 RESYNC_S = 5.0            # a Ready deployment is looked at again after this, events or not
 NOT_READY_RESYNC_S = 1.0
-RELIST_S = 30.0           # caches are checked against a fresh list this often
+# caches are checked against a fresh list this often
+RELIST_S = float(os.environ.get("PD_OPERATOR_RELIST_SECONDS", "30"))
 HOLDING_RECHECK_S = 0.5   # a leaving prefill is unlinked as soon as nothing waits on it
 TOKEN_TTL_S = 20.0
 ACTED_DELAY_S = 0.05      # the next pass after one that acted
@@ -167,6 +169,7 @@ class Controller:
                 delay = error_policy(e, 1)
             except Exception as e:  # noqa: BLE001 - never let one deployment stop the operator
                 mem.errors += 1
+                self.relisted_at.pop(key, None)  # the API server may have been away: list again first
                 delay = error_policy(e, mem.errors)
                 (log.warning if isinstance(e, KubeError) else log.exception)(
                     "%s/%s: pass failed (%s), again in %.1fs", key[0], key[1], e, delay)
@@ -322,6 +325,11 @@ class Controller:
         self._observe_phase(key, mem, status, now)
 
         # act
+        mismatched = lk.mismatches(engines)
+        if mismatched:
+            pods = sorted({e.pod for pair in mismatched for e in pair})
+            await self.events.post(body, "Warning", "CacheDescMismatch", ", ".join(pods) + " run different "
+                                   "CacheDescs; pairs across them are not linked", key=",".join(pods))
         acted = False
         if token is None:
             await act.ensure_token(self.kube, name, ns, owner_reference(name, meta["uid"]))
