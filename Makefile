@@ -49,7 +49,7 @@ demo: cluster-up ## the main job: operator (Helm chart) + examples/sim-small.yam
 bench-sim: venv ## KV pull throughput over loopback and agent API latency
 	$(PY) bench/bench_sim.py
 
-bench-links: venv k8s-bins ## time from pods Ready to links up + KV path verified (2P2D, 8P8D, 16P16D)
+bench-links: venv k8s-bins ## pods Ready -> links up + KV path verified (2P2D .. 64P64D), idle agent calls and CPU
 	$(PY) bench/bench_links.py
 
 bench: bench-sim bench-links ## every benchmark

@@ -184,6 +184,24 @@ def counts(engines: list[Engine], reported: dict[str, list[dict]], topology: str
     return sum(e for e, _, _ in per), sum(u for _, u, _ in per)
 
 
+def completes(engines: list[Engine], reported: dict[str, list[dict]], plans: list[DecoderPlan],
+              topology: str = "FullMesh") -> frozenset | None:
+    """The full link set, as (decoder, prefill cluster id) pairs, if carrying out `plans`
+    successfully brings every desired link up; else None."""
+    planned = {(p.decoder.pod, e.cluster_id) for p in plans for e in p.link}
+    full = set()
+    for dpod, peers in desired(engines, topology).items():
+        have = {l["cluster_id"]: l for l in reported.get(dpod, [])}
+        for e in peers:
+            ok = (dpod, e.cluster_id) in planned or (e.cluster_id in have and not broken(have[e.cluster_id], e))
+            if not ok:
+                return None
+            full.add((dpod, e.cluster_id))
+    extra = {(p.decoder.pod, l["cluster_id"]) for p in plans for l in p.unlink + p.force_unlink}
+    kept = {(d, l["cluster_id"]) for d, ls in reported.items() for l in ls} - extra
+    return frozenset(full | (kept - full)) if full else None
+
+
 def holding_links(engines: list[Engine], reported: dict[str, list[dict]]) -> int:
     """Links still kept to leaving prefills (the loop re-checks soon while there are any)."""
     held = held_prefills(engines)

@@ -177,7 +177,7 @@ class Controller:
             self.metrics.reconcile_seconds.observe(time.perf_counter() - t0)
             try:
                 await asyncio.wait_for(self.wake[key].wait(), delay)
-                await asyncio.sleep(0.1)  # coalesce bursts of watch events
+                await asyncio.sleep(0.02)  # coalesce bursts of watch events
             except asyncio.TimeoutError:
                 pass
 
@@ -308,6 +308,8 @@ class Controller:
         mem.link_backoff.prune(lambda k: k in want or k in reported_keys)
         obs.link_failures = dict(mem.failures)
         pairs = verify_due(engines, obs.reported, mem, now, spec.datadist.verify_interval_seconds) if token else []
+        # linking that completes the mesh is followed by verification in the same pass
+        complete_after = lk.completes(engines, obs.reported, plans, spec.datadist.topology) if plans else None
         if not want:
             mem.verify.clear()
         obs.verify = {d: r for d, r in mem.verify.items() if d in alive}
@@ -342,6 +344,9 @@ class Controller:
             await asyncio.gather(*(act.execute(body, self.agents, self.events, self.metrics, mem, p, token,
                                                spec.datadist.link_timeout_ms) for p in plans))
             acted = True
+            if complete_after is not None and not mem.failures and not pairs:
+                mem.verified_links = complete_after
+                pairs = lk.verify_pairs(engines, mem.verify_round)
         if pairs:
             await act.verify(body, self.agents, self.events, mem, pairs, token)
             mem.verify_round += 1

@@ -345,3 +345,120 @@ def test_crd_schema_is_structural_and_complete():
     assert spec["backend"]["enum"] == ["sim", "llm-datadist"]
     assert spec["prefill"]["properties"]["resources"]["properties"]["limits"]["additionalProperties"] == {
         "x-kubernetes-int-or-string": True}
+
+
+# ---- status at scale, children, the reconcile's pure parts -------------------------------------
+
+def _fleet(n_prefill: int, n_decoder: int, failing: int = 0):
+    """Pods, engines and decoder link reports of a converged FullMesh deployment."""
+    from dataclasses import replace
+    spec = parse_spec({**SPEC, "prefill": {"replicas": n_prefill}, "decoder": {"replicas": n_decoder}})
+    pods = [pod(f"big-prefill-{i}", "prefill", i, ip=f"127.2.{i // 250}.{i % 250 + 1}") for i in range(n_prefill)]
+    pods += [pod(f"big-decoder-{i}", "decoder", i, ip=f"127.3.{i // 250}.{i % 250 + 1}") for i in range(n_decoder)]
+    engines = [replace(member_of(p, spec), agent_ok=True, boot_id="b" * 32, cache_desc="{}") for p in pods]
+    prefills = [e for e in engines if e.group == "prefill"]
+    reported = {e.pod: [{**up(p), "healthy": True, "since": 1.0, "peer_boot_id": "b" * 32} for p in prefills]
+                for e in engines if e.group == "decoder"}
+    for d in list(reported)[:failing]:
+        reported[d][0] = {**reported[d][0], "code": "LLM_LINK_FAILED", "healthy": False}
+    return spec, pods, engines, reported
+
+
+def test_status_of_256_prefills_and_256_decoders_stays_small():
+    import json
+    spec, pods, engines, reported = _fleet(256, 256, failing=16)
+    verify = {d: {"ok": True, "code": "LLM_SUCCESS", "decoder": d, "prefill": "big-prefill-0", "bytes": 524288,
+                  "pull_ms": 1.5} for d in reported}
+    obs = Observed(generation=1, pods=pods, engines=engines, reported=reported, verify=verify, observed_generation=1,
+                   boot_ids={e.pod: e.boot_id for e in engines})
+    s = build_status(spec, obs, None)
+    size = len(json.dumps(s))
+    assert size < 256 * 1024, size
+    assert s["links"] == {"expected": 256 * 256, "up": 256 * 256 - 16}
+    bad = [m for m in s["members"] if m.get("failingLinks")]
+    assert len(bad) == 16 and bad[0]["failingLinks"] == [{"peer": "big-prefill-0", "clusterId": 0,
+                                                          "code": "LLM_LINK_FAILED"}]
+    healthy = next(m for m in s["members"] if m["pod"] == "big-decoder-100")
+    assert healthy["links"] == {"expected": 256, "up": 256} and "failingLinks" not in healthy
+    # messages stay the same from pass to pass: a second build with other pull times is identical but lastVerified
+    verify2 = {d: {**v, "pull_ms": 9.9} for d, v in verify.items()}
+    s2 = build_status(spec, Observed(generation=1, pods=pods, engines=engines, reported=reported, verify=verify2,
+                                     observed_generation=1, boot_ids=obs.boot_ids), s)
+    assert s2["conditions"] == s["conditions"] and s2["lastVerified"] != s["lastVerified"]
+
+
+def test_build_status_reads_each_link_report_once():
+    """Work linear in reported links plus members: every decoder's report is read once."""
+    class Counting(dict):
+        reads = 0
+
+        def get(self, *a):
+            Counting.reads += 1
+            return super().get(*a)
+    spec, pods, engines, reported = _fleet(32, 32)
+    build_status(spec, Observed(generation=1, pods=pods, engines=engines, reported=Counting(reported)), None)
+    assert Counting.reads == 32
+
+
+def test_members_that_cannot_be_read_are_problems_not_exceptions():
+    from pd_operator.members import Problem
+    spec = parse_spec(SPEC)
+    no_index = {"metadata": {"name": "x-stray", "labels": {"pdoperator.io/group": "decoder"}}, "status": {}}
+    odd = {"metadata": {"name": "x-router-0", "labels": {"pdoperator.io/group": "router"}}, "status": {}}
+    assert isinstance(member_of(no_index, spec), Problem) and "pod-index" in member_of(no_index, spec).message
+    assert isinstance(member_of(odd, spec), Problem) and "router" in member_of(odd, spec).message
+    s = build_status(spec, Observed(generation=1, pods=[no_index, odd], engines=[],
+                                    problems=[member_of(no_index, spec), member_of(odd, spec)]), None)
+    assert {m["pod"]: m["lastError"][:10] for m in s["members"]} == {"x-router-0": "unknown pd", "x-stray": "no apps.ku"}
+
+
+def test_identity_comes_from_the_agents_report():
+    from pd_agent.models import AgentStatus
+    spec = parse_spec(SPEC)
+    e = member_of(pod("x-prefill-1", "prefill", 1, ip="127.1.0.5"), spec)
+    rep = AgentStatus(pod="x-prefill-1", role="prompt", cluster_id=4242, boot_id="z", backend="sim", initialized=True,
+                      ip="10.9.9.9", port=27000, model_id=0, cache_desc={"num_tensors": 2, "shape": [1]},
+                      unknown_future_field=1)
+    got = with_report(e, rep)
+    assert (got.cluster_id, got.ip, got.port, got.agent_ok) == (4242, "10.9.9.9", 27000, True)
+    assert got.cache_desc == '{"num_tensors":2,"shape":[1]}' and got.agent_url == e.agent_url
+
+
+def test_links_only_between_identical_cache_descs():
+    from dataclasses import replace
+    old, new = '{"n":4}', '{"n":8}'
+    p0, p1 = replace(eng("p0", "prefill", 0), cache_desc=old), replace(eng("p1", "prefill", 1), cache_desc=new)
+    d0, d1 = replace(eng("d0", "decoder", 1000), cache_desc=old), replace(eng("d1", "decoder", 1001), cache_desc=new)
+    plans = {p.decoder.pod: [e.pod for e in p.link] for p in links.plan([p0, p1, d0, d1], {})}
+    assert plans == {"d0": ["p0"], "d1": ["p1"]}
+    assert {(d.pod, p.pod) for d, p in links.mismatches([p0, p1, d0, d1])} == {("d0", "p1"), ("d1", "p0")}
+    # an existing link across CacheDescs (made before a roll) is dropped, never kept
+    plan = {p.decoder.pod: p for p in links.plan([p0, p1, d0, d1], {"d0": [up(p0), up(p1)]})}["d0"]
+    assert plan.unlink == [up(p1)] and plan.link == []
+
+
+def test_children_applied_when_missing_changed_or_drifted():
+    from pd_operator import children as ch
+    spec = parse_spec(SPEC)
+    desired = builders.desired_children("x", "ns", "uid", spec)
+    assert ch.to_apply(desired, {}, {}) == desired                       # nothing there yet
+    sts = next(o for o in desired if o["kind"] == "StatefulSet")
+    seen = {ch.child_key(o): {**o, "metadata": {**o["metadata"], "generation": 1, "resourceVersion": "5"}}
+            for o in desired}
+    applied = {k: (ch.digest(o), ch.marker(seen[k])) for k, o in ((ch.child_key(o), o) for o in desired)}
+    assert ch.to_apply(desired, seen, applied) == []                     # converged
+    k = ch.child_key(sts)
+    seen_status = {**seen, k: {**seen[k], "metadata": {**seen[k]["metadata"], "resourceVersion": "9"}}}
+    assert ch.to_apply(desired, seen_status, applied) == []              # a status update is not drift
+    scaled = {**seen, k: {**seen[k], "metadata": {**seen[k]["metadata"], "generation": 2}}}
+    assert ch.to_apply(desired, scaled, applied) == [sts]                # kubectl scale is drift
+    gone = {kk: v for kk, v in seen.items() if kk != ("ConfigMap", "x-config")}
+    assert [o["kind"] for o in ch.to_apply(desired, gone, applied)] == ["ConfigMap"]
+
+
+def test_error_policy_and_spec_changes():
+    from pd_operator.reconcile import TerminalError, error_policy, spec_changes
+    assert error_policy(TerminalError("InvalidSpec", "x"), 1) is None
+    assert [error_policy(RuntimeError(), n) for n in (1, 2, 3, 8)] == [0.5, 1.0, 2.0, 30.0]
+    assert spec_changes({"a": {"b": 1, "c": 2}}, {"a": {"b": 3, "c": 2}, "d": 4}) == [
+        "spec.a.b: 1 -> 3", "spec.d: None -> 4"]
