@@ -81,8 +81,9 @@ def main() -> None:
         murl = f"http://127.0.0.1:{port}/metrics"
         env.update(KUBECONFIG=str(lc.paths.kubeconfig), PD_OPERATOR_NAMESPACES=ns,
                    PD_OPERATOR_METRICS_ADDR=f"127.0.0.1:{port}")
-        op = subprocess.Popen([sys.executable, "-m", "pd_operator"], env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
+        log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-links-operator-{p}p{d}d.log"
+        op = subprocess.Popen([sys.executable, "-m", "pd_operator"], env=env, stdout=open(log_path, "wb"),
+                              stderr=subprocess.STDOUT)
         try:
             while True:  # the ServiceAccount admission needs the default SA
                 if core.list_namespaced_service_account(ns).items:

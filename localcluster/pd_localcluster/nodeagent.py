@@ -487,7 +487,10 @@ class NodeAgent:
         self.node_names = [f"local-node-{i + 1}" for i in range(nodes)]
         self.kubelet_port = kubelet_port
         self.api = KubeApi(root / "kubeconfig")
-        self.http = httpx.AsyncClient(trust_env=False)
+        # Probes open a connection each, as the kubelet does: a shared, bounded keep-alive pool
+        # runs dry with a hundred pods probing at once, and every probe would then fail.
+        self.http = httpx.AsyncClient(trust_env=False, limits=httpx.Limits(max_connections=None,
+                                                                           max_keepalive_connections=0))
         self.ips = [IPAllocator(i, pod_ip_base) for i in range(nodes)]
         self.workers: dict[str, PodWorker] = {}
         self.boot_id = str(uuid.uuid4())

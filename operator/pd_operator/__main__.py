@@ -18,6 +18,8 @@ def main() -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     # Kopf logs every successful event handler; the controller logs what it does instead.
     logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    if os.environ.get("PD_OPERATOR_TRACE"):  # one line per reconcile pass
+        logging.getLogger("pd_operator.reconcile").setLevel(logging.DEBUG)
     namespaces = [n for n in os.environ.get("PD_OPERATOR_NAMESPACES", "").split(",") if n]
     liveness = os.environ.get("PD_OPERATOR_LIVENESS", "")
     asyncio.run(kopf.operator(

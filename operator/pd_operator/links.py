@@ -35,7 +35,9 @@ class Engine:
 
     @property
     def linkable(self) -> bool:
-        return self.ready and self.agent_ok and bool(self.ip)
+        # The agent's own word that its engine is initialised is enough: the readiness probe
+        # asks the same thing, only up to a probe period later.
+        return self.agent_ok and bool(self.ip)
 
     @property
     def leaving(self) -> bool:
@@ -83,6 +85,13 @@ def held_prefills(engines: list[Engine]) -> dict[int, Engine]:
     return {e.cluster_id: e for e in engines if e.role == "prefill" and e.holding}
 
 
+def kept_prefills(engines: list[Engine]) -> dict[int, Engine]:
+    """Prefills whose existing links stay: every one that is not leaving with nothing left to
+    pull. A prefill whose readiness flaps or whose agent answered late this time keeps its
+    links; only new links wait for it to be Ready and answering."""
+    return {e.cluster_id: e for e in engines if e.role == "prefill" and (not e.leaving or e.holding)}
+
+
 def broken(link: dict, target: Engine) -> bool:
     """Whether a reported link to `target` must be re-made."""
     code = link.get("code", "LLM_SUCCESS")
@@ -124,7 +133,7 @@ def plan(engines: list[Engine], reported: dict[str, list[dict]], topology: str =
     """`reported[decoder] = [{name, cluster_id, ip, port, code, healthy, peer_boot_id}, ...]`
     from each agent's status."""
     want = desired(engines, topology)
-    held = held_prefills(engines)
+    kept = kept_prefills(engines)
     by_pod = {e.pod: e for e in engines}
     plans = []
     for dpod, peers in want.items():
@@ -132,7 +141,7 @@ def plan(engines: list[Engine], reported: dict[str, list[dict]], topology: str =
         have = {l["cluster_id"]: l for l in reported.get(dpod, [])}
         wanted = {e.cluster_id: e for e in peers}
         for cid, link in have.items():
-            target = wanted.get(cid) or held.get(cid)
+            target = wanted.get(cid) or kept.get(cid)
             if target is not None and not compatible(p.decoder, target):
                 target = None  # a link across CacheDescs cannot carry a cache: drop it
             if not due(dpod, cid):

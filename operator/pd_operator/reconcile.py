@@ -30,7 +30,7 @@ from .conditions import set_condition
 from .diagnosis import Diagnosis
 from .events import Events
 from .kube import Kube, KubeError
-from .members import Problem, member_of, with_report
+from .members import Problem, member_of, pod_ready, with_report
 from .metrics import OperatorMetrics
 from .state import Memory
 from .status import Observed, build_status
@@ -44,6 +44,7 @@ NOT_READY_RESYNC_S = 1.0
 RELIST_S = float(os.environ.get("PD_OPERATOR_RELIST_SECONDS", "30"))
 HOLDING_RECHECK_S = 0.5   # a leaving prefill is unlinked as soon as nothing waits on it
 TOKEN_TTL_S = 20.0
+SETTLED_POLL_S = 5.0      # a member that is linked and well is asked this often
 ACTED_DELAY_S = 0.05      # the next pass after one that acted
 
 
@@ -95,6 +96,7 @@ class Controller:
         self.pods: dict[Key, dict[str, tuple[dict, float]]] = {}        # -> name -> (object, cached at)
         self.children: dict[Key, dict[ch.ChildKey, tuple[dict, float]]] = {}
         self.relisted_at: dict[Key, float] = {}
+        self.ready_since: dict[Key, dict[str, float]] = {}   # pod -> when its watch event said Ready
         self.memory: dict[Key, Memory] = {}
         self.wake: dict[Key, asyncio.Event] = {}
         self.tasks: dict[Key, asyncio.Task] = {}
@@ -109,6 +111,7 @@ class Controller:
             if task:
                 task.cancel()
             self.memory.pop(key, None)
+            self.ready_since.pop(key, None)
             self.metrics.forget(*key)
             return
         before = self.deployments.get(key)
@@ -123,7 +126,14 @@ class Controller:
     def on_pod(self, etype: str | None, body: dict) -> None:
         meta = body["metadata"]
         key = (meta["namespace"], meta.get("labels", {}).get(LABEL_DEPLOYMENT, ""))
-        self._cache(self.pods.setdefault(key, {}), meta["name"], etype, body)
+        cache = self.pods.setdefault(key, {})
+        was_ready = meta["name"] in cache and pod_ready(cache[meta["name"]][0])
+        self._cache(cache, meta["name"], etype, body)
+        if etype != "DELETED" and pod_ready(body) and not was_ready:
+            self.ready_since.setdefault(key, {})[meta["name"]] = time.monotonic()
+        mem = self.memory.get(key)
+        if mem is not None:
+            mem.dirty.add(meta["name"])
         self.poke(key)
 
     def on_child(self, etype: str | None, body: dict) -> None:
@@ -255,6 +265,16 @@ class Controller:
             out.append(e)
         return out
 
+    @staticmethod
+    def _to_ask(mem: Memory, engines: list[lk.Engine], now: float) -> set[str]:
+        """Members to ask this pass: any whose pod changed, that is not settled (not linked yet,
+        leaving, never asked), or whose settled interval is over. A large deployment coming up
+        then costs a call per changing member, not one per member on every pass."""
+        ask = {e.pod for e in engines if e.pod in mem.dirty or e.leaving or e.pod not in mem.reports
+               or now >= mem.next_poll.get(e.pod, 0.0)}
+        mem.dirty -= ask
+        return ask
+
     # ---- the pass ------------------------------------------------------------------------------
     async def reconcile(self, key: Key) -> float | None:
         body = self.deployments.get(key)
@@ -283,7 +303,8 @@ class Controller:
         obs = Observed(generation=gen, pods=live, engines=engines, problems=problems, model_id=spec.model.model_id,
                        topology=spec.datadist.topology)
         if token:
-            reports = await observe.gather(engines, self.agents, token, mem.agent_backoff, now, mem.limiter)
+            reports = await observe.gather(engines, self.agents, token, mem.agent_backoff, now, mem.limiter,
+                                           only=self._to_ask(mem, engines, now))
             if any(r.error is not None and r.error.kind == "AgentUnauthorized" for r in reports.values()):
                 mem.token_read_at = 0.0  # the Secret may have been rotated: read it again next pass
         else:
@@ -291,9 +312,16 @@ class Controller:
         obs.engines = engines = await self._take_reports(body, mem, engines, reports, obs)
         alive = {e.pod: e for e in engines}
         mem.agent_backoff.prune(lambda k: k[0] in alive and k[1] == alive[k[0]].ready)
-        for pod in [p for p in mem.reports if p not in alive]:
+        for pod in [p for p in set(mem.reports) | set(mem.next_poll) if p not in alive]:
             mem.reports.pop(pod, None)
+            mem.next_poll.pop(pod, None)
             mem.agent_errors.pop(pod, None)
+
+        per = lk.per_decoder(engines, obs.reported, spec.datadist.topology)
+        for e in engines:
+            if e.pod in reports and reports[e.pod].error is None:
+                settled = e.agent_ok and not e.leaving and (e.pod not in per or per[e.pod][0] == per[e.pod][1])
+                mem.next_poll[e.pod] = now + SETTLED_POLL_S if settled else 0.0
 
         # decide
         blocked = mem.blocked if mem.blocked_generation == gen else None
@@ -324,8 +352,11 @@ class Controller:
         if status != mem.last_status:
             await self._write_status(key, status)
             mem.last_status = status
-        self._observe_phase(key, mem, status, now)
+        since = self.ready_since.get(key, {})
+        self._observe_phase(key, mem, status, max((since.get(p["metadata"]["name"], now) for p in live), default=now))
 
+        log.debug("%s/%s pass: asked %d, %s, %d link plans, %d verify pairs, %d to apply", ns, name, len(reports),
+                  status["phase"], len(plans), len(pairs), len(to_apply))
         # act
         mismatched = lk.mismatches(engines)
         if mismatched:
@@ -341,6 +372,7 @@ class Controller:
                               everything=len(to_apply) == len(desired))
             acted = True
         if plans:
+            mem.dirty.update(p.decoder.pod for p in plans)  # ask them again next pass
             await asyncio.gather(*(act.execute(body, self.agents, self.events, self.metrics, mem, p, token,
                                                spec.datadist.link_timeout_ms) for p in plans))
             acted = True
@@ -405,16 +437,18 @@ class Controller:
             mem.last_status = status
         await self.events.post(body, "Warning", diag.reason, diag.message)
 
-    def _observe_phase(self, key: Key, mem: Memory, status: dict, now: float) -> None:
+    def _observe_phase(self, key: Key, mem: Memory, status: dict, last_pod_ready: float) -> None:
+        """Phase gauge, and the time from the last pod's Ready (as its watch event arrived)
+        to the deployment's Ready."""
         self.metrics.set_phase(key[0], key[1], status["phase"])
         pods_ready = next((c["status"] == "True" for c in status["conditions"] if c["type"] == "PodsReady"), False)
         if not pods_ready:
             mem.pods_ready_at, mem.was_ready = None, False
         elif mem.pods_ready_at is None:
-            mem.pods_ready_at = now
+            mem.pods_ready_at = last_pod_ready
         if status["phase"] == "Ready" and not mem.was_ready and mem.pods_ready_at is not None:
             mem.was_ready = True
-            self.metrics.ready_seconds.observe(now - mem.pods_ready_at)
+            self.metrics.ready_seconds.observe(time.monotonic() - mem.pods_ready_at)
 
     async def _write_status(self, key: Key, status: dict) -> None:
         obj = {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND,

@@ -26,6 +26,8 @@ class Memory:
     failures: dict[tuple[str, int], tuple[str, Diagnosis]] = field(default_factory=dict)
     boot_ids: dict[str, str] = field(default_factory=dict)
     reports: dict = field(default_factory=dict)          # pod -> last AgentStatus
+    next_poll: dict[str, float] = field(default_factory=dict)  # pod -> when a settled member is asked again
+    dirty: set[str] = field(default_factory=set)         # pods whose object changed since they were asked
     verify_round: int = 0
     next_verify: float = 0.0
     verified_links: frozenset = frozenset()

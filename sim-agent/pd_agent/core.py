@@ -165,8 +165,9 @@ class AgentCore:
             if _code_name(ret) != "LLM_SUCCESS":
                 self.last_error = f"link_clusters: {_code_name(ret)} {result}"
             if self.notifier:
-                await asyncio.gather(*(self.notifier.linked(p.agent_url, True) for p in req.peers
-                                       if result[p.name] in ("LLM_SUCCESS", "LLM_ALREADY_LINK")))
+                for p in req.peers:
+                    if result[p.name] in ("LLM_SUCCESS", "LLM_ALREADY_LINK"):
+                        self.notifier.linked(p.agent_url, True)
             return LinkResult(ret=_code_name(ret), rets=result,
                               duration_ms=(time.perf_counter() - t0) * 1000)
 
@@ -187,7 +188,8 @@ class AgentCore:
                     self.link_codes.pop(peer.cluster_id, None)
                     released.append((known or peer).agent_url)
             if self.notifier:
-                await asyncio.gather(*(self.notifier.linked(url, False) for url in released))
+                for url in released:
+                    self.notifier.linked(url, False)
             return LinkResult(ret=_code_name(ret), rets=result,
                               duration_ms=(time.perf_counter() - t0) * 1000)
 
@@ -397,7 +399,9 @@ class AgentCore:
         drained_ms = (time.monotonic() - t0) * 1000
         if self.role == "decoder" and self.notifier:
             # our links go with this process: tell the prefills, so none waits for us to let go
-            await asyncio.gather(*(self.notifier.linked(p.agent_url, False) for p in self.peers.values()))
+            for p in self.peers.values():
+                self.notifier.linked(p.agent_url, False)
+            await self.notifier.flush()
         # the decoders' agents report their links to us; a real engine does not list them
         unlink_deadline = min(deadline, time.monotonic() + UNLINK_WAIT_S)
         while self.role == "prompt" and self.linked_by and time.monotonic() < unlink_deadline:

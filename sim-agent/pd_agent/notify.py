@@ -22,6 +22,7 @@ class Notifier:
         self.token = token
         self.cluster_id = cluster_id
         self._pulled: dict[str, list[int]] = defaultdict(list)
+        self._linked: dict[str, bool] = {}      # the latest link state to report, per prefill agent
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.sent = 0
@@ -41,13 +42,21 @@ class Notifier:
             self._pulled[url].append(req_id)
             self._wake.set()
 
-    async def linked(self, url: str | None, linked: bool) -> None:
+    def linked(self, url: str | None, linked: bool) -> None:
+        """Queued, never awaited by the caller: a link call must not wait on other agents."""
         if url:
-            await self._post(url, {"linked": linked})
+            self._linked[url] = linked
+            self._wake.set()
 
     async def flush(self) -> None:
-        batches, self._pulled = self._pulled, defaultdict(list)
-        await asyncio.gather(*(self._post(url, {"pulled": ids}) for url, ids in batches.items()))
+        pulled, self._pulled = self._pulled, defaultdict(list)
+        linked, self._linked = self._linked, {}
+        bodies: dict[str, dict] = {}
+        for url, ids in pulled.items():
+            bodies.setdefault(url, {})["pulled"] = ids
+        for url, state in linked.items():
+            bodies.setdefault(url, {})["linked"] = state
+        await asyncio.gather(*(self._post(url, body) for url, body in bodies.items()))
 
     async def _loop(self) -> None:
         while True:

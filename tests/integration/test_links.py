@@ -76,6 +76,11 @@ def test_fault_diagnosis_and_recovery(cluster: Cluster, namespace: str, operator
     assert "sim-small-prefill-1" in msg and "26000" in msg
     assert obj["status"]["links"]["up"] == 2
     assert any(e["reason"] == "EndpointUnreachable" and e["type"] == "Warning" for e in events(cluster, ns))
+    # retried with backoff; the repeats bump one Event per decoder, they do not add Events
+    wait_for("retries", lambda: operator.metric("pd_operator_link_operations_total", op="link",
+                                                code="LLM_LINK_FAILED") >= 4, timeout=30)
+    unreachable = [e for e in events(cluster, ns) if e["reason"] == "EndpointUnreachable"]
+    assert len(unreachable) <= 2, [e["message"] for e in unreachable]
 
     # a slow prompt side: the handshake outlasts linkTimeoutMs (2000): LinkTimeout
     agent_post(cluster, ns, "sim-small-prefill-1", "/v1/admin/faults", {"refuse_links": False, "link_delay_ms": 3500})

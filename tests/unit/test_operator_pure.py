@@ -250,8 +250,8 @@ def test_a_leaving_decoder_dials_nothing_and_keeps_its_links():
     assert links.counts([p0, p1, d0], {"d0": [up(p0)]}) == (0, 0)
 
 
-def test_plan_skips_unready_and_switching_and_prefills_never_dial():
-    es = [eng("p0", "prefill", 0), eng("p1", "prefill", 1, ready=False), eng("s", "switching", 2),
+def test_plan_skips_unanswering_and_switching_and_prefills_never_dial():
+    es = [eng("p0", "prefill", 0), eng("p1", "prefill", 1, ok=False), eng("s", "switching", 2),
           eng("d0", "decoder", 1000), eng("d1", "decoder", 1001, ok=False)]
     plans = links.plan(es, {})
     assert [(p.decoder.pod, [e.pod for e in p.link]) for p in plans] == [("d0", ["p0"])]
@@ -462,3 +462,13 @@ def test_error_policy_and_spec_changes():
     assert [error_policy(RuntimeError(), n) for n in (1, 2, 3, 8)] == [0.5, 1.0, 2.0, 30.0]
     assert spec_changes({"a": {"b": 1, "c": 2}}, {"a": {"b": 3, "c": 2}, "d": 4}) == [
         "spec.a.b: 1 -> 3", "spec.d: None -> 4"]
+
+
+def test_a_prefill_that_flaps_not_ready_keeps_its_links():
+    from dataclasses import replace
+    p0, d0 = eng("p0", "prefill", 0), eng("d0", "decoder", 1000)
+    flapping = replace(eng("p1", "prefill", 1), ready=False)       # its agent still answers
+    assert links.plan([p0, flapping, d0], {"d0": [up(p0), up(flapping)]}) == []
+    slow_agent = replace(eng("p1", "prefill", 1), agent_ok=False)  # its agent did not answer this time
+    assert links.plan([p0, slow_agent, d0], {"d0": [up(p0), up(slow_agent)]}) == []
+    assert links.plan([p0, slow_agent, d0], {"d0": [up(p0)]}) == []   # but no new link until it answers
