@@ -21,10 +21,10 @@ class Backoff(Generic[K]):
     def failures(self, key: K) -> int:
         return self._state.get(key, (0, 0.0))[0]
 
-    def fail(self, key: K, now: float) -> float:
+    def fail(self, key: K, now: float, base: float | None = None, cap: float | None = None) -> float:
         """Record a failure; returns the delay before the next attempt (full jitter on the upper half)."""
         n = self.failures(key) + 1
-        delay = min(self.cap, self.base * 2 ** (n - 1)) * (0.5 + 0.5 * self.rng())
+        delay = min(cap or self.cap, (base or self.base) * 2 ** (n - 1)) * (0.5 + 0.5 * self.rng())
         self._state[key] = (n, now + delay)
         return delay
 

@@ -32,6 +32,7 @@ class Engine:
     draining: bool = False          # the agent refuses new work
     busy: bool | None = None        # in-flight requests or un-pulled KV caches; None: not known
     cache_desc: str | None = None   # canonical JSON of the CacheDesc the engine runs with
+    starting: bool = False          # first container start, not Ready yet: its agent is coming up
 
     @property
     def linkable(self) -> bool:

@@ -47,10 +47,13 @@ def member_of(pod: dict, spec: PDDeploymentSpec) -> Engine | Problem:
         return Problem(meta["name"], group, f"no {POD_INDEX_LABEL} label and no ordinal in the name: not a pod of "
                                             f"the {group} StatefulSet; it is not linked")
     ip = pod.get("status", {}).get("podIP")
+    statuses = pod.get("status", {}).get("containerStatuses") or [{}]
+    starting = not pod_ready(pod) and "running" in (statuses[0].get("state") or {}) \
+        and not statuses[0].get("restartCount")
     return Engine(pod=meta["name"], group=group, role=labels.get(LABEL_ROLE, group),
                   cluster_id=cluster_id(spec, group, index), ip=ip, port=spec.datadist.port,
                   ready=pod_ready(pod), agent_url=f"http://{ip}:{AGENT_PORT}" if ip else None,
-                  terminating=bool(meta.get("deletionTimestamp")))
+                  terminating=bool(meta.get("deletionTimestamp")), starting=starting)
 
 
 def canonical(desc: dict) -> str:

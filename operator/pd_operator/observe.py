@@ -3,8 +3,9 @@ back as a result on that member, never as an exception for the deployment.
 
 A pod is asked only when its backoff allows: an agent that keeps failing (a crash loop, a
 pod that never gets Ready, a black-holed address) is asked at 1, 2, 4 … 30 s intervals,
-like any other failing call. The backoff key includes the pod's readiness, so a pod that
-just became Ready is asked at once."""
+like any other failing call. A pod on its first start, not Ready yet, is asked on a short
+schedule (0.25 s up to 2 s), so an engine is linked as soon as its agent is up. The backoff
+key includes both, so a pod that just became Ready is asked at once."""
 from __future__ import annotations
 
 import asyncio
@@ -23,8 +24,11 @@ class Report:
     error: AgentCallError | None = None
 
 
-def backoff_key(e: Engine) -> tuple[str, bool]:
-    return e.pod, e.ready
+STARTING_BACKOFF = (0.25, 2.0)
+
+
+def backoff_key(e: Engine) -> tuple[str, bool, bool]:
+    return e.pod, e.ready, e.starting
 
 
 async def gather(engines: list[Engine], client: AgentClient, token: str, backoff: Backoff, now: float,
@@ -44,7 +48,7 @@ async def gather(engines: list[Engine], client: AgentClient, token: str, backoff
     out = {}
     for e, rep in await asyncio.gather(*(one(e) for e in targets)):
         if rep.error is not None:
-            backoff.fail(backoff_key(e), now)
+            backoff.fail(backoff_key(e), now, *(STARTING_BACKOFF if e.starting else (None, None)))
         else:
             backoff.succeed(backoff_key(e))
         out[e.pod] = rep

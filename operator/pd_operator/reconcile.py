@@ -311,7 +311,7 @@ class Controller:
             reports = {}
         obs.engines = engines = await self._take_reports(body, mem, engines, reports, obs)
         alive = {e.pod: e for e in engines}
-        mem.agent_backoff.prune(lambda k: k[0] in alive and k[1] == alive[k[0]].ready)
+        mem.agent_backoff.prune(lambda k: k[0] in alive and k == observe.backoff_key(alive[k[0]]))
         for pod in [p for p in set(mem.reports) | set(mem.next_poll) if p not in alive]:
             mem.reports.pop(pod, None)
             mem.next_poll.pop(pod, None)
