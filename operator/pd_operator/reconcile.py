@@ -355,8 +355,9 @@ class Controller:
         since = self.ready_since.get(key, {})
         self._observe_phase(key, mem, status, max((since.get(p["metadata"]["name"], now) for p in live), default=now))
 
-        log.debug("%s/%s pass: asked %d, %s, %d link plans, %d verify pairs, %d to apply", ns, name, len(reports),
-                  status["phase"], len(plans), len(pairs), len(to_apply))
+        log.debug("%s/%s pass: asked %d in %.0f ms, %s, %d link plans, %d verify pairs, %d to apply", ns, name,
+                  len(reports), (time.monotonic() - now) * 1000, status["phase"], len(plans), len(pairs),
+                  len(to_apply))
         # act
         mismatched = lk.mismatches(engines)
         if mismatched:
@@ -386,6 +387,7 @@ class Controller:
             mem.next_verify = now + (interval if all(r["ok"] for r in mem.verify.values()) else min(interval, 5))
             acted = True
         if acted:
+            log.debug("%s/%s acted in %.0f ms", ns, name, (time.monotonic() - now) * 1000)
             return ACTED_DELAY_S
         if lk.holding_links(engines, obs.reported):
             return HOLDING_RECHECK_S
