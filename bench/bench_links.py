@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ import yaml  # noqa: E402
 from kubernetes import client, config  # noqa: E402
 
 from pd_localcluster.__main__ import bin_dir_default  # noqa: E402
-from pd_localcluster.cluster import LocalCluster  # noqa: E402
+from pd_localcluster.cluster import LocalCluster, free_port  # noqa: E402
 
 SIZES = [(2, 2), (8, 8), (16, 16), (32, 32), (64, 64)]
 GOALS = {(8, 8): 0.5, (32, 32): 1.5, (64, 64): 3.0}
@@ -42,12 +41,6 @@ def metrics(url: str) -> dict[str, float]:
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pod_ready(p) -> bool:

@@ -26,9 +26,6 @@ def _controller() -> Controller | None:
 
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, **_) -> None:
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="pdoperator.io")
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix="pdoperator.io", key="last-handled-configuration")
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330

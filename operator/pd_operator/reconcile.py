@@ -73,10 +73,10 @@ def spec_changes(old: dict | None, new: dict, prefix: str = "spec") -> list[str]
     return out
 
 
-def verify_due(engines: list[lk.Engine], reported: dict[str, list[dict]], mem: Memory, now: float,
-               interval_s: float) -> list[tuple[lk.Engine, lk.Engine]]:
+def verify_due(engines: list[lk.Engine], reported: dict[str, list[dict]], per: dict[str, tuple[int, int, list]],
+               mem: Memory, now: float, interval_s: float) -> list[tuple[lk.Engine, lk.Engine]]:
     """Verify when every desired link is up and either the link set changed or the interval passed."""
-    expected, up = lk.counts(engines, reported)
+    expected, up = sum(e for e, _, _ in per.values()), sum(u for _, u, _ in per.values())
     if not expected or up != expected:
         return []
     link_set = frozenset((d, l["cluster_id"]) for d, ls in reported.items() for l in ls)
@@ -317,7 +317,9 @@ class Controller:
             mem.next_poll.pop(pod, None)
             mem.agent_errors.pop(pod, None)
 
-        per = lk.per_decoder(engines, obs.reported, spec.datadist.topology)
+        # the desired mesh and its per-decoder counts, computed once for the whole pass
+        want_map = lk.desired(engines, spec.datadist.topology)
+        obs.per_decoder = per = lk.per_decoder(engines, obs.reported, spec.datadist.topology)
         for e in engines:
             if e.pod in reports and reports[e.pod].error is None:
                 settled = e.agent_ok and not e.leaving and (e.pod not in per or per[e.pod][0] == per[e.pod][1])
@@ -328,14 +330,15 @@ class Controller:
         desired = desired_children(name, ns, meta["uid"], spec)
         to_apply = [] if blocked else ch.to_apply(desired, observed_children, mem.applied)
         plans = lk.plan(engines, obs.reported, spec.datadist.topology, due=mem.due) if token else []
-        want = {(d, e.cluster_id) for d, es in lk.desired(engines, spec.datadist.topology).items() for e in es}
+        want = {(d, e.cluster_id) for d, es in want_map.items() for e in es}
         # failures are reported for wanted links only; backoff also covers links still to unlink
         reported_keys = {(d, link["cluster_id"]) for d, ls in obs.reported.items() for link in ls}
         for k in [k for k in mem.failures if k not in want]:
             mem.failures.pop(k)
         mem.link_backoff.prune(lambda k: k in want or k in reported_keys)
         obs.link_failures = dict(mem.failures)
-        pairs = verify_due(engines, obs.reported, mem, now, spec.datadist.verify_interval_seconds) if token else []
+        pairs = verify_due(engines, obs.reported, per, mem, now, spec.datadist.verify_interval_seconds) \
+            if token else []
         # linking that completes the mesh is followed by verification in the same pass
         complete_after = lk.completes(engines, obs.reported, plans, spec.datadist.topology) if plans else None
         if not want:

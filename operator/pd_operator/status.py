@@ -51,6 +51,7 @@ class Observed:
     model_id: int = 0
     topology: str = "FullMesh"
     blocked: Diagnosis | None = None      # a terminal error (rejected apply): reported, not retried hot
+    per_decoder: dict[str, tuple[int, int, list[dict]]] | None = None  # links.per_decoder, if computed already
 
 
 def _listed(messages: list[str]) -> str:
@@ -99,7 +100,7 @@ def build_status(spec: PDDeploymentSpec, obs: Observed, previous: dict | None) -
     desired_pods = spec.prefill.replicas + spec.decoder.replicas
     live = obs.pods
     ready = [p for p in live if pod_ready(p)]
-    per = lk.per_decoder(obs.engines, obs.reported, obs.topology)
+    per = obs.per_decoder if obs.per_decoder is not None else lk.per_decoder(obs.engines, obs.reported, obs.topology)
     expected = sum(e for e, _, _ in per.values())
     up = sum(u for _, u, _ in per.values())
     failures_by_decoder: dict[str, list[tuple[int, str]]] = {}

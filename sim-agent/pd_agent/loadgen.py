@@ -207,7 +207,8 @@ async def one_request(http: httpx.AsyncClient, fleet: Fleet, rng: random.Random,
     while True:
         pair = fleet.pick(rng, avoid)
         if pair is None:
-            refuse("NoLinkedPair", None)
+            if "NoLinkedPair" not in refusals:  # once per request, however long it waits
+                refuse("NoLinkedPair", None)
             if await backoff():
                 avoid.clear()  # the fleet view was refreshed meanwhile
                 continue
@@ -251,8 +252,8 @@ async def run(args: argparse.Namespace) -> Summary:
                                  limits=httpx.Limits(max_connections=1000)) as http:
         discover = None
         if args.deployment:
-            discover = lambda: args.agent + discover_agents(args.kubeconfig, args.namespace,  # noqa: E731
-                                                            args.deployment)
+            find = agent_finder(args.kubeconfig, args.namespace, args.deployment)
+            discover = lambda: args.agent + find()  # noqa: E731
         fleet = Fleet(args.agent, http, discover)
         await fleet.refresh()
         times = arrival_times(args.arrival, args.duration, rng, args.rate, args.rate_min, args.rate_max,
@@ -279,17 +280,16 @@ async def run(args: argparse.Namespace) -> Summary:
         return summarize(list(results), time.monotonic() - start, args.slo_ttft_ms, args.slo_tbt_ms)
 
 
-_core_api = None
-
-
-def discover_agents(kubeconfig: str | None, namespace: str, deployment: str) -> list[str]:
-    global _core_api
+def agent_finder(kubeconfig: str | None, namespace: str, deployment: str):
+    """() -> the agent URLs of the deployment's pods, listed afresh on each call."""
     from kubernetes import client, config
-    if _core_api is None:
-        _core_api = client.CoreV1Api(config.new_client_from_config(config_file=kubeconfig))
-    pods = _core_api.list_namespaced_pod(namespace, label_selector=f"pdoperator.io/deployment={deployment}",
-                                         _request_timeout=5).items
-    return [f"http://{p.status.pod_ip}:8080" for p in pods if p.status.pod_ip]
+    api = client.CoreV1Api(config.new_client_from_config(config_file=kubeconfig))
+
+    def find() -> list[str]:
+        pods = api.list_namespaced_pod(namespace, label_selector=f"pdoperator.io/deployment={deployment}",
+                                       _request_timeout=5).items
+        return [f"http://{p.status.pod_ip}:8080" for p in pods if p.status.pod_ip]
+    return find
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,13 +38,6 @@ def crd(cluster: Cluster) -> None:
     cluster.kubectl("wait", "--for=condition=Established", "crd/pddeployments.pdoperator.io", "--timeout=30s")
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class OperatorProc:
     kubeconfig: Path | None = None   # a test may point the operator elsewhere (a proxy)
 
@@ -55,7 +48,8 @@ class OperatorProc:
         self.proc: subprocess.Popen | None = None
         self.starts = 0
         self.stopped_by_test = False
-        self.metrics_port = _free_port()
+        from pd_localcluster.cluster import free_port
+        self.metrics_port = free_port()
         self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
 
     def start(self) -> None:
