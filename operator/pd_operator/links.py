@@ -207,9 +207,10 @@ def completes(engines: list[Engine], reported: dict[str, list[dict]], plans: lis
             if not ok:
                 return None
             full.add((dpod, e.cluster_id))
-    extra = {(p.decoder.pod, l["cluster_id"]) for p in plans for l in p.unlink + p.force_unlink}
-    kept = {(d, l["cluster_id"]) for d, ls in reported.items() for l in ls} - extra
-    return frozenset(full | (kept - full)) if full else None
+    # what the decoders will report afterwards: the full mesh, plus links the plans leave alone
+    dropped = {(p.decoder.pod, l["cluster_id"]) for p in plans for l in p.unlink + p.force_unlink}
+    kept = {(d, l["cluster_id"]) for d, ls in reported.items() for l in ls} - dropped
+    return frozenset(full | kept) if full else None
 
 
 def holding_links(engines: list[Engine], reported: dict[str, list[dict]]) -> int:
