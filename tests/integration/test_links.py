@@ -98,8 +98,11 @@ def test_proxy_variables_are_reported(cluster: Cluster, namespace: str, operator
     ns = namespace
     doc = sample(**{"decoder.env": [{"name": "https_proxy", "value": "http://proxy.corp:3128"}]})
     cluster.apply(doc, ns)
-    obj = wait_for("ProxyEnvironment", lambda: (
-        o if condition(o := pdd(cluster, ns), "ProxyEnvironment").get("status") == "True" else None), timeout=90)
+    # both decoders carry the variable; each is named once its agent has reported
+    obj = wait_for("ProxyEnvironment naming both decoders", lambda: (
+        o if condition(o := pdd(cluster, ns), "ProxyEnvironment").get("status") == "True"
+        and all(f"sim-small-decoder-{i}" in condition(o, "ProxyEnvironment")["message"] for i in (0, 1))
+        else None), timeout=90)
     c = condition(obj, "ProxyEnvironment")
     assert c["reason"] == "ProxyEnvironment" and "https_proxy" in c["message"] and "sim-small-decoder-0" in c["message"]
     assert any(e["reason"] == "ProxyEnvironment" and e["type"] == "Warning" for e in events(cluster, ns))
