@@ -13,12 +13,13 @@ from pd_agent.models import Peer
 from . import children as ch
 from . import links as lk
 from .agentclient import AgentCallError, AgentClient
-from .builders import token_secret
+from .builders import ANNOTATION_ROLE, LABEL_ROLE, token_secret
 from .diagnosis import Diagnosis, link_failure
 from .events import Events
-from .kube import Kube
+from .kube import Kube, KubeError
 from .metrics import OperatorMetrics
 from .state import Memory
+from .switch import ENGINE_ROLE, Intent
 
 log = logging.getLogger("pd_operator.act")
 
@@ -106,3 +107,61 @@ async def verify(body: dict, agents: AgentClient, events: Events, mem: Memory,
             f"{r['decoder']} <- {r['prefill']}: {r['bytes']} B in {r['pull_ms']:.2f} ms" for r in results),
             key="first verification")
     mem.verified_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+# ---- role switching ---------------------------------------------------------------------------
+
+async def switch_intents(kube: Kube, agents: AgentClient, mem: Memory, namespace: str, intents: list[Intent],
+                         engines: dict[str, lk.Engine], reported: dict[str, list[dict]],
+                         pairs: dict[str, list[tuple[lk.Engine, lk.Engine]]], token: str) -> None:
+    """Carry out one pod's switch intents in order. Agent failures are remembered (the step
+    is retried after a backoff; an engine that cannot switch is marked for the abort); an API
+    error on the pod is raised, except a pod that is gone (the next pass ends its switch)."""
+    for it in intents:
+        e = engines.get(it.pod)
+        try:
+            if it.kind == "label":
+                await kube.patch("v1", "Pod", namespace, it.pod, {"metadata": {"labels": {LABEL_ROLE: it.role}}})
+            elif it.kind == "annotate":
+                await kube.patch("v1", "Pod", namespace, it.pod,
+                                 {"metadata": {"annotations": {ANNOTATION_ROLE: it.role}}})
+            elif e is None or not e.agent_url or not mem.switch_backoff.due(it.pod, time.monotonic()):
+                return  # an agent call that must wait: the rest of this pod's intents follow it
+            elif it.kind == "drain":
+                await agents.drain(e.agent_url, token, limiter=mem.limiter)
+            elif it.kind == "undrain":
+                await agents.undrain(e.agent_url, token, limiter=mem.limiter)
+            elif it.kind == "switch_role":
+                await agents.switch_role(e.agent_url, token, ENGINE_ROLE[it.role], limiter=mem.limiter)
+            elif it.kind == "unlink_all":
+                for batch in lk.batches(reported.get(it.pod, [])):
+                    await agents.unlink(e.agent_url, token, [_peer_of_link(l) for l in batch], limiter=mem.limiter)
+            elif it.kind == "verify":
+                await _switch_verify(agents, mem, e, pairs.get(it.pod, []), token)
+        except KubeError as err:
+            if err.status == 404:
+                return
+            raise
+        except AgentCallError as err:
+            log.info("switch of %s: %s failed: %s", it.pod, it.kind, err)
+            mem.switch_backoff.fail(it.pod, time.monotonic())
+            mem.switch_errors[it.pod] = f"{it.kind}: {err.code or err.kind}: {err}"[:300]
+            mem.switch_fails[it.pod] = mem.switch_fails.get(it.pod, 0) + 1
+            if err.code == "LLM_FEATURE_NOT_ENABLED":
+                mem.switch_refused[it.pod] = str(err)[:300]
+            return
+    if intents:
+        mem.switch_backoff.succeed(intents[0].pod)
+        mem.switch_errors.pop(intents[0].pod, None)
+
+
+async def _switch_verify(agents: AgentClient, mem: Memory, e: lk.Engine, pairs: list[tuple[lk.Engine, lk.Engine]],
+                         token: str) -> None:
+    ok = mem.switch_verified.setdefault((e.pod, e.boot_id or ""), set())
+    for d, p in pairs:
+        if (d.pod, p.pod) in ok:
+            continue
+        r = await agents.verify(d.agent_url, token, peer_of(p), limiter=mem.limiter)
+        if not r.ok:
+            raise AgentCallError("AgentError", f"{d.pod} <- {p.pod}: {r.message}", r.code)
+        ok.add((d.pod, p.pod))

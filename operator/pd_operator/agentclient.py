@@ -13,7 +13,10 @@ import time
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from pd_agent.models import AgentStatus, LinkRequest, LinkResult, Peer, UnlinkRequest, VerifyRequest, VerifyResult
+from pd_agent.models import (
+    AgentStatus, DrainRequest, DrainResult, LinkRequest, LinkResult, Peer, SwitchRoleRequest, UnlinkRequest,
+    VerifyRequest, VerifyResult,
+)
 
 from .metrics import OperatorMetrics
 
@@ -89,3 +92,15 @@ class AgentClient:
     async def verify(self, base: str, token: str, peer: Peer, limiter=None) -> VerifyResult:
         return await self._call("verify", "POST", f"{base}/v1/verify", token, VerifyResult,
                                 VerifyRequest(peer=peer), timeout=20, limiter=limiter)
+
+    async def drain(self, base: str, token: str, limiter=None) -> DrainResult:
+        """Set the drain flag and return at once: the operator reads the drain back each pass."""
+        return await self._call("drain", "POST", f"{base}/v1/drain", token, DrainResult,
+                                DrainRequest(timeout_s=0), limiter=limiter)
+
+    async def undrain(self, base: str, token: str, limiter=None) -> DrainResult:
+        return await self._call("undrain", "POST", f"{base}/v1/undrain", token, DrainResult, limiter=limiter)
+
+    async def switch_role(self, base: str, token: str, role: str, limiter=None) -> AgentStatus:
+        return await self._call("switch_role", "POST", f"{base}/v1/switch_role", token, AgentStatus,
+                                SwitchRoleRequest(role=role), limiter=limiter)

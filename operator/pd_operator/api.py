@@ -137,6 +137,7 @@ class Rebalance(Model):
     cooldown_seconds: int = Field(default=60, ge=0, le=86400)
     drain_timeout_seconds: int | None = Field(default=None, ge=0, le=3600,
                                               description="drain timeout of a switch (default spec.drainTimeoutSeconds)")
+    max_concurrent_switches: int = Field(default=1, ge=1, le=64, description="role switches in flight at once")
     targets: Targets | None = None
     schedule: list[ScheduleEntry] | None = Field(default=None, max_length=64)
     manual: Manual | None = None
@@ -253,6 +254,7 @@ class Member(Model):
     port: int | None = None
     ready: bool = False
     boot_id: str | None = None
+    assigned_role: str | None = Field(default=None, description="the role its engine starts in")
     links: LinkCounts | None = Field(default=None, description="decoders: links up/expected")
     failing_links: list[PeerLink] | None = Field(default=None, description="links that are down, with the code")
     last_error: str | None = Field(default=None, description="what is wrong with this member, if anything")
@@ -269,11 +271,40 @@ class CacheDescStatus(Model):
 
 
 class LastSwitch(Model):
+    """The last switch that ended: its result and where the time went."""
     pod: str
     from_: str = Field(alias="from")
     to: str
     reason: str = ""
+    result: Literal["Completed", "Aborted", "Interrupted"] | None = None
+    message: str | None = None
+    drain_ms: int | None = None
+    switch_ms: int | None = Field(default=None, description="unlink and switch_role")
+    relink_ms: int | None = Field(default=None, description="relink and KV-path verification")
+    undrain_ms: int | None = None
+    total_ms: int | None = None
     duration_ms: int | None = None
+    at: str | None = None
+
+
+class SwitchInFlight(Model):
+    """A switch in flight, recorded before each step is taken so a restart resumes it."""
+    pod: str
+    uid: str
+    from_: str = Field(alias="from")
+    to: str
+    step: Literal["Drain", "Unlink", "SwitchRole", "Relink", "Verify", "Undrain", "Abort"]
+    started_at: str
+    step_started_at: str
+    reason: str = ""
+    attempts: int = 0
+    steps_ms: dict[str, float] | None = Field(default=None, description="milliseconds of each step done")
+    message: str | None = None
+
+
+class RebalanceStatus(Model):
+    target_prefill: int | None = Field(default=None, description="prefill-role pods the policy wants")
+    cooldown_until: str | None = None
 
 
 class PDDeploymentStatus(Model):
@@ -286,6 +317,8 @@ class PDDeploymentStatus(Model):
     conditions: list[Condition] | None = Field(default=None, json_schema_extra=map_list("type"))
     cache_desc: CacheDescStatus | None = None
     last_switch: LastSwitch | None = None
+    switches: list[SwitchInFlight] | None = Field(default=None, json_schema_extra=map_list("pod"))
+    rebalance: RebalanceStatus | None = None
     last_verified: dict[str, Any] | None = Field(
         default=None, description="the last KV-path verification round: paths probed, bytes, slowest pull")
     observed_generation: int | None = None

@@ -15,6 +15,10 @@ FIELD_MANAGER = "pd-operator"
 LABEL_DEPLOYMENT = "pdoperator.io/deployment"
 LABEL_GROUP = "pdoperator.io/group"
 LABEL_ROLE = "pdoperator.io/role"
+# The role a pod's engine starts in (prefill | decoder): the pod template sets the group's home
+# role, the switcher changes it on the pod at its switch_role step, and the container reads it
+# at every start through the downward API, so a restarted container keeps its switched role.
+ANNOTATION_ROLE = "pdoperator.io/assigned-role"
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 AGENT_PORT = 8080
 GROUPS = ("prefill", "decoder")
@@ -92,7 +96,7 @@ def _env(name: str, spec: PDDeploymentSpec, group: str) -> list[dict]:
     env = [
         {"name": "POD_NAME", **field("metadata.name")},
         {"name": "POD_NAMESPACE", **field("metadata.namespace")},
-        {"name": "LLM_DATADIST_ROLE", "value": ENGINE_ROLE[group]},
+        {"name": "LLM_DATADIST_ROLE", **field(f"metadata.annotations['{ANNOTATION_ROLE}']")},
         # cluster_id = base + pod index; the agent computes LLM_DATADIST_CLUSTER_ID from these
         # two (the downward API cannot add) and exports it to the engine's process.
         {"name": "LLM_DATADIST_CLUSTER_ID_BASE", "value": str(cluster_id_base(spec, group))},
@@ -111,6 +115,8 @@ def _env(name: str, spec: PDDeploymentSpec, group: str) -> list[dict]:
             "name": token_secret_name(name), "key": "token"}}},
     ]
     env.append({"name": "PD_DRAIN_TIMEOUT_S", "value": str(spec.drain_timeout_seconds)})
+    # switch_role needs llm.EnableSwitchRole at init; set it only where the spec may switch
+    env.append({"name": "PD_ENABLE_SWITCH_ROLE", "value": "1" if spec.rebalance is not None else "0"})
     if spec.backend == "sim":
         scale = derive(spec.model.kv_cache).sim_memory_scale()
         env.append({"name": "PD_SIM_MEMORY_SCALE", "value": str(scale)})
@@ -191,7 +197,8 @@ def statefulset(name: str, namespace: str, spec: PDDeploymentSpec, group: str, o
             "selector": {"matchLabels": selector_labels(name, group)},
             "template": {
                 "metadata": {"labels": pod_labels,
-                             "annotations": {"pdoperator.io/config-hash": config_hash(spec)}},
+                             "annotations": {"pdoperator.io/config-hash": config_hash(spec),
+                                             ANNOTATION_ROLE: group}},
                 "spec": pod_spec,
             },
         },

@@ -33,6 +33,14 @@ class Engine:
     busy: bool | None = None        # in-flight requests or un-pulled KV caches; None: not known
     cache_desc: str | None = None   # canonical JSON of the CacheDesc the engine runs with
     starting: bool = False          # first container start, not Ready yet: its agent is coming up
+    uid: str = ""
+    label: str = ""                 # the pdoperator.io/role label (role may differ for a switching pod)
+    assigned: str | None = None     # pdoperator.io/assigned-role: the role its engine starts in
+    engine_role: str | None = None  # prefill | decoder, as its agent reports the engine
+    switchable: bool | None = None  # initialised with llm.EnableSwitchRole
+    in_flight: int = 0
+    pending_kv: int = 0
+    links_in: int = 0               # prompt side: decoders linked to it, as its agent reports
 
     @property
     def linkable(self) -> bool:

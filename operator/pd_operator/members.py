@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from pd_agent.models import AgentStatus
 
 from .api import PDDeploymentSpec
-from .builders import AGENT_PORT, GROUPS, LABEL_GROUP, LABEL_ROLE, POD_INDEX_LABEL, cluster_id
+from .builders import ANNOTATION_ROLE, AGENT_PORT, GROUPS, LABEL_GROUP, LABEL_ROLE, POD_INDEX_LABEL, cluster_id
 from .links import Engine
 
 
@@ -50,7 +50,9 @@ def member_of(pod: dict, spec: PDDeploymentSpec) -> Engine | Problem:
     statuses = pod.get("status", {}).get("containerStatuses") or [{}]
     starting = not pod_ready(pod) and "running" in (statuses[0].get("state") or {}) \
         and not statuses[0].get("restartCount")
-    return Engine(pod=meta["name"], group=group, role=labels.get(LABEL_ROLE, group),
+    role = labels.get(LABEL_ROLE, group)
+    return Engine(pod=meta["name"], group=group, role=role, label=role, uid=meta.get("uid", ""),
+                  assigned=(meta.get("annotations") or {}).get(ANNOTATION_ROLE),
                   cluster_id=cluster_id(spec, group, index), ip=ip, port=spec.datadist.port,
                   ready=pod_ready(pod), agent_url=f"http://{ip}:{AGENT_PORT}" if ip else None,
                   terminating=bool(meta.get("deletionTimestamp")), starting=starting)
@@ -64,4 +66,6 @@ def with_report(e: Engine, s: AgentStatus) -> Engine:
     """The engine as its agent describes it."""
     return replace(e, agent_ok=s.initialized, boot_id=s.boot_id, cluster_id=s.cluster_id, ip=s.ip or e.ip,
                    port=s.port, cache_desc=canonical(s.cache_desc), draining=s.draining or s.terminating,
-                   busy=s.load.in_flight > 0 or s.load.pending_kv > 0)
+                   busy=s.load.in_flight > 0 or s.load.pending_kv > 0, in_flight=s.load.in_flight,
+                   pending_kv=s.load.pending_kv, engine_role="prefill" if s.role == "prompt" else "decoder",
+                   switchable=s.switchable, links_in=len(s.incoming))

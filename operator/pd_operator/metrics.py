@@ -35,6 +35,11 @@ class OperatorMetrics:
         # filled by role switching and the rebalancing policies
         self.switches = Counter("pd_operator_switches", "Role switches by direction and result",
                                 ["direction", "result"], registry=r)
+        self.switch_seconds = Histogram("pd_operator_switch_duration_seconds",
+                                        "Role switches that completed, by direction and part (drain; switch: "
+                                        "unlink and switch_role; relink: links and KV-path check; control: all "
+                                        "but the drain; total)", ["direction", "part"], buckets=SECONDS,
+                                        registry=r)
         self.decisions = Counter("pd_operator_policy_decisions", "Rebalancing decisions by policy and outcome",
                                  ["policy", "outcome"], registry=r)
 

@@ -22,7 +22,9 @@ import logging
 import os
 import time
 
-from . import act, children as ch, links as lk, observe
+from dataclasses import replace
+
+from . import act, children as ch, links as lk, observe, rebalance as rb, switch as sw_
 from .agentclient import AgentClient
 from .api import GROUP, KIND, VERSION, PDDeploymentSpec, parse_spec
 from .builders import LABEL_DEPLOYMENT, desired_children, owner_reference, token_secret_name
@@ -46,6 +48,8 @@ HOLDING_RECHECK_S = 0.5   # a leaving prefill is unlinked as soon as nothing wai
 TOKEN_TTL_S = 20.0
 SETTLED_POLL_S = 5.0      # a member that is linked and well is asked this often
 ACTED_DELAY_S = 0.05      # the next pass after one that acted
+SWITCH_POLL_S = 0.1       # while a switch waits on something observed (a drain)
+FAULT_POINT = "PD_OPERATOR_FAULT_POINT"   # tests: exit right after recording e.g. decoder-to-prefill:Unlink
 
 
 class TerminalError(Exception):
@@ -266,12 +270,12 @@ class Controller:
         return out
 
     @staticmethod
-    def _to_ask(mem: Memory, engines: list[lk.Engine], now: float) -> set[str]:
+    def _to_ask(mem: Memory, engines: list[lk.Engine], now: float, always: set[str] = frozenset()) -> set[str]:
         """Members to ask this pass: any whose pod changed, that is not settled (not linked yet,
         leaving, never asked), or whose settled interval is over. A large deployment coming up
         then costs a call per changing member, not one per member on every pass."""
         ask = {e.pod for e in engines if e.pod in mem.dirty or e.leaving or e.pod not in mem.reports
-               or now >= mem.next_poll.get(e.pod, 0.0)}
+               or e.pod in always or now >= mem.next_poll.get(e.pod, 0.0)}
         mem.dirty -= ask
         return ask
 
@@ -300,11 +304,14 @@ class Controller:
         problems = [m for m in members if isinstance(m, Problem)]
         engines = [m for m in members if not isinstance(m, Problem)]
         token = await self._token(key, mem)
+        if mem.book is None:  # after a restart: the switches in flight, as recorded before their steps
+            mem.book = sw_.Book.from_status(body.get("status"))
+        book = mem.book
         obs = Observed(generation=gen, pods=live, engines=engines, problems=problems, model_id=spec.model.model_id,
                        topology=spec.datadist.topology)
         if token:
             reports = await observe.gather(engines, self.agents, token, mem.agent_backoff, now, mem.limiter,
-                                           only=self._to_ask(mem, engines, now))
+                                           only=self._to_ask(mem, engines, now, {s.pod for s in book.switches}))
             if any(r.error is not None and r.error.kind == "AgentUnauthorized" for r in reports.values()):
                 mem.token_read_at = 0.0  # the Secret may have been rotated: read it again next pass
         else:
@@ -317,9 +324,17 @@ class Controller:
             mem.next_poll.pop(pod, None)
             mem.agent_errors.pop(pod, None)
 
+        # rebalance: switches in flight advance on what this pass observed; maybe one starts
+        wall = time.time()
+        switch_intents, outcomes = self._advance_switches(spec, mem, book, all_pods, engines, obs, reports, wall)
+        # the link planner sees switching pods by their engine's role and step
+        engines = rb.mesh(engines, book.switches)
+
         # the desired mesh and its per-decoder counts, computed once for the whole pass
         want_map = lk.desired(engines, spec.datadist.topology)
         obs.per_decoder = per = lk.per_decoder(engines, obs.reported, spec.datadist.topology)
+        obs.switches, obs.last_switch = list(book.switches), book.last
+        obs.cooldown_until = sw_.iso(book.cooldown_until) if book.cooldown_until else None
         for e in engines:
             if e.pod in reports and reports[e.pod].error is None:
                 settled = e.agent_ok and not e.leaving and (e.pod not in per or per[e.pod][0] == per[e.pod][1])
@@ -355,6 +370,10 @@ class Controller:
         if status != mem.last_status:
             await self._write_status(key, status)
             mem.last_status = status
+        point = os.environ.get(FAULT_POINT)
+        if point and any(f"{s.direction}:{s.step}" == point for s in book.switches):
+            log.error("%s reached: exiting as told", point)
+            os._exit(17)
         since = self.ready_since.get(key, {})
         self._observe_phase(key, mem, status, max((since.get(p["metadata"]["name"], now) for p in live), default=now))
 
@@ -368,6 +387,19 @@ class Controller:
             await self.events.post(body, "Warning", "CacheDescMismatch", ", ".join(pods) + " run different "
                                    "CacheDescs; pairs across them are not linked", key=",".join(pods))
         acted = False
+        for o in outcomes:
+            await self._switch_ended(body, spec, o)
+        if switch_intents and token:
+            by_pod = {e.pod: e for e in engines}
+            pairs = {s.pod: [(by_pod[d], by_pod[p]) for d, p in rb.switch_pairs(s, engines, want_map)
+                             if d in by_pod and p in by_pod] for s in book.switches if s.step == "Verify"}
+            grouped: dict[str, list[sw_.Intent]] = {}
+            for it in switch_intents:
+                grouped.setdefault(it.pod, []).append(it)
+            await asyncio.gather(*(act.switch_intents(self.kube, self.agents, mem, ns, its, by_pod, obs.reported,
+                                                      pairs, token) for its in grouped.values()))
+            mem.dirty.update(grouped)
+            acted = True
         if token is None:
             await act.ensure_token(self.kube, name, ns, owner_reference(name, meta["uid"]))
             acted = True
@@ -392,12 +424,102 @@ class Controller:
         if acted:
             log.debug("%s/%s acted in %.0f ms", ns, name, (time.monotonic() - now) * 1000)
             return ACTED_DELAY_S
+        if book.switches:
+            return SWITCH_POLL_S
         if lk.holding_links(engines, obs.reported):
             return HOLDING_RECHECK_S
         if status["phase"] != "Ready":
             retry = mem.next_retry_in()
             return min(NOT_READY_RESYNC_S, retry) if retry is not None else NOT_READY_RESYNC_S
         return min(RESYNC_S, max(0.5, mem.next_verify - time.monotonic()))
+
+    def _advance_switches(self, spec: PDDeploymentSpec, mem: Memory, book: sw_.Book, pods: list[dict],
+                          engines: list[lk.Engine], obs: Observed, reports: dict, wall: float
+                          ) -> tuple[list[sw_.Intent], list[sw_.Outcome]]:
+        """Decide (pure calls): advance each switch in flight, start one if the policy wants a
+        different prefill count, and repair pods whose label disagrees with their engine."""
+        topo = spec.datadist.topology
+        pods_by_name = {p["metadata"]["name"]: p for p in pods}
+        by_pod = {e.pod: e for e in engines}
+        mesh = rb.mesh(engines, book.switches)
+        want, per = lk.desired(mesh, topo), lk.per_decoder(mesh, obs.reported, topo)
+
+        def view(s: sw_.Switch) -> sw_.View:
+            e = by_pod.get(s.pod)
+            asked = s.pod in reports and reports[s.pod].error is None
+            verified = mem.switch_verified.get((s.pod, e.boot_id or ""), set()) if e else set()
+            return rb.view(s, pods_by_name.get(s.pod), e, mesh, obs.reported, want, per, verified,
+                           mem.switch_refused.get(s.pod), asked)
+
+        intents: list[sw_.Intent] = []
+        outcomes: list[sw_.Outcome] = []
+        kept: list[sw_.Switch] = []
+        timeout = rb.drain_timeout(spec)
+        for s in book.switches:
+            if s.step != sw_.ABORT:
+                s = replace(s, attempts=mem.switch_fails.get(s.pod, 0), message=mem.switch_errors.get(s.pod, ""))
+            new, its, out = sw_.advance(s, view(s), wall, timeout)
+            if out is not None:
+                outcomes.append(out)
+                for d in (mem.switch_errors, mem.switch_fails, mem.switch_refused if out.result == "Interrupted"
+                          else {}):
+                    d.pop(s.pod, None)
+                mem.switch_verified = {k: v for k, v in mem.switch_verified.items() if k[0] != s.pod}
+                book.last = out.record()
+                book.cooldown_until = wall + (spec.rebalance.cooldown_seconds if spec.rebalance else 0)
+            else:
+                kept.append(new)
+                intents += its
+        book.switches = kept
+        obs.decision = None
+        if spec.rebalance is not None:
+            target, why = rb.target(spec)
+            decision = sw_.choose(rb.candidates(engines, kept, set(mem.switch_refused)), kept, target,
+                                  rb.limits(spec, book.cooldown_until), wall, why,
+                                  unsettled=self._unsettled(engines, obs, per, mem))
+            if decision.start is not None:
+                s = decision.start
+                book.switches = kept = kept + [s]
+                intents += sw_.intents(s, view(s))
+                outcomes.append(sw_.Outcome("Started", s, decision.message, wall))
+            obs.decision = decision
+        intents += rb.repairs(engines, kept)
+        return intents, outcomes
+
+    @staticmethod
+    def _unsettled(engines: list[lk.Engine], obs: Observed, per: dict, mem: Memory) -> str | None:
+        """Why the fleet is not steady enough to start a switch (None: it is)."""
+        waiting = sorted(p["metadata"]["name"] for p in obs.pods if not pod_ready(p))
+        if waiting:
+            return f"pods not ready: {', '.join(waiting[:5])}"
+        if obs.agent_errors:
+            return f"agents not answering: {', '.join(sorted(obs.agent_errors)[:5])}"
+        expected, up = sum(e for e, _, _ in per.values()), sum(u for _, u, _ in per.values())
+        if up < expected or mem.failures:
+            return f"links {up}/{expected} up"
+        return None
+
+    async def _switch_ended(self, body: dict, spec: PDDeploymentSpec, o: sw_.Outcome) -> None:
+        s = o.switch
+        if o.result == "Started":
+            await self.events.post(body, "Normal", "SwitchStarted", f"{s.pod}: {s.from_} -> {s.to} ({s.reason})",
+                                   key=f"start {s.pod} {s.started}")
+            return
+        self.metrics.switches.labels(s.direction, o.result).inc()
+        rec = o.record()
+        if o.result == "Completed":
+            for part, ms in (("drain", rec.get("drainMs")), ("switch", rec.get("switchMs")),
+                             ("relink", rec.get("relinkMs")), ("total", rec["totalMs"]),
+                             ("control", rec["totalMs"] - rec.get("drainMs", 0))):
+                if ms is not None:
+                    self.metrics.switch_seconds.labels(s.direction, part).observe(ms / 1000)
+            await self.events.post(body, "Normal", "Switched",
+                                   f"{s.pod}: {s.from_} -> {s.to} in {rec['totalMs']} ms (drain {rec.get('drainMs')} "
+                                   f"ms, unlink and switch_role {rec['switchMs']} ms, relink and verify "
+                                   f"{rec['relinkMs']} ms); {s.reason}", key=f"switched {s.pod} {s.started}")
+        else:
+            await self.events.post(body, "Warning", f"Switch{o.result}", f"{s.pod}: {s.from_} -> {s.to} "
+                                   f"{o.result.lower()}: {o.message}", key=f"{o.result} {s.pod} {s.started}")
 
     # ---- act ---------------------------------------------------------------------------------
     async def _apply(self, body: dict, spec: PDDeploymentSpec, mem: Memory, gen: int, objs: list[dict],

@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 from .backoff import Backoff
 from .children import Applied, ChildKey
 from .diagnosis import Diagnosis
+from .switch import Book
 
 LINK_BACKOFF = (0.5, 30.0)
+SWITCH_BACKOFF = (0.25, 10.0)   # a switch step whose action failed
 AGENT_BACKOFF = (1.0, 30.0)
 AGENT_CONCURRENCY = 16   # calls in flight to one deployment's agents
 
@@ -45,6 +47,13 @@ class Memory:
     errors: int = 0                       # consecutive transient errors
     pods_ready_at: float | None = None
     was_ready: bool = False
+    book: Book | None = None              # switches in flight and cooldown (loaded from status on start)
+    switch_backoff: Backoff = field(default_factory=lambda: Backoff(*SWITCH_BACKOFF))
+    switch_errors: dict[str, str] = field(default_factory=dict)      # pod -> the last failed action
+    switch_fails: dict[str, int] = field(default_factory=dict)       # pod -> failed actions in its switch
+    switch_refused: dict[str, str] = field(default_factory=dict)     # pod -> why its engine cannot switch
+    switch_verified: dict[tuple[str, str], set] = field(default_factory=dict)  # (pod, boot id) -> pairs ok
+    decision: tuple[str, str] | None = None   # the last rebalancing decision (reason, message), for Events
     limiter: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(AGENT_CONCURRENCY))
 
     def due(self, decoder: str, cid: int) -> bool:

@@ -52,6 +52,10 @@ class Observed:
     topology: str = "FullMesh"
     blocked: Diagnosis | None = None      # a terminal error (rejected apply): reported, not retried hot
     per_decoder: dict[str, tuple[int, int, list[dict]]] | None = None  # links.per_decoder, if computed already
+    switches: list = field(default_factory=list)        # switch.Switch in flight
+    last_switch: dict | None = None                     # status.lastSwitch
+    decision: object | None = None                      # switch.Decision of this pass (None: no rebalance)
+    cooldown_until: str | None = None
 
 
 def _listed(messages: list[str]) -> str:
@@ -75,8 +79,9 @@ def _members(obs: Observed, per: dict[str, tuple[int, int, list[dict]]],
                         "lastError": m.message if m else "not a member"})
             continue
         e = names[name]
-        row = {"pod": e.pod, "group": e.group, "role": e.role, "clusterId": e.cluster_id, "ip": e.ip,
-               "port": e.port, "ready": e.ready, "bootId": obs.boot_ids.get(e.pod)}
+        row = {"pod": e.pod, "group": e.group, "role": e.label or e.role, "clusterId": e.cluster_id, "ip": e.ip,
+               "port": e.port, "ready": e.ready, "bootId": obs.boot_ids.get(e.pod),
+               "assignedRole": e.assigned}
         if e.pod in per:
             expected, up, down = per[e.pod]
             row["links"] = {"expected": expected, "up": up}
@@ -181,6 +186,8 @@ def build_status(spec: PDDeploymentSpec, obs: Observed, previous: dict | None) -
     verified = cond.is_true(conds, "KVPathVerified")
     if degraded:
         phase = "Degraded"
+    elif obs.switches:
+        phase = "Switching"
     elif not pods_ok:
         phase = "Pending"
     elif not (links_ok and verified):
@@ -196,6 +203,16 @@ def build_status(spec: PDDeploymentSpec, obs: Observed, previous: dict | None) -
     else:
         first = not_ok[0] if not_ok else {"reason": phase, "message": ""}
         conds = cond.set_condition(conds, "Ready", False, first["reason"], first["message"], gen)
+
+    # Rebalancing: True while a switch is in flight; otherwise why no switch is started
+    if obs.switches:
+        conds = cond.set_condition(conds, "Rebalancing", True, "Switching", "; ".join(
+            f"{s.pod}: {s.from_} -> {s.to}, step {s.step}" + (f" ({s.message})" if s.message else "")
+            for s in obs.switches), gen)
+    elif obs.decision is not None:
+        conds = cond.set_condition(conds, "Rebalancing", False, obs.decision.reason, obs.decision.message, gen)
+    else:
+        conds = [c for c in conds or [] if c["type"] != "Rebalancing"]
 
     derived = derive(spec.model.kv_cache)
     cache = {"numTensors": derived.num_tensors, "shape": derived.shape, "dataType": derived.data_type,
@@ -221,6 +238,15 @@ def build_status(spec: PDDeploymentSpec, obs: Observed, previous: dict | None) -
                                "bytes": sum(r["bytes"] for r in good),
                                "slowestPullMs": round(max(r["pull_ms"] for r in good), 2),
                                **({"at": obs.verified_at} if obs.verified_at else {})}
+    if obs.switches:
+        out["switches"] = [s.to_status() for s in obs.switches]
+    if obs.last_switch:
+        out["lastSwitch"] = obs.last_switch
+    if obs.decision is not None:
+        rb = {"targetPrefill": obs.decision.target}
+        if obs.cooldown_until:
+            rb["cooldownUntil"] = obs.cooldown_until
+        out["rebalance"] = {k: v for k, v in rb.items() if v is not None}
     if obs.observed_generation is not None:
         out["observedGeneration"] = obs.observed_generation
     return out

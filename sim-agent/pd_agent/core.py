@@ -13,7 +13,7 @@ import os
 import random
 import time
 import uuid
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import httpx
 
@@ -63,6 +63,10 @@ class AgentCore:
         self.linked_by: set[int] = set()          # prompt: decoders that told us they linked
         self.notifier = None                      # pd_agent.notify.Notifier, set by the server
         self.inference = None                     # set by pd_agent.inference when serving
+        # The host's scheduler follows the engine's role: before-hooks may refuse a switch
+        # (raise AgentError), after-hooks learn the new role. (old_role, new_role) -> None.
+        self.before_switch: list[Callable[[str, str], Awaitable[None]]] = []
+        self.after_switch: list[Callable[[str, str], Awaitable[None]]] = []
 
     # ---- engine ------------------------------------------------------------------------
     @property
@@ -84,7 +88,7 @@ class AgentCore:
         if self.id.device_id is not None:
             cfg.device_id = self.id.device_id
         cfg.sync_kv_timeout = self.id.sync_kv_timeout_ms
-        cfg.enable_switch_role = True
+        cfg.enable_switch_role = self.id.switchable
         if role == "prompt":
             cfg.listen_ip_info = f"{self.id.ip}:{self.id.port}"
         return cfg.generate_options()
@@ -248,7 +252,13 @@ class AgentCore:
             raise AgentError("NOT_INITIALIZED", "the engine is not initialised", 409)
         if role == self.role:
             return  # idempotent: a resumed switch may repeat this step
+        if not self.id.switchable:
+            raise AgentError("LLM_FEATURE_NOT_ENABLED", "this engine was initialised without "
+                             "llm.EnableSwitchRole (PD_ENABLE_SWITCH_ROLE=0); it cannot switch roles")
         async with self.ops:
+            old = self.role
+            for hook in self.before_switch:
+                await hook(old, role)
             target = self.llm.LLMRole.PROMPT if role == "prompt" else self.llm.LLMRole.DECODER
             opts = {"llm.listenIpInfo": f"{self.id.ip}:{self.id.port}"} if role == "prompt" else None
             await self._drop_blocks_cache()
@@ -260,7 +270,10 @@ class AgentCore:
             self.peers.clear()
             self.link_since.clear()
             self.link_codes.clear()
+            self.linked_by.clear()
             await self._ensure_blocks_cache()
+            for hook in self.after_switch:
+                await hook(old, role)
 
     # ---- KV-path verification ---------------------------------------------------------------
     async def probe(self, req_id: int) -> ProbeResponse:
@@ -422,7 +435,7 @@ class AgentCore:
             pod=self.id.pod, role=self.role, cluster_id=self.id.cluster_id, boot_id=self.boot_id,
             backend=self.id.backend, initialized=self.initialized, ip=self.id.ip, port=self.id.port,
             model_id=self.id.model_id, links=self.link_states(), incoming=incoming, load=load,
-            draining=self.draining, terminating=self.terminating, proxy_env=proxy_environment(), memory_scale=scale,
+            draining=self.draining, terminating=self.terminating, switchable=self.id.switchable, proxy_env=proxy_environment(), memory_scale=scale,
             cache_desc=self.id.cache_desc, last_error=self.last_error,
         )
 

@@ -31,6 +31,7 @@ class Identity:
     agent_port: int = 8080
     drain_timeout_s: float = 60.0    # SIGTERM: how long to wait for in-flight work and pending KV
     engine_start_s: float = 0.0      # simulator: delay before the engine initialises
+    switchable: bool = True          # init with llm.EnableSwitchRole (the operator sets it when rebalancing)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "Identity":
@@ -44,8 +45,9 @@ class Identity:
             return v
 
         role = env.get("LLM_DATADIST_ROLE", "prompt").lower()
+        role = {"prefill": "prompt"}.get(role, role)  # the operator's role names are accepted too
         if role not in ("prompt", "decoder"):
-            raise ConfigError(f"LLM_DATADIST_ROLE must be prompt or decoder, got {role!r}")
+            raise ConfigError(f"LLM_DATADIST_ROLE must be prompt (or prefill) or decoder, got {role!r}")
         if not env.get("LLM_DATADIST_CLUSTER_ID") and env.get("LLM_DATADIST_CLUSTER_ID_BASE"):
             # The operator injects base + pod index (the downward API cannot add); export the
             # sum so an inference server in this process sees LLM_DATADIST_CLUSTER_ID too.
@@ -84,6 +86,7 @@ class Identity:
             agent_port=int(env.get("PD_AGENT_PORT", "8080")),
             drain_timeout_s=_float(env, "PD_DRAIN_TIMEOUT_S", 60.0),
             engine_start_s=_float(env, "PD_SIM_ENGINE_START_S", 0.0),
+            switchable=env.get("PD_ENABLE_SWITCH_ROLE", "1").lower() not in ("0", "false", "no"),
         )
 
 

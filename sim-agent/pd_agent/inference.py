@@ -57,6 +57,15 @@ class Inference:
         self._tasks: list[asyncio.Task] = []
         self._prefill_busy = 0
         core.inference = self
+        core.before_switch.append(self._before_switch)
+
+    async def _before_switch(self, old: str, new: str) -> None:
+        """Serving follows the engine's role (each request checks it); a switch with work in
+        hand would fail that work, so it is refused: drain first."""
+        pending = self.core.pending_kv()
+        if self.in_flight or self.prefill_q or self.decode_wait or self.decode_running or pending:
+            raise AgentError("SWITCH_REFUSED", f"{self.core.id.pod} has {self.in_flight} requests in flight and "
+                             f"{pending} KV caches waiting to be pulled; drain it before switching", 409)
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._prefill_loop()), asyncio.create_task(self._decode_loop())]

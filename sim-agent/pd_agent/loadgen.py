@@ -19,6 +19,7 @@ import json
 import math
 import os
 import random
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -268,10 +269,20 @@ async def run(args: argparse.Namespace) -> Summary:
                 await asyncio.sleep(1)
                 await fleet.refresh()
         ref = asyncio.create_task(refresher())
+        # SIGTERM/SIGINT: stop sending, let the requests in flight finish, report
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
         for i, t in enumerate(times):
             delay = start + t - time.monotonic()
             if delay > 0:
-                await asyncio.sleep(delay)
+                try:
+                    await asyncio.wait_for(stop.wait(), delay)
+                except asyncio.TimeoutError:
+                    pass
+            if stop.is_set():
+                break
             tasks.append(asyncio.create_task(one_request(
                 http, fleet, rng, base_id + i, sample_length(p_mean, rng, args.max_prompt),
                 sample_length(o_mean, rng, args.max_output), args.retry_window)))

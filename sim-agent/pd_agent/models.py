@@ -176,6 +176,7 @@ class AgentStatus(_Reply):
     load: Load = Load()
     draining: bool = False
     terminating: bool = False     # SIGTERM received: draining, then exiting
+    switchable: bool = True       # the engine was initialised with llm.EnableSwitchRole
     proxy_env: dict[str, str] = {}
     memory_scale: int = 1
     cache_desc: dict = {}

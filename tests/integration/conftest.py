@@ -52,15 +52,20 @@ class OperatorProc:
         self.metrics_port = free_port()
         self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
 
-    def start(self) -> None:
+    def start(self, **extra_env: str) -> None:
         self.starts += 1
         self.stopped_by_test = False
         log = open(self.log_dir / f"operator-{self.starts}.log", "wb")
         env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
         env.update(KUBECONFIG=str(self.kubeconfig or self.cluster.kubeconfig), PD_OPERATOR_NAMESPACES=self.namespace,
-                   PD_OPERATOR_METRICS_ADDR=f"127.0.0.1:{self.metrics_port}")
+                   PD_OPERATOR_METRICS_ADDR=f"127.0.0.1:{self.metrics_port}", **extra_env)
         self.proc = subprocess.Popen([sys.executable, "-m", "pd_operator"], env=env, stdout=log,
                                      stderr=subprocess.STDOUT)
+
+    def wait_exit(self, timeout: float = 60) -> int:
+        """Wait for the operator to exit on its own (a fault point told it to)."""
+        self.stopped_by_test = True
+        return self.proc.wait(timeout)
 
     def kill(self) -> None:
         """An abrupt stop (SIGKILL), as a node failure would."""

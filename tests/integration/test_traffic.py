@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -41,6 +42,11 @@ class Load:
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
         self.started = time.monotonic()
         self.duration = duration
+
+    def stop(self) -> dict:
+        """Stop sending; the requests in flight finish and count."""
+        self.proc.send_signal(signal.SIGTERM)
+        return self.result()
 
     def result(self) -> dict:
         out, err = self.proc.communicate(timeout=self.duration + 120)

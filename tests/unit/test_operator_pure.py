@@ -100,8 +100,13 @@ def test_sim_settings_and_drain_timeout_reach_the_pods():
     assert TimingModel.from_env(env).time_scale == 0.1 and TimingModel.from_env(env).prefill_c == 5
     f = Faults.from_env(env)
     assert f.pull_delay_ms == 200 and f.pull_fail is True
-    ident = Identity.from_env({**env, "LLM_DATADIST_CLUSTER_ID": "3"})
-    assert ident.drain_timeout_s == 45 and ident.engine_start_s == 2
+    # the role comes from the assigned-role annotation (the downward API), "prefill" meaning prompt
+    role_ref = next(e for e in pod["containers"][0]["env"] if e["name"] == "LLM_DATADIST_ROLE")
+    assert role_ref["valueFrom"]["fieldRef"]["fieldPath"] == f"metadata.annotations['{builders.ANNOTATION_ROLE}']"
+    assert sts["spec"]["template"]["metadata"]["annotations"][builders.ANNOTATION_ROLE] == "prefill"
+    ident = Identity.from_env({**env, "LLM_DATADIST_CLUSTER_ID": "3", "LLM_DATADIST_ROLE": "prefill"})
+    assert ident.drain_timeout_s == 45 and ident.engine_start_s == 2 and ident.role == "prompt"
+    assert ident.switchable is False  # no spec.rebalance: the engine is not initialised to switch
 
 
 def test_statefulset_shape():
@@ -114,7 +119,8 @@ def test_statefulset_shape():
     assert tmpl["metadata"]["labels"]["pdoperator.io/role"] == "decoder"
     c = tmpl["spec"]["containers"][0]
     env = {e["name"]: e for e in c["env"]}
-    assert env["LLM_DATADIST_ROLE"]["value"] == "decoder"
+    assert tmpl["metadata"]["annotations"]["pdoperator.io/assigned-role"] == "decoder"
+    assert "pdoperator.io/assigned-role" in env["LLM_DATADIST_ROLE"]["valueFrom"]["fieldRef"]["fieldPath"]
     assert env["LLM_DATADIST_CLUSTER_ID_BASE"]["value"] == "1000"
     assert env["LLM_DATADIST_POD_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == \
         "metadata.labels['apps.kubernetes.io/pod-index']"
@@ -126,7 +132,8 @@ def test_statefulset_shape():
     assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
     prefill = by_kind_name(children())[("StatefulSet", "llm-prefill")]
     penv = {e["name"]: e for e in prefill["spec"]["template"]["spec"]["containers"][0]["env"]}
-    assert penv["LLM_DATADIST_ROLE"]["value"] == "prompt" and penv["LLM_DATADIST_CLUSTER_ID_BASE"]["value"] == "0"
+    assert prefill["spec"]["template"]["metadata"]["annotations"]["pdoperator.io/assigned-role"] == "prefill"
+    assert penv["LLM_DATADIST_CLUSTER_ID_BASE"]["value"] == "0"
 
 
 def test_role_services_select_on_role():

@@ -1,0 +1,330 @@
+"""Live role switching (pure): which pod to switch, and one switch as a state machine.
+
+A switch moves one engine between the prefill and decoder roles without a restart:
+
+    Drain -> Unlink -> SwitchRole -> Relink -> Verify -> Undrain
+
+`advance(switch, view, now, drain_timeout)` looks at what is observed about the pod and
+returns the switch as it should be recorded (possibly several steps further), the intents
+to carry out, and the outcome once it ends. Every step ends on something observed (the
+pod's label and assigned-role annotation, the agent's role, drain flag and in-flight
+count, the links reported), so the reconcile records the step before acting and repeating
+a step after a crash is harmless. Times are wall-clock seconds: they live in status and
+must mean the same after an operator restart.
+
+Only the Drain step can time out; the switch is then aborted, the pod keeps its old role
+and is undrained. Past Drain the engine was taken out of service on purpose, so failures
+are retried (with backoff, by the reconcile) rather than abandoned, except an engine that
+cannot switch at all (LLM_FEATURE_NOT_ENABLED), which is aborted and never chosen again."""
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field, replace
+
+STEPS = ("Drain", "Unlink", "SwitchRole", "Relink", "Verify", "Undrain")
+ABORT = "Abort"
+SWITCHING = "switching"     # the role label while a pod is out of both role Services
+ENGINE_ROLE = {"prefill": "prompt", "decoder": "decoder"}
+ROLE_OF_ENGINE = {"prompt": "prefill", "decoder": "decoder"}
+SERVING_STEPS = ("Relink", "Verify", "Undrain")   # the engine is in its new role, being brought in
+
+
+def iso(t: float) -> str:
+    return dt.datetime.fromtimestamp(t, dt.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def parse_iso(s: str | None) -> float | None:
+    if not s:
+        return None
+    try:
+        return dt.datetime.fromisoformat(s.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class Switch:
+    """One switch in flight, as recorded in status.switches."""
+    pod: str
+    uid: str
+    from_: str                 # prefill | decoder
+    to: str
+    step: str
+    started: float             # wall clock
+    step_started: float
+    reason: str = ""
+    attempts: int = 0          # failed actions so far (retried with backoff)
+    durations: tuple[tuple[str, float], ...] = ()   # (step, ms) of the steps done
+    message: str = ""          # the last failure, or why it is being aborted
+
+    @property
+    def direction(self) -> str:
+        return f"{self.from_}-to-{self.to}"
+
+    def at(self, step: str, now: float, message: str | None = None) -> "Switch":
+        done = self.durations + ((self.step, round((now - self.step_started) * 1000, 1)),)
+        return replace(self, step=step, step_started=now, durations=done,
+                       message=self.message if message is None else message)
+
+    def to_status(self) -> dict:
+        out = {"pod": self.pod, "uid": self.uid, "from": self.from_, "to": self.to, "step": self.step,
+               "startedAt": iso(self.started), "stepStartedAt": iso(self.step_started), "reason": self.reason,
+               "attempts": self.attempts, "stepsMs": {s: ms for s, ms in self.durations}}
+        if self.message:
+            out["message"] = self.message
+        return out
+
+    @classmethod
+    def from_status(cls, d: dict) -> "Switch | None":
+        started, step_started = parse_iso(d.get("startedAt")), parse_iso(d.get("stepStartedAt"))
+        if d.get("step") not in STEPS + (ABORT,) or started is None or step_started is None:
+            return None
+        return cls(pod=d["pod"], uid=d.get("uid", ""), from_=d["from"], to=d["to"], step=d["step"],
+                   started=started, step_started=step_started, reason=d.get("reason", ""),
+                   attempts=int(d.get("attempts", 0)),
+                   durations=tuple((s, float(ms)) for s, ms in (d.get("stepsMs") or {}).items()),
+                   message=d.get("message", ""))
+
+
+@dataclass(frozen=True)
+class View:
+    """What one pass observed about the switching pod."""
+    exists: bool = True
+    uid: str = ""
+    terminating: bool = False
+    label: str = ""                 # pdoperator.io/role
+    assigned: str = ""              # pdoperator.io/assigned-role (prefill | decoder)
+    agent_ok: bool = False          # this pass has the agent's word
+    engine_role: str | None = None  # prefill | decoder, as the agent reports its engine
+    draining: bool | None = None
+    in_flight: int = 0
+    pending_kv: int = 0
+    links_out: int = 0              # links its engine reports (decoder side)
+    links_in: int = 0               # links to it: decoders that report one, and its own engine's count
+    relinked: bool = False          # every link it should have in its new role is up
+    verified: bool = False          # a KV path through it was verified in its new role
+    refused: str | None = None      # the engine cannot switch (LLM_FEATURE_NOT_ENABLED): why
+
+
+@dataclass(frozen=True)
+class Intent:
+    kind: str        # label | annotate | drain | undrain | unlink_all | switch_role | verify
+    pod: str
+    role: str | None = None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    result: str      # Completed | Aborted | Interrupted
+    switch: Switch
+    message: str
+    ended: float
+
+    def record(self) -> dict:
+        """status.lastSwitch."""
+        ms = dict(self.switch.durations)
+        out = {"pod": self.switch.pod, "from": self.switch.from_, "to": self.switch.to,
+               "reason": self.switch.reason, "result": self.result,
+               "totalMs": round((self.ended - self.switch.started) * 1000), "at": iso(self.ended)}
+        if "Drain" in ms:
+            out["drainMs"] = round(ms["Drain"])
+        if self.result == "Completed":
+            out["switchMs"] = round(ms.get("Unlink", 0) + ms.get("SwitchRole", 0))
+            out["relinkMs"] = round(ms.get("Relink", 0) + ms.get("Verify", 0))
+            out["undrainMs"] = round(ms.get("Undrain", 0))
+            out["durationMs"] = out["totalMs"]
+        if self.message:
+            out["message"] = self.message
+        return out
+
+
+def done(sw: Switch, v: View) -> bool:
+    """Whether the switch's current step is over, by what is observed."""
+    step = sw.step
+    if step == "Drain":
+        return (v.label == SWITCHING and v.draining is True and v.in_flight == 0 and v.pending_kv == 0
+                and v.engine_role == sw.from_)
+    if step == "Unlink":
+        return v.engine_role == sw.to or (v.agent_ok and v.links_out == 0 and v.links_in == 0)
+    if step == "SwitchRole":
+        return v.engine_role == sw.to and v.assigned == sw.to
+    if step == "Relink":
+        return v.engine_role == sw.to and v.relinked
+    if step == "Verify":
+        return v.engine_role == sw.to and v.verified
+    if step == "Undrain":
+        return v.engine_role == sw.to and v.label == sw.to and v.draining is False
+    if step == ABORT:
+        return v.label == sw.from_ and v.assigned == sw.from_ and v.draining is False
+    raise ValueError(f"unknown step {step!r}")
+
+
+def _hold(sw: Switch, v: View) -> list[Intent]:
+    """Out of the role Services and refusing new work, until the Undrain step."""
+    out = []
+    if v.label != SWITCHING:
+        out.append(Intent("label", sw.pod, SWITCHING))
+    if v.agent_ok and not v.draining:
+        out.append(Intent("drain", sw.pod))
+    return out
+
+
+def intents(sw: Switch, v: View) -> list[Intent]:
+    """What to do for the current step (each idempotent, each checked again next pass)."""
+    if sw.step == ABORT:
+        out = []
+        if v.assigned != sw.from_:
+            out.append(Intent("annotate", sw.pod, sw.from_))
+        if v.label != sw.from_:
+            out.append(Intent("label", sw.pod, sw.from_))
+        if v.agent_ok and v.draining:
+            out.append(Intent("undrain", sw.pod))
+        return out
+    if sw.step == "Undrain":
+        out = []
+        if v.label != sw.to:
+            out.append(Intent("label", sw.pod, sw.to))
+        if v.agent_ok and v.draining:
+            out.append(Intent("undrain", sw.pod))
+        return out
+    out = _hold(sw, v)
+    if sw.step in ("Unlink", "SwitchRole") and v.engine_role == sw.from_ and v.links_out:
+        out.append(Intent("unlink_all", sw.pod))   # a decoder's own links (prefills' are the planner's)
+    if sw.step == "SwitchRole":
+        if v.assigned != sw.to:
+            out.append(Intent("annotate", sw.pod, sw.to))   # a restart from here on comes back in the new role
+        if v.agent_ok and v.engine_role == sw.from_ and not v.links_out and not v.links_in:
+            out.append(Intent("switch_role", sw.pod, sw.to))
+    if sw.step == "Verify":
+        out.append(Intent("verify", sw.pod))
+    return out
+
+
+def advance(sw: Switch, v: View, now: float, drain_timeout_s: float) -> tuple[Switch | None, list[Intent],
+                                                                                 Outcome | None]:
+    if not v.exists or v.uid != sw.uid or v.terminating:
+        return None, [], Outcome("Interrupted", sw, f"{sw.pod} was deleted or replaced during step {sw.step}; "
+                                                    f"a new pod starts in its group's home role", now)
+    for _ in range(len(STEPS) + 2):
+        if sw.step != ABORT and v.refused:
+            sw = sw.at(ABORT, now, f"the engine cannot switch roles: {v.refused}")
+            continue
+        if done(sw, v):
+            if sw.step == ABORT:
+                return None, [], Outcome("Aborted", sw.at(ABORT, now), sw.message, now)
+            if sw.step == "Undrain":
+                return None, [], Outcome("Completed", sw.at("Undrain", now), "", now)
+            sw = sw.at(STEPS[STEPS.index(sw.step) + 1], now)
+            continue
+        if sw.step == "Drain" and now - sw.step_started >= drain_timeout_s:
+            sw = sw.at(ABORT, now, f"drain timed out after {drain_timeout_s:g}s with {v.in_flight} requests in "
+                                   f"flight and {v.pending_kv} KV caches waiting to be pulled; {sw.pod} stays "
+                                   f"{sw.from_}")
+            continue
+        break
+    return sw, intents(sw, v), None
+
+
+def planning_role(sw: Switch, engine_role: str | None, draining: bool, terminating: bool) -> tuple[str, bool]:
+    """(role, draining) the link planner should see for the switching pod: its engine's role,
+    and from Relink on the switch's own drain does not keep it out of the mesh."""
+    role = engine_role or SWITCHING
+    if sw.step in SERVING_STEPS and engine_role == sw.to and not terminating:
+        return role, False
+    return role, draining
+
+
+# ---- which pod ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Candidate:
+    pod: str
+    uid: str
+    group: str                 # home role
+    role: str                  # the role it serves in now (or is switching to)
+    available: bool            # ready, answering, not leaving, label and engine agree
+    switchable: bool
+    in_flight: int = 0
+
+
+@dataclass(frozen=True)
+class Decision:
+    reason: str   # Switching | AtTarget | SwitchInFlight | Cooldown | WaitingForFleet | MinCount | NoCandidate | NoPolicy
+    message: str
+    start: Switch | None = None
+    target: int | None = None
+    current: int | None = None
+
+
+@dataclass(frozen=True)
+class Limits:
+    min_prefill: int = 1
+    min_decoder: int = 1
+    max_in_flight: int = 1
+    cooldown_until: float = 0.0
+
+
+def prefill_count(members: list[Candidate]) -> int:
+    return sum(1 for m in members if m.role == "prefill")
+
+
+def choose(members: list[Candidate], switches: list[Switch], target: int | None, limits: Limits, now: float,
+           reason: str, unsettled: str | None = None) -> Decision:
+    """Start a switch if the target prefill count differs from the roles the pods serve in
+    (a switching pod counts in its new role), within the limits. Which pod: one whose switch
+    returns it to its home group first, then the fewest requests in flight. A switching pod,
+    and one not Ready, counts as unavailable against the min counts, and at least one engine
+    of each role stays serving."""
+    current = prefill_count(members)
+    if target is None:
+        return Decision("NoPolicy", "no rebalancing policy sets a prefill count", current=current)
+    base = dict(target=target, current=current)
+    if current == target:
+        return Decision("AtTarget", f"{current} pods in the prefill role, as wanted", **base)
+    if len(switches) >= limits.max_in_flight:
+        return Decision("SwitchInFlight", f"{len(switches)} switch(es) in flight; at most {limits.max_in_flight}",
+                        **base)
+    if now < limits.cooldown_until:
+        return Decision("Cooldown", f"want {target} prefills, have {current}; next switch after "
+                                    f"{iso(limits.cooldown_until)} (cooldownSeconds)", **base)
+    if unsettled:
+        return Decision("WaitingForFleet", f"want {target} prefills, have {current}; waiting: {unsettled}", **base)
+    to = "prefill" if current < target else "decoder"
+    frm = "decoder" if to == "prefill" else "prefill"
+    available = [m for m in members if m.role == frm and m.available]
+    floor = max(1, limits.min_decoder if frm == "decoder" else limits.min_prefill)
+    if len(available) - 1 < floor:
+        return Decision("MinCount", f"want {target} prefills, have {current}; switching a {frm} would leave "
+                                    f"{len(available) - 1} available {frm}s, below {floor}", **base)
+    pickable = [m for m in available if m.switchable]
+    if not pickable:
+        return Decision("NoCandidate", f"want {target} prefills, have {current}; no available {frm} can switch "
+                                       f"roles (engines initialised without llm.EnableSwitchRole)", **base)
+    pick = min(pickable, key=lambda m: (m.group != to, m.in_flight, m.pod))
+    sw = Switch(pod=pick.pod, uid=pick.uid, from_=frm, to=to, step="Drain", started=now, step_started=now,
+                reason=reason)
+    return Decision("Switching", f"{pick.pod}: {frm} -> {to} ({reason})", start=sw, **base)
+
+
+def clamp_target(want: int, total: int, limits: Limits) -> int:
+    """A prefill count the fleet can have: min counts hold, one of each role stays."""
+    lo = max(1, limits.min_prefill)
+    hi = total - max(1, limits.min_decoder)
+    return max(lo, min(hi, want)) if hi >= lo else want
+
+
+@dataclass
+class Book:
+    """The switches in flight and the cooldown, as recorded in status (the operator's own
+    copy, so a pass does not wait for its status write to come back through the watch)."""
+    switches: list[Switch] = field(default_factory=list)
+    cooldown_until: float = 0.0
+    last: dict | None = None
+
+    @classmethod
+    def from_status(cls, status: dict | None) -> "Book":
+        status = status or {}
+        rb = status.get("rebalance") or {}
+        sws = [s for s in (Switch.from_status(d) for d in status.get("switches") or []) if s is not None]
+        return cls(switches=sws, cooldown_until=parse_iso(rb.get("cooldownUntil")) or 0.0,
+                   last=status.get("lastSwitch"))
