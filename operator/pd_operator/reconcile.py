@@ -391,13 +391,13 @@ class Controller:
             await self._switch_ended(body, spec, o)
         if switch_intents and token:
             by_pod = {e.pod: e for e in engines}
-            pairs = {s.pod: [(by_pod[d], by_pod[p]) for d, p in rb.switch_pairs(s, engines, want_map)
-                             if d in by_pod and p in by_pod] for s in book.switches if s.step == "Verify"}
+            probes = {s.pod: [(by_pod[d], by_pod[p]) for d, p in rb.switch_pairs(s, engines, want_map)
+                              if d in by_pod and p in by_pod] for s in book.switches if s.step == "Verify"}
             grouped: dict[str, list[sw_.Intent]] = {}
             for it in switch_intents:
                 grouped.setdefault(it.pod, []).append(it)
             await asyncio.gather(*(act.switch_intents(self.kube, self.agents, mem, ns, its, by_pod, obs.reported,
-                                                      pairs, token) for its in grouped.values()))
+                                                      probes, token) for its in grouped.values()))
             mem.dirty.update(grouped)
             acted = True
         if token is None:

@@ -87,10 +87,15 @@ class Inference:
                     tbt_p90_ms=_p90(self._tbt))
 
     def _admit(self, role: str) -> None:
-        self.core._require(role, "prefill" if role == "prompt" else "decode")
-        if self.core.draining:
+        """Refusals here happen before any work, so the caller can send the request elsewhere."""
+        if self.core.initialized and self.core.draining:
             self.m.failed.labels("draining").inc()
             raise AgentError("DRAINING", f"{self.core.id.pod} is draining; send the request elsewhere", 503)
+        if self.core.initialized and self.core.role != role:
+            self.m.failed.labels("role_changed").inc()
+            raise AgentError("ROLE_CHANGED", f"{self.core.id.pod} now serves as {self.core.role}; send the "
+                             f"{'prefill' if role == 'prompt' else 'decode'} elsewhere", 503)
+        self.core._require(role, "prefill" if role == "prompt" else "decode")
 
     # ---- prefill (prompt role) ----------------------------------------------------------------
     async def prefill(self, req: PrefillRequest) -> PrefillResponse:

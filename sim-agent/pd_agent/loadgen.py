@@ -73,7 +73,7 @@ class Result:
 
 
 # Refusals that happen before a request produced anything: safe to send elsewhere.
-RETRYABLE = frozenset({"DRAINING", "NoLinkedPair", "ConnectError", "ConnectTimeout", "RemoteProtocolError"})
+RETRYABLE = frozenset({"DRAINING", "ROLE_CHANGED", "NoLinkedPair", "ConnectError", "ConnectTimeout", "RemoteProtocolError"})
 
 
 def retryable(reason: str) -> bool:
