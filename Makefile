@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 KUBECONFIG_LOCAL := $(CURDIR)/.localcluster/kubeconfig
 BIN_DIR = $(shell hack/k8s-bins/build.sh --print-dir)
 
-.PHONY: help venv k8s-bins cluster-up cluster-down test test-unit test-integration crd crd-check demo bench bench-sim bench-links clean
+.PHONY: help venv k8s-bins cluster-up cluster-down test test-unit test-integration crd crd-check demo bench bench-sim bench-links bench-switch clean
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
@@ -52,7 +52,10 @@ bench-sim: venv ## KV pull throughput over loopback and agent API latency
 bench-links: venv k8s-bins ## pods Ready -> links up + KV path verified (2P2D .. 64P64D), idle agent calls and CPU
 	$(PY) bench/bench_links.py
 
-bench: bench-sim bench-links ## every benchmark
+bench-switch: venv k8s-bins ## one live role switch per direction under load: control-plane cost and drain time
+	$(PY) bench/bench_switch.py
+
+bench: bench-sim bench-links bench-switch ## every benchmark
 
 clean: cluster-down ## remove .venv
 	rm -rf $(VENV)

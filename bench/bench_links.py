@@ -8,43 +8,19 @@ Goals: 8P+8D <= 0.5 s, 32P+32D <= 1.5 s, 64P+64D <= 3 s.
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 import time
 import uuid
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import yaml  # noqa: E402
-from kubernetes import client, config  # noqa: E402
 
-from pd_localcluster.__main__ import bin_dir_default  # noqa: E402
-from pd_localcluster.cluster import LocalCluster, free_port  # noqa: E402
+from common import REPO, Bench, cpu_seconds, metrics, pod_ready  # noqa: E402
 
 SIZES = [(2, 2), (8, 8), (16, 16), (32, 32), (64, 64)]
 GOALS = {(8, 8): 0.5, (32, 32): 1.5, (64, 64): 3.0}
-
-
-def metrics(url: str) -> dict[str, float]:
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(httpx.get(url, trust_env=False, timeout=5).text):
-        for s in fam.samples:
-            out[s.name] = out.get(s.name, 0.0) + s.value
-    return out
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def pod_ready(p) -> bool:
-    return any(c.type == "Ready" and c.status == "True" for c in (p.status.conditions or []))
 
 
 def main() -> None:
@@ -53,35 +29,14 @@ def main() -> None:
     ap.add_argument("--idle-seconds", type=float, default=15)
     args = ap.parse_args()
     sizes = [tuple(int(x) for x in s.split("x")) for s in args.sizes.split(",")]
-    lc = LocalCluster(REPO / ".localcluster")
-    started = False
-    if not lc.is_up():
-        lc.up(bin_dir_default())
-        started = True
-    kubectl = [str(bin_dir_default() / "kubectl"), f"--kubeconfig={lc.paths.kubeconfig}"]
-    subprocess.run(kubectl + ["apply", "-f", str(REPO / "crds" / "pddeployment.yaml")], check=True,
-                   capture_output=True)
-    subprocess.run(kubectl + ["wait", "--for=condition=Established", "crd/pddeployments.pdoperator.io"],
-                   check=True, capture_output=True)
-    api = config.new_client_from_config(config_file=str(lc.paths.kubeconfig))
-    core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+    bench = Bench()
+    core, custom = bench.core, bench.custom
     rows = []
     for p, d in sizes:
         ns = f"bench-{p}p{d}d-{uuid.uuid4().hex[:6]}"
-        core.create_namespace({"metadata": {"name": ns}})
-        env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
-        port = free_port()
-        murl = f"http://127.0.0.1:{port}/metrics"
-        env.update(KUBECONFIG=str(lc.paths.kubeconfig), PD_OPERATOR_NAMESPACES=ns,
-                   PD_OPERATOR_METRICS_ADDR=f"127.0.0.1:{port}")
-        log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-links-operator-{p}p{d}d.log"
-        op = subprocess.Popen([sys.executable, "-m", "pd_operator"], env=env, stdout=open(log_path, "wb"),
-                              stderr=subprocess.STDOUT)
+        bench.namespace(ns)
+        op, murl = bench.operator(ns, f"bench-links-operator-{p}p{d}d.log")
         try:
-            while True:  # the ServiceAccount admission needs the default SA
-                if core.list_namespaced_service_account(ns).items:
-                    break
-                time.sleep(0.1)
             doc = yaml.safe_load((REPO / "examples" / "sim-small.yaml").read_text())
             for group, n in (("prefill", p), ("decoder", d)):
                 doc["spec"][group]["replicas"] = n
@@ -129,8 +84,7 @@ def main() -> None:
         goal = GOALS.get(r[:2])
         if goal is not None and r[3] is not None:
             print(f"goal {r[0]}P+{r[1]}D <= {goal} s: {'met' if r[3] <= goal else 'missed'} ({r[3]:.2f} s)")
-    if started:
-        lc.down()
+    bench.close()
 
 
 if __name__ == "__main__":

@@ -157,11 +157,20 @@ async def switch_intents(kube: Kube, agents: AgentClient, mem: Memory, namespace
 
 async def _switch_verify(agents: AgentClient, mem: Memory, e: lk.Engine, pairs: list[tuple[lk.Engine, lk.Engine]],
                          token: str) -> None:
+    """Each (decoder, prefill) path through the switched engine pulls a probe, all at once."""
     ok = mem.switch_verified.setdefault((e.pod, e.boot_id or ""), set())
-    for d, p in pairs:
-        if (d.pod, p.pod) in ok:
-            continue
-        r = await agents.verify(d.agent_url, token, peer_of(p), limiter=mem.limiter)
-        if not r.ok:
-            raise AgentCallError("AgentError", f"{d.pod} <- {p.pod}: {r.message}", r.code)
-        ok.add((d.pod, p.pod))
+    todo = [(d, p) for d, p in pairs if (d.pod, p.pod) not in ok]
+    results = await asyncio.gather(*(agents.verify(d.agent_url, token, peer_of(p), limiter=mem.limiter)
+                                     for d, p in todo), return_exceptions=True)
+    failed = None
+    for (d, p), r in zip(todo, results):
+        if isinstance(r, BaseException):
+            if not isinstance(r, AgentCallError):
+                raise r
+            failed = failed or r
+        elif r.ok:
+            ok.add((d.pod, p.pod))
+        else:
+            failed = failed or AgentCallError("AgentError", f"{d.pod} <- {p.pod}: {r.message}", r.code)
+    if failed is not None:
+        raise failed

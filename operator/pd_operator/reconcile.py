@@ -326,7 +326,8 @@ class Controller:
 
         # rebalance: switches in flight advance on what this pass observed; maybe one starts
         wall = time.time()
-        switch_intents, outcomes = self._advance_switches(spec, mem, book, all_pods, engines, obs, reports, wall)
+        switch_intents, started, outcomes = self._advance_switches(spec, mem, book, all_pods, engines, obs, reports,
+                                                                   wall)
         # the link planner sees switching pods by their engine's role and step
         engines = rb.mesh(engines, book.switches)
 
@@ -387,8 +388,11 @@ class Controller:
             await self.events.post(body, "Warning", "CacheDescMismatch", ", ".join(pods) + " run different "
                                    "CacheDescs; pairs across them are not linked", key=",".join(pods))
         acted = False
+        for s in started:
+            await self.events.post(body, "Normal", "SwitchStarted", f"{s.pod}: {s.from_} -> {s.to} ({s.reason})",
+                                   key=f"start {s.pod} {s.started}")
         for o in outcomes:
-            await self._switch_ended(body, spec, o)
+            await self._switch_ended(body, o)
         if switch_intents and token:
             by_pod = {e.pod: e for e in engines}
             probes = {s.pod: [(by_pod[d], by_pod[p]) for d, p in rb.switch_pairs(s, engines, want_map)
@@ -435,7 +439,7 @@ class Controller:
 
     def _advance_switches(self, spec: PDDeploymentSpec, mem: Memory, book: sw_.Book, pods: list[dict],
                           engines: list[lk.Engine], obs: Observed, reports: dict, wall: float
-                          ) -> tuple[list[sw_.Intent], list[sw_.Outcome]]:
+                          ) -> tuple[list[sw_.Intent], list[sw_.Switch], list[sw_.Outcome]]:
         """Decide (pure calls): advance each switch in flight, start one if the policy wants a
         different prefill count, and repair pods whose label disagrees with their engine."""
         topo = spec.datadist.topology
@@ -452,6 +456,7 @@ class Controller:
                            mem.switch_refused.get(s.pod), asked)
 
         intents: list[sw_.Intent] = []
+        started: list[sw_.Switch] = []
         outcomes: list[sw_.Outcome] = []
         kept: list[sw_.Switch] = []
         timeout = rb.drain_timeout(spec)
@@ -481,10 +486,10 @@ class Controller:
                 s = decision.start
                 book.switches = kept = kept + [s]
                 intents += sw_.intents(s, view(s))
-                outcomes.append(sw_.Outcome("Started", s, decision.message, wall))
+                started.append(s)
             obs.decision = decision
         intents += rb.repairs(engines, kept)
-        return intents, outcomes
+        return intents, started, outcomes
 
     @staticmethod
     def _unsettled(engines: list[lk.Engine], obs: Observed, per: dict, mem: Memory) -> str | None:
@@ -499,12 +504,8 @@ class Controller:
             return f"links {up}/{expected} up"
         return None
 
-    async def _switch_ended(self, body: dict, spec: PDDeploymentSpec, o: sw_.Outcome) -> None:
+    async def _switch_ended(self, body: dict, o: sw_.Outcome) -> None:
         s = o.switch
-        if o.result == "Started":
-            await self.events.post(body, "Normal", "SwitchStarted", f"{s.pod}: {s.from_} -> {s.to} ({s.reason})",
-                                   key=f"start {s.pod} {s.started}")
-            return
         self.metrics.switches.labels(s.direction, o.result).inc()
         rec = o.record()
         if o.result == "Completed":

@@ -24,7 +24,9 @@ def test_sim_small_lifecycle(cluster: Cluster, namespace: str, operator) -> None
     stss = statefulsets(cluster, ns)
     assert set(stss) == {"sim-small-prefill", "sim-small-decoder"}
     env = {e["name"]: e for e in stss["sim-small-decoder"]["spec"]["template"]["spec"]["containers"][0]["env"]}
-    assert env["LLM_DATADIST_ROLE"]["value"] == "decoder" and env["LLM_DATADIST_PORT"]["value"] == "26000"
+    assert env["LLM_DATADIST_PORT"]["value"] == "26000"
+    pod = cluster.get_json("pod", "sim-small-decoder-0", "-n", ns)
+    assert pod["metadata"]["annotations"]["pdoperator.io/assigned-role"] == "decoder"
     cm = cluster.get_json("configmap", "sim-small-config", "-n", ns)
     assert json.loads(cm["data"]["cacheDesc"]) == {"num_tensors": 8, "shape": [4, 1024, 4, 64],
                                                    "data_type": "DT_FLOAT16"}

@@ -1,0 +1,118 @@
+"""`make bench-switch`: what one live role switch costs, per direction, under load.
+
+A 2P+2D simulated deployment (Manual policy, no cooldown) serves the load generator's
+requests while the prefill count goes 2 -> 3 -> 2 again and again. For each switch the
+operator's own record (status.lastSwitch) gives the drain time and the total; the
+control-plane cost is the total without the drain (unlink, switch_role, relink, KV-path
+check, undrain, and the passes between them). Goal: control-plane cost <= 0.5 s.
+
+    python bench/bench_switch.py [--switches 5] [--rate 7] [--workload code] [--max-output 32]"""
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import yaml  # noqa: E402
+
+from common import REPO, Bench  # noqa: E402
+
+GOAL_CONTROL_S = 0.5
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--switches", type=int, default=5, help="switches per direction")
+    ap.add_argument("--rate", type=float, default=7, help="load generator req/s")
+    ap.add_argument("--workload", default="code")
+    ap.add_argument("--max-output", type=int, default=32)
+    ap.add_argument("--time-scale", type=float, default=0.5, help="the simulator's time scale")
+    args = ap.parse_args()
+    bench = Bench()
+    ns = f"bench-switch-{uuid.uuid4().hex[:6]}"
+    bench.namespace(ns)
+    op, _ = bench.operator(ns, "bench-switch-operator.log")
+    load = None
+    rows: dict[str, list[dict]] = {"decoder-to-prefill": [], "prefill-to-decoder": []}
+    try:
+        doc = yaml.safe_load((REPO / "examples" / "sim-small.yaml").read_text())
+        doc["metadata"]["namespace"] = ns
+        doc["spec"]["model"]["kvCache"]["maxSeqLen"] = 2048
+        doc["spec"]["sim"] = {"timeScale": args.time_scale}
+        doc["spec"]["rebalance"] = {"policy": "Manual", "manual": {"prefill": 2}, "cooldownSeconds": 0}
+        bench.custom.create_namespaced_custom_object("pdoperator.io", "v1alpha1", ns, "pddeployments", doc)
+        wait(bench, ns, lambda st: st.get("phase") == "Ready" and st.get("linksSummary") == "4/4", 180)
+        token = base64.b64decode(bench.core.read_namespaced_secret("sim-small-agent-token", ns).data["token"]).decode()
+        load = subprocess.Popen(
+            [sys.executable, "-m", "pd_agent.loadgen", "--kubeconfig", bench.kubeconfig, "--namespace", ns,
+             "--deployment", "sim-small", "--token", token, "--rate", str(args.rate), "--duration", "3600",
+             "--workload", args.workload, "--max-prompt", "2048", "--max-output", str(args.max_output), "--json"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+        time.sleep(3)
+        last_at = None
+        for i in range(2 * args.switches):
+            target, to, links = (3, "prefill", "3/3") if i % 2 == 0 else (2, "decoder", "4/4")
+            t0 = time.monotonic()
+            bench.custom.patch_namespaced_custom_object("pdoperator.io", "v1alpha1", ns, "pddeployments",
+                                                        "sim-small", {"spec": {"rebalance": {"manual": {"prefill": target}}}})
+            st = wait(bench, ns, lambda st: (st.get("lastSwitch") or {}).get("at", "") > (last_at or "")
+                      and st["lastSwitch"]["to"] == to and st.get("phase") == "Ready"
+                      and st.get("linksSummary") == links, 120)
+            last = st["lastSwitch"]
+            last_at = last["at"]
+            last["patchToReadyMs"] = round((time.monotonic() - t0) * 1000)
+            direction = f"{last['from']}-to-{last['to']}"
+            rows[direction].append(last)
+            print(f"{direction:20s} {last['pod']:22s} {last['result']:9s} drain {last.get('drainMs', 0):5d} ms  "
+                  f"control {last['totalMs'] - last.get('drainMs', 0):5d} ms (unlink+switch {last.get('switchMs')}, "
+                  f"relink+verify {last.get('relinkMs')}, undrain {last.get('undrainMs')})  "
+                  f"patch->Ready {last['patchToReadyMs']} ms", flush=True)
+            time.sleep(1)
+        load.send_signal(signal.SIGTERM)
+        out, _ = load.communicate(timeout=120)
+        summary = json.loads(out)
+        load = None
+    finally:
+        if load is not None:
+            load.kill()
+        op.terminate()
+        op.wait(20)
+        bench.core.delete_namespace(ns)
+        bench.close()
+    print(f"\nload during the switches: {args.rate} req/s {args.workload}: {summary['requests']} requests, "
+          f"{summary['completed']} completed, {summary['failed']} failed {summary['failed_by_reason'] or ''}, "
+          f"{summary['retried']} retried elsewhere {summary['refused_by_reason'] or ''}; "
+          f"TTFT p90 {summary['ttft_ms']['p90']:.0f} ms")
+    for direction, rs in rows.items():
+        done = [r for r in rs if r["result"] == "Completed"]
+        if not done:
+            continue
+        control = [(r["totalMs"] - r.get("drainMs", 0)) / 1000 for r in done]
+        drain = [r.get("drainMs", 0) / 1000 for r in done]
+        print(f"{direction}: {len(done)} switches; control plane (drain excluded) median "
+              f"{statistics.median(control):.3f} s max {max(control):.3f} s "
+              f"(goal <= {GOAL_CONTROL_S} s: {'met' if statistics.median(control) <= GOAL_CONTROL_S else 'missed'}); "
+              f"drain median {statistics.median(drain):.3f} s max {max(drain):.3f} s")
+
+
+def wait(bench: Bench, ns: str, ok, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = bench.pdd(ns).get("status") or {}
+        if ok(st):
+            return st
+        time.sleep(0.05)
+    raise SystemExit(f"timed out after {timeout} s; status: {json.dumps(bench.pdd(ns).get('status'))[:2000]}")
+
+
+if __name__ == "__main__":
+    main()
