@@ -13,6 +13,7 @@ from typing import Any, Callable
 IMAGE_ENTRYPOINTS: dict[str, list[str]] = {
     "pd-sim-agent": ["{python}", "-m", "pd_agent"],
     "pd-operator": ["{python}", "-m", "pd_operator"],
+    "pd-gateway": ["{python}", "-m", "pd_gateway"],
 }
 PYTHON_NAMES = {"python", "python3", "/usr/bin/python", "/usr/bin/python3",
                 "/usr/local/bin/python", "/usr/local/bin/python3"}

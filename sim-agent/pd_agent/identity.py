@@ -27,7 +27,8 @@ class Identity:
     link_timeout_ms: int = 3000
     sync_kv_timeout_ms: int = 1000
     device_id: int | None = None
-    token: str | None = None
+    token: str | None = None             # control scope: the operator's
+    data_token: str | None = None        # data scope: routers (status, prefill, decode)
     agent_port: int = 8080
     drain_timeout_s: float = 60.0    # SIGTERM: how long to wait for in-flight work and pending KV
     engine_start_s: float = 0.0      # simulator: delay before the engine initialises
@@ -83,6 +84,7 @@ class Identity:
             sync_kv_timeout_ms=int(env.get("LLM_DATADIST_SYNC_KV_TIMEOUT_MS", "1000")),
             device_id=int(env["LLM_DATADIST_DEVICE_ID"]) if env.get("LLM_DATADIST_DEVICE_ID") else None,
             token=token,
+            data_token=env.get("PD_AGENT_DATA_TOKEN") or None,
             agent_port=int(env.get("PD_AGENT_PORT", "8080")),
             drain_timeout_s=_float(env, "PD_DRAIN_TIMEOUT_S", 60.0),
             engine_start_s=_float(env, "PD_SIM_ENGINE_START_S", 0.0),

@@ -35,6 +35,7 @@ class _Decode:
     fut: asyncio.Future
     started: float
     token_times: list[float] = field(default_factory=list)
+    out: asyncio.Queue | None = None     # streaming: a message per token
 
 
 class Inference:
@@ -82,7 +83,8 @@ class Inference:
         self.m.running.set(running)
         pending = self.core.pending_kv()
         self.m.pending_kv.set(pending)
-        return Load(queue_depth=queue, running=running, in_flight=self.in_flight, pending_kv=pending,
+        queued_tokens = sum(p.req.prompt_tokens for p in self.prefill_q)
+        return Load(queue_depth=queue, queued_prompt_tokens=queued_tokens, running=running, in_flight=self.in_flight, pending_kv=pending,
                     completed=self.completed, failed=self.failed, ttft_p90_ms=_p90(self._ttft),
                     tbt_p90_ms=_p90(self._tbt))
 
@@ -142,7 +144,7 @@ class Inference:
             self._prefill_busy = 0
 
     # ---- decode (decoder role) ----------------------------------------------------------------
-    async def decode(self, req: DecodeRequest) -> DecodeResponse:
+    async def decode(self, req: DecodeRequest, out: asyncio.Queue | None = None) -> DecodeResponse:
         self._admit("decoder")
         self.in_flight += 1
         mgr = self.core.engine.kv_cache_manager
@@ -170,14 +172,26 @@ class Inference:
             pull_ms = (time.monotonic() - t0) * 1000
             self.m.kv_pull.observe(pull_ms)
             job = _Decode(ctx=n, remaining=req.output_tokens,
-                          fut=asyncio.get_running_loop().create_future(), started=time.monotonic())
+                          fut=asyncio.get_running_loop().create_future(), started=time.monotonic(), out=out)
             self.decode_wait.append(job)
             self._decode_wake.set()
-            await job.fut
+            try:
+                await job.fut
+            except asyncio.CancelledError:
+                # the client went away: free the batch slot
+                job.remaining = 0
+                if job in self.decode_wait:
+                    self.decode_wait.remove(job)
+                if job in self.decode_running:
+                    self.decode_running.remove(job)
+                self.m.failed.labels("cancelled").inc()
+                raise
             first = (job.token_times[0] - t0) * 1000
             gaps = [(b - a) * 1000 for a, b in zip(job.token_times, job.token_times[1:])]
-            self._ttft.append(first)
-            self.m.ttft.observe(first)
+            # what a client saw: the prefill's queue and compute time (if the router passed it) too
+            whole = first + (req.prefill_ms or 0.0)
+            self._ttft.append(whole)
+            self.m.ttft.observe(whole)
             for g in gaps:
                 self.m.tbt.observe(g)
             self._tbt.extend(gaps)
@@ -205,6 +219,8 @@ class Inference:
             still = []
             for j in self.decode_running:
                 j.token_times.append(now)
+                if j.out is not None:
+                    j.out.put_nowait({"token": len(j.token_times) - 1, "ms": round((now - j.started) * 1000, 2)})
                 j.ctx += 1
                 j.remaining -= 1
                 if j.remaining <= 0:

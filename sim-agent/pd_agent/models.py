@@ -111,6 +111,9 @@ class DecodeRequest(_Body):
                                          "decoder does not know the prefill's agent from its link")
     prompt_tokens: int = Field(gt=0)
     output_tokens: int = Field(gt=0)
+    stream: bool = Field(default=False, description="NDJSON, a line per token as it is produced")
+    prefill_ms: float | None = Field(default=None, ge=0, description="the prefill's queue and compute time, "
+                                     "so the decoder records the request's whole TTFT")
 
 
 class DecodeResponse(_Reply):
@@ -150,6 +153,7 @@ class LinkState(_Reply):
 
 class Load(_Reply):
     queue_depth: int = 0
+    queued_prompt_tokens: int = 0
     running: int = 0
     in_flight: int = 0
     pending_kv: int = 0

@@ -39,17 +39,40 @@ def _error(status: int, code: str, message: str, **extra) -> web.Response:
     return web.json_response({"code": code, "message": message, **extra}, status=status)
 
 
-def auth_middleware(token: str | None):
+# The data scope: what a router needs (read status, prefill, decode) and the agents' pull
+# notices to each other. Everything else (init, link, unlink, switch_role, drain, verify,
+# probe, faults) is the control scope: the operator's token only.
+DATA_ROUTES = {("GET", "/v1/status"), ("POST", "/v1/prefill"), ("POST", "/v1/decode"), ("POST", "/v1/notify")}
+
+
+def _presented(request: web.Request) -> str:
+    got = request.headers.get("Authorization", "")
+    if got.startswith("Bearer "):
+        return got[7:]
+    # through the API server's pod proxy the Authorization header is the API server's: use this one
+    return request.headers.get("X-PD-Agent-Token", "")
+
+
+def _same(a: str, b: str | None) -> bool:
+    return bool(b) and hmac.compare_digest(a.encode(), b.encode())
+
+
+def auth_middleware(token: str | None, data_token: str | None = None):
     @web.middleware
     async def mw(request: web.Request, handler):
         if not request.path.startswith("/v1/"):
             return await handler(request)
-        got = request.headers.get("Authorization", "")
         if not token:
             return _error(401, "AgentUnauthorized", "the agent has no token configured (PD_AGENT_TOKEN)")
-        if not got.startswith("Bearer ") or not hmac.compare_digest(got[7:].encode(), token.encode()):
-            return _error(401, "AgentUnauthorized", "missing or wrong bearer token")
-        return await handler(request)
+        got = _presented(request)
+        if _same(got, token):
+            return await handler(request)
+        if _same(got, data_token):
+            if (request.method, request.path) in DATA_ROUTES:
+                return await handler(request)
+            return _error(403, "AgentForbidden", f"the data token may not call {request.method} {request.path}; "
+                                                 f"it is an operator (control) call")
+        return _error(401, "AgentUnauthorized", "missing or wrong bearer token")
     return mw
 
 
@@ -95,7 +118,7 @@ def _json(model: BaseModel, status: int = 200) -> web.Response:
     return web.json_response(model.model_dump(mode="json"), status=status)
 
 
-def routes(core: AgentCore, token: str | None, http: httpx.AsyncClient) -> list[web.RouteDef]:
+def routes(core: AgentCore, token: str | None, http: httpx.AsyncClient) -> list[web.RouteDef]:  # noqa: C901
     def handler(model, fn: Callable[[BaseModel], Awaitable[BaseModel | None]]):
         async def h(request: web.Request) -> web.Response:
             body = await _body(request, model) if model else None
@@ -147,6 +170,49 @@ def routes(core: AgentCore, token: str | None, http: httpx.AsyncClient) -> list[
         await core.switch_role(body.role)
 
     inf = core.inference
+
+    async def decode(request: web.Request) -> web.StreamResponse:
+        """Plain: one JSON reply. `stream: true`: NDJSON, a line per token as the decode loop
+        emits it ({"token": i, "ms": since the decode started}), then {"done": DecodeResponse}
+        or {"error": {code, message}}. Refusals before the first token are plain HTTP errors,
+        so a router can send the request elsewhere. A client that goes away cancels the decode."""
+        body = await _body(request, DecodeRequest)
+        if not body.stream:
+            return _json(await inf.decode(body))
+        tokens: asyncio.Queue = asyncio.Queue()
+        task = asyncio.create_task(inf.decode(body, tokens))
+        first = asyncio.create_task(tokens.get())
+        try:
+            await asyncio.wait({task, first}, return_when=asyncio.FIRST_COMPLETED)
+            if not first.done():
+                first.cancel()
+                await task  # finished (or failed) before any token: raises its AgentError as a plain error
+                return _json(task.result())
+            resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+            await resp.prepare(request)
+            await resp.write((json.dumps(first.result()) + "\n").encode())
+            while True:
+                get = asyncio.create_task(tokens.get())
+                await asyncio.wait({task, get}, return_when=asyncio.FIRST_COMPLETED)
+                if get.done():
+                    await resp.write((json.dumps(get.result()) + "\n").encode())
+                    continue
+                get.cancel()
+                while not tokens.empty():
+                    await resp.write((json.dumps(tokens.get_nowait()) + "\n").encode())
+                try:
+                    out = {"done": task.result().model_dump(mode="json")}
+                except AgentError as e:
+                    out = {"error": {"code": e.code, "message": str(e)}}
+                await resp.write((json.dumps(out) + "\n").encode())
+                await resp.write_eof()
+                return resp
+        finally:
+            if not task.done():
+                task.cancel()
+            if not first.done():
+                first.cancel()
+
     r = [
         web.get("/healthz", healthz),
         web.get("/metrics", metrics),
@@ -165,18 +231,19 @@ def routes(core: AgentCore, token: str | None, http: httpx.AsyncClient) -> list[
     ]
     if inf is not None:
         r += [web.post("/v1/prefill", handler(PrefillRequest, inf.prefill)),
-              web.post("/v1/decode", handler(DecodeRequest, inf.decode))]
+              web.post("/v1/decode", decode)]
     return r
 
 
 def build_app(core: AgentCore, token: str | None, metrics: AgentMetrics | None = None,
-              serve_inference: bool = True) -> web.Application:
+              serve_inference: bool = True, data_token: str | None = None) -> web.Application:
     """The HTTP API over `core`. An inference server embedding the agent calls this with a
     core built around its own engine and mounts or runs the app."""
     metrics = metrics or AgentMetrics()
     if serve_inference and core.inference is None:
         Inference(core, metrics)
-    app = web.Application(middlewares=[auth_middleware(token), error_middleware], client_max_size=1 << 20)
+    app = web.Application(middlewares=[auth_middleware(token, data_token), error_middleware],
+                          client_max_size=1 << 20)
     app[CORE] = core
     app[METRICS] = metrics
     # agent-to-agent calls (verify) must not go through a proxy
@@ -215,7 +282,7 @@ async def _serve(identity: Identity, host: str, port: int) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     core = AgentCore(llm, identity)
-    app = build_app(core, identity.token)
+    app = build_app(core, identity.token, data_token=identity.data_token)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)

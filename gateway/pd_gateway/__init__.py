@@ -1,0 +1,1 @@
+"""pd-gateway: the OpenAI- and Anthropic-compatible entry to a PDDeployment."""

@@ -1,0 +1,50 @@
+"""The gateway's Prometheus metrics, and the recent percentiles the operator reads."""
+from __future__ import annotations
+
+import collections
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+MS = (5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000)
+TBT_MS = (1, 2, 5, 10, 20, 40, 80, 160, 320, 1000)
+WINDOW = 500   # requests the percentiles cover
+
+
+def _pct(values, q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return round(s[min(len(s) - 1, int(q * len(s)))], 2)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("pd_gateway_requests", "Requests by API key name, API and HTTP status",
+                                ["key", "api", "status"], registry=r)
+        self.errors = Counter("pd_gateway_errors", "Failed requests by key name and reason", ["key", "reason"],
+                              registry=r)
+        self.ttft = Histogram("pd_gateway_ttft_ms", "Time to first token as the client sees it, ms", ["key"],
+                              buckets=MS, registry=r)
+        self.tbt = Histogram("pd_gateway_tbt_ms", "Time between tokens, ms", ["key"], buckets=TBT_MS, registry=r)
+        self.tokens = Counter("pd_gateway_tokens", "Tokens by key name and kind (prompt, completion)",
+                              ["key", "kind"], registry=r)
+        self.pod_requests = Counter("pd_gateway_pod_requests", "Requests sent to each engine pod by role and result",
+                                    ["pod", "role", "result"], registry=r)
+        self.retries = Counter("pd_gateway_refusals", "Refusals before the first token, retried on another pair",
+                               ["reason"], registry=r)
+        self._ttft: collections.deque[float] = collections.deque(maxlen=WINDOW)
+        self._tbt: collections.deque[float] = collections.deque(maxlen=WINDOW)
+
+    def record(self, key: str, ttft_ms: float, tbt_ms: float | None) -> None:
+        self.ttft.labels(key).observe(ttft_ms)
+        self._ttft.append(ttft_ms)
+        if tbt_ms is not None:
+            self.tbt.labels(key).observe(tbt_ms)
+            self._tbt.append(tbt_ms)
+
+    def stats(self) -> dict:
+        """Recent client-side latencies (the last WINDOW requests), for the SLO policy."""
+        return {"requests": len(self._ttft),
+                "ttft_ms": {"p50": _pct(self._ttft, 0.5), "p90": _pct(self._ttft, 0.9), "p99": _pct(self._ttft, 0.99)},
+                "tbt_ms": {"p50": _pct(self._tbt, 0.5), "p90": _pct(self._tbt, 0.9), "p99": _pct(self._tbt, 0.99)}}

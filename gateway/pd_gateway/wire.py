@@ -1,0 +1,172 @@
+"""The OpenAI and Anthropic wire formats (pure): requests as the gateway reads them, replies,
+stream chunks and error objects as clients parse them.
+
+Token counts: there is no tokenizer here. One approximation is used everywhere, for `usage`
+and for the prompt length the simulated prefill is given: a token per 4 characters of text
+(at least one), the rule of thumb for English with BPE vocabularies."""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+import uuid
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+CHARS_PER_TOKEN = 4
+DEFAULT_MAX_TOKENS = 256
+WORDS = ("the", "cache", "moves", "from", "prefill", "to", "decode", "over", "a", "link", "and", "tokens",
+         "follow", "at", "the", "pace", "of", "each", "step", "while", "engines", "share", "load")
+
+
+def approx_tokens(text: str) -> int:
+    return max(1, math.ceil(len(text) / CHARS_PER_TOKEN))
+
+
+def piece(seed: str, i: int) -> str:
+    """The i-th piece of the simulated completion: deterministic for a prompt."""
+    h = int.from_bytes(hashlib.sha256(f"{seed}:{i}".encode()).digest()[:4], "big")
+    word = WORDS[h % len(WORDS)]
+    return word if i == 0 else " " + word
+
+
+def _text(content: Any) -> str:
+    """Message content: a string, or a list of parts of which the text ones count."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return ""
+
+
+class _Lenient(BaseModel):
+    # Clients send many optional fields (temperature, top_p, tools, ...): accepted and ignored.
+    model_config = ConfigDict(extra="allow")
+
+
+class ChatRequest(_Lenient):
+    model: str
+    messages: list[dict] = Field(min_length=1)
+    stream: bool = False
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    stream_options: dict | None = None
+
+    def prompt(self) -> str:
+        return "\n".join(f"{m.get('role', '')}: {_text(m.get('content'))}" for m in self.messages)
+
+    def output_tokens(self) -> int:
+        return self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_TOKENS
+
+
+class CompletionRequest(_Lenient):
+    model: str
+    prompt: str | list[str]
+    stream: bool = False
+    max_tokens: int | None = Field(default=16, ge=1)
+    stream_options: dict | None = None
+
+    def text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else "\n".join(self.prompt)
+
+    def output_tokens(self) -> int:
+        return self.max_tokens or 16
+
+
+class MessagesRequest(_Lenient):
+    """Anthropic Messages API."""
+    model: str
+    messages: list[dict] = Field(min_length=1)
+    max_tokens: int = Field(ge=1)
+    system: str | list[dict] | None = None
+    stream: bool = False
+
+    def prompt(self) -> str:
+        head = _text(self.system) if self.system else ""
+        return head + "\n".join(f"{m.get('role', '')}: {_text(m.get('content'))}" for m in self.messages)
+
+
+# ---- errors -------------------------------------------------------------------------------
+
+def openai_error(message: str, etype: str, code: str | None = None, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": etype, "param": param, "code": code}}
+
+
+ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                   429: "rate_limit_error", 400: "invalid_request_error", 413: "request_too_large",
+                   529: "overloaded_error", 503: "overloaded_error"}
+
+
+def anthropic_error(status: int, message: str) -> dict:
+    return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
+
+
+def path_hint(path: str) -> str:
+    """What a client most likely got wrong when it asked for an unknown path."""
+    known = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/messages")
+    if path.startswith("/v1/v1/"):
+        return (f"{path} doubles /v1: the base URL already ends in /v1, so the client added another. "
+                f"Use a base URL ending in /v1 for OpenAI clients (they append /chat/completions) "
+                f"and without /v1 for Anthropic clients (they append /v1/messages)")
+    for k in known:
+        if path == k[3:] or path.rstrip("/") == k[3:]:
+            return f"{path} is missing /v1: the base URL must end in /v1 for OpenAI clients (so {k} is called)"
+    return f"unknown path {path}; this gateway serves {', '.join(known)}"
+
+
+# ---- replies ---------------------------------------------------------------------------------
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def chat_reply(rid: str, model: str, text: str, prompt: int, completion: int, finish: str) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                         "finish_reason": finish}],
+            "usage": usage(prompt, completion)}
+
+
+def chat_chunk(rid: str, model: str, delta: dict, finish: str | None = None, usage_: dict | None = None,
+               choices: bool = True) -> dict:
+    out = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+           "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}] if choices else []}
+    if usage_ is not None:
+        out["usage"] = usage_
+    return out
+
+
+def completion_reply(rid: str, model: str, text: str, prompt: int, completion: int, finish: str) -> dict:
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+            "usage": usage(prompt, completion)}
+
+
+def completion_chunk(rid: str, model: str, text: str, finish: str | None = None, usage_: dict | None = None,
+                     choices: bool = True) -> dict:
+    out = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+           "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}] if choices else []}
+    if usage_ is not None:
+        out["usage"] = usage_
+    return out
+
+
+def models_reply(model: str) -> dict:
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "pd-operator"}]}
+
+
+def message_reply(rid: str, model: str, text: str, prompt: int, completion: int, stop: str) -> dict:
+    return {"id": rid, "type": "message", "role": "assistant", "model": model,
+            "content": [{"type": "text", "text": text}], "stop_reason": stop, "stop_sequence": None,
+            "usage": {"input_tokens": prompt, "output_tokens": completion}}
+
+
+def sse(data: dict | str, event: str | None = None) -> bytes:
+    body = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return ((f"event: {event}\n" if event else "") + f"data: {body}\n\n").encode()
