@@ -5,7 +5,7 @@ Cross-field rules are CEL ``x-kubernetes-validations`` so the API server rejects
 at admission, each with a message naming the field."""
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
@@ -143,6 +143,23 @@ class Rebalance(Model):
     manual: Manual | None = None
 
 
+class GatewaySpec(Model):
+    """pd-gateway in front of the deployment: OpenAI- and Anthropic-compatible, keyed."""
+    model_config = ConfigDict(json_schema_extra=rules(
+        ("!self.enabled || has(self.apiKeysSecret)",
+         "spec.gateway.apiKeysSecret is required when spec.gateway.enabled is true", ".apiKeysSecret"),
+    ))
+    enabled: bool = False
+    api_keys_secret: str | None = Field(default=None, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+                                        description="Secret with one data key per API key (its name -> the key)")
+    image: str | None = Field(default=None, max_length=1024, pattern=r"^\S+$",
+                              description="default: spec.image's repository with the name pd-gateway, same tag")
+    replicas: int = Field(default=1, ge=1, le=64)
+    rate_limits: dict[str, Annotated[int, Field(ge=1, le=1000000)]] | None = Field(
+        default=None, description="requests per minute per API key name")
+    resources: Resources | None = None
+
+
 class Ascend(Model):
     """Host paths the real llm_datadist needs in a container (backend llm-datadist)."""
     hccn_conf: str = "/etc/hccn.conf"
@@ -215,6 +232,7 @@ class PDDeploymentSpec(Model):
                     "to be pulled; terminationGracePeriodSeconds follows it")
     ascend: Ascend | None = None
     sim: Sim | None = None
+    gateway: GatewaySpec | None = None
 
 
 # ---- status ---------------------------------------------------------------------------------

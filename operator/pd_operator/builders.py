@@ -113,6 +113,8 @@ def _env(name: str, spec: PDDeploymentSpec, group: str) -> list[dict]:
         {"name": "PD_AGENT_PORT", "value": str(AGENT_PORT)},
         {"name": "PD_AGENT_TOKEN", "valueFrom": {"secretKeyRef": {
             "name": token_secret_name(name), "key": "token"}}},
+        {"name": "PD_AGENT_DATA_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": f"{name}-agent-data-token", "key": "token"}}},
     ]
     env.append({"name": "PD_DRAIN_TIMEOUT_S", "value": str(spec.drain_timeout_seconds)})
     # switch_role needs llm.EnableSwitchRole at init; set it only where the spec may switch
@@ -227,9 +229,9 @@ def role_service(name: str, namespace: str, role: str, owner: dict) -> dict:
     }
 
 
-def token_secret(name: str, namespace: str, token: str, owner: dict) -> dict:
+def token_secret(name: str, namespace: str, token: str, owner: dict, secret_name: str | None = None) -> dict:
     return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-            "metadata": _meta(token_secret_name(name), namespace, owner, common_labels(name)),
+            "metadata": _meta(secret_name or token_secret_name(name), namespace, owner, common_labels(name)),
             "stringData": {"token": token}}
 
 
@@ -243,4 +245,6 @@ def desired_children(name: str, namespace: str, uid: str, spec: PDDeploymentSpec
         out.append(role_service(name, namespace, role, owner))
     for group in GROUPS:
         out.append(statefulset(name, namespace, spec, group, owner))
-    return out
+    from .gateway import gateway_objects, network_policy  # (it builds on the helpers above)
+    out.append(network_policy(name, namespace, spec, owner))
+    return out + gateway_objects(name, namespace, spec, owner)

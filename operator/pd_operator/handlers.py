@@ -1,5 +1,5 @@
 """Kopf is the event source, nothing more: every watch event on a PDDeployment, its pods or
-its children (StatefulSets, Services, ConfigMaps) lands in the controller's caches and wakes
+its children (StatefulSets, Services, ConfigMaps, the gateway's objects, the NetworkPolicy) lands in the controller's caches and wakes
 that deployment's one reconcile (reconcile.py). No handler applies anything, so there is
 one reconciler, and no finalizer: owner references clean up after a deleted PDDeployment."""
 from __future__ import annotations
@@ -17,7 +17,10 @@ from .reconcile import Controller
 
 log = logging.getLogger("pd_operator")
 STATE: dict = {}
-WATCHED_CHILDREN = (("apps", "v1", "statefulsets"), ("", "v1", "services"), ("", "v1", "configmaps"))
+WATCHED_CHILDREN = (("apps", "v1", "statefulsets"), ("", "v1", "services"), ("", "v1", "configmaps"),
+                    ("apps", "v1", "deployments"), ("", "v1", "serviceaccounts"),
+                    ("rbac.authorization.k8s.io", "v1", "roles"), ("rbac.authorization.k8s.io", "v1", "rolebindings"),
+                    ("networking.k8s.io", "v1", "networkpolicies"))
 
 
 def _controller() -> Controller | None:

@@ -34,7 +34,9 @@ def _configuration() -> k8s_client.Configuration:
 
 
 _PLURALS = {"ConfigMap": "configmaps", "Service": "services", "Secret": "secrets", "Pod": "pods",
-            "StatefulSet": "statefulsets", "PDDeployment": "pddeployments", "Event": "events"}
+            "StatefulSet": "statefulsets", "PDDeployment": "pddeployments", "Event": "events",
+            "Deployment": "deployments", "ServiceAccount": "serviceaccounts", "Role": "roles",
+            "RoleBinding": "rolebindings", "NetworkPolicy": "networkpolicies"}
 
 
 def object_path(api_version: str, kind: str, namespace: str | None, name: str | None = None) -> str:

@@ -39,7 +39,9 @@ from .status import Observed, build_status
 
 log = logging.getLogger("pd_operator.reconcile")
 Key = tuple[str, str]
-CHILD_KINDS = {"StatefulSet": "apps/v1", "Service": "v1", "ConfigMap": "v1"}
+CHILD_KINDS = {"StatefulSet": "apps/v1", "Service": "v1", "ConfigMap": "v1", "Deployment": "apps/v1",
+               "ServiceAccount": "v1", "Role": "rbac.authorization.k8s.io/v1",
+               "RoleBinding": "rbac.authorization.k8s.io/v1", "NetworkPolicy": "networking.k8s.io/v1"}
 RESYNC_S = 5.0            # a Ready deployment is looked at again after this, events or not
 NOT_READY_RESYNC_S = 1.0
 # caches are checked against a fresh list this often
@@ -404,9 +406,10 @@ class Controller:
                                                       probes, token) for its in grouped.values()))
             mem.dirty.update(grouped)
             acted = True
-        if token is None:
+        if token is None or not mem.tokens_ensured:
             await act.ensure_token(self.kube, name, ns, owner_reference(name, meta["uid"]))
-            acted = True
+            mem.tokens_ensured = True
+            acted = acted or token is None
         if to_apply:
             await self._apply(body, spec, mem, gen, to_apply, created=not observed_children,
                               everything=len(to_apply) == len(desired))

@@ -38,6 +38,7 @@ class Memory:
     last_status: dict | None = None
     token: str | None = None
     token_read_at: float = 0.0
+    tokens_ensured: bool = False          # both token Secrets exist (checked once per operator run)
     proxy_warned: set[str] = field(default_factory=set)
     applied: dict[ChildKey, Applied] = field(default_factory=dict)
     applied_event_generation: int | None = None

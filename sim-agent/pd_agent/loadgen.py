@@ -10,7 +10,11 @@ DRAINING, a pod that is gone refuses the connection, no linked pair exists yet) 
 on another pair within --retry-window seconds; if its prefill already ran, the decode is
 retried on another decoder linked to the same prefill, so the cache is still pulled. Such
 refusals and retries are reported apart from failures: a request fails only when no pair
-could take it, or when it failed after it was admitted."""
+could take it, or when it failed after it was admitted.
+
+With --gateway URL --api-key KEY the requests go through pd-gateway instead, as OpenAI
+streaming chat completions; TTFT and TBT are measured client-side from the SSE chunks, and
+whatever the gateway answers is what counts (it does the retrying)."""
 from __future__ import annotations
 
 import argparse
@@ -245,12 +249,48 @@ async def one_request(http: httpx.AsyncClient, fleet: Fleet, rng: random.Random,
     return Result(ok=True, ttft_ms=ttft, tbt_ms=body["tbt_ms_mean"], refusals=refusals)
 
 
+async def gateway_request(http: httpx.AsyncClient, url: str, key: str, model: str, prompt: int,
+                          output: int) -> Result:
+    """One streamed chat completion through the gateway; a prompt of about `prompt` tokens
+    (4 characters each, the gateway's approximation)."""
+    body = {"model": model, "stream": True, "max_tokens": output,
+            "messages": [{"role": "user", "content": "x" * max(1, prompt * 4 - 10)}]}
+    t0 = time.monotonic()
+    times: list[float] = []
+    try:
+        async with http.stream("POST", f"{url}/v1/chat/completions", json=body,
+                               headers={"Authorization": f"Bearer {key}"}) as r:
+            if r.status_code != 200:
+                await r.aread()
+                try:
+                    err = r.json()["error"]
+                    return Result(ok=False, reason=err.get("code") or err.get("type") or str(r.status_code))
+                except (ValueError, KeyError, TypeError):
+                    return Result(ok=False, reason=str(r.status_code))
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                msg = json.loads(line[6:])
+                if "error" in msg:
+                    return Result(ok=False, reason=msg["error"].get("code") or "stream_error")
+                if msg.get("choices") and msg["choices"][0]["delta"].get("content"):
+                    times.append(time.monotonic())
+    except httpx.HTTPError as e:
+        return Result(ok=False, reason=type(e).__name__)
+    if len(times) < output:
+        return Result(ok=False, reason="ShortStream")
+    gaps = [(b - a) * 1000 for a, b in zip(times, times[1:])]
+    return Result(ok=True, ttft_ms=(times[0] - t0) * 1000, tbt_ms=sum(gaps) / len(gaps) if gaps else 0.0)
+
+
 async def run(args: argparse.Namespace) -> Summary:
     rng = random.Random(args.seed)
     headers = {"Authorization": f"Bearer {args.token}"} if args.token else {}
     async with httpx.AsyncClient(trust_env=False, headers=headers,
                                  timeout=httpx.Timeout(120, connect=5),
                                  limits=httpx.Limits(max_connections=1000)) as http:
+        if args.gateway:
+            return await _run_gateway(args, http, rng)
         discover = None
         if args.deployment:
             find = agent_finder(args.kubeconfig, args.namespace, args.deployment)
@@ -269,19 +309,9 @@ async def run(args: argparse.Namespace) -> Summary:
                 await asyncio.sleep(1)
                 await fleet.refresh()
         ref = asyncio.create_task(refresher())
-        # SIGTERM/SIGINT: stop sending, let the requests in flight finish, report
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+        stop = _stop_event()
         for i, t in enumerate(times):
-            delay = start + t - time.monotonic()
-            if delay > 0:
-                try:
-                    await asyncio.wait_for(stop.wait(), delay)
-                except asyncio.TimeoutError:
-                    pass
-            if stop.is_set():
+            if await _until(stop, start + t):
                 break
             tasks.append(asyncio.create_task(one_request(
                 http, fleet, rng, base_id + i, sample_length(p_mean, rng, args.max_prompt),
@@ -289,6 +319,50 @@ async def run(args: argparse.Namespace) -> Summary:
         results = await asyncio.gather(*tasks)
         ref.cancel()
         return summarize(list(results), time.monotonic() - start, args.slo_ttft_ms, args.slo_tbt_ms)
+
+
+async def _run_gateway(args: argparse.Namespace, http: httpx.AsyncClient, rng: random.Random) -> Summary:
+    url = args.gateway.rstrip("/")
+    if url.endswith("/v1"):
+        url = url[:-3]
+    model = args.model
+    if not model:
+        r = await http.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {args.api_key}"})
+        r.raise_for_status()
+        model = r.json()["data"][0]["id"]
+    times = arrival_times(args.arrival, args.duration, rng, args.rate, args.rate_min, args.rate_max, args.period)
+    p_mean, o_mean = WORKLOADS[args.workload]
+    start = time.monotonic()
+    stop = _stop_event()
+    tasks = []
+    for t in times:
+        if await _until(stop, start + t):
+            break
+        tasks.append(asyncio.create_task(gateway_request(
+            http, url, args.api_key, model, sample_length(p_mean, rng, args.max_prompt),
+            sample_length(o_mean, rng, args.max_output))))
+    results = await asyncio.gather(*tasks)
+    return summarize(list(results), time.monotonic() - start, args.slo_ttft_ms, args.slo_tbt_ms)
+
+
+def _stop_event() -> asyncio.Event:
+    """Set on SIGTERM/SIGINT: stop sending, let the requests in flight finish, report."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def _until(stop: asyncio.Event, when: float) -> bool:
+    """Wait until `when` (monotonic); True if told to stop first."""
+    delay = when - time.monotonic()
+    if delay > 0:
+        try:
+            await asyncio.wait_for(stop.wait(), delay)
+        except asyncio.TimeoutError:
+            pass
+    return stop.is_set()
 
 
 def agent_finder(kubeconfig: str | None, namespace: str, deployment: str):
@@ -325,10 +399,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--retry-window", type=float, default=10.0,
                     help="seconds a refused request (draining pod, no linked pair) keeps trying other pairs")
+    ap.add_argument("--gateway", default=None, help="send OpenAI streaming requests through pd-gateway at this URL")
+    ap.add_argument("--api-key", default=os.environ.get("PD_GATEWAY_API_KEY"), help="the gateway's API key")
+    ap.add_argument("--model", default=None, help="model id (default: the gateway's /v1/models)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    if not args.agent and not args.deployment:
-        ap.error("give --agent URLs or --deployment")
+    if not args.agent and not args.deployment and not args.gateway:
+        ap.error("give --agent URLs, --deployment or --gateway")
     s = asyncio.run(run(args))
     if args.json:
         print(json.dumps(asdict(s), indent=2))

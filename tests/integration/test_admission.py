@@ -67,6 +67,8 @@ CASES = [
      "spec.rebalance.schedule[].prefill"),
     ("SLO without targets", with_("spec.rebalance", {"policy": "SLO"}), "spec.rebalance.targets"),
     ("unknown policy", with_("spec.rebalance", {"policy": "Magic"}), "spec.rebalance.policy"),
+    ("gateway without keys", with_("spec.gateway", {"enabled": True}), "spec.gateway.apiKeysSecret"),
+    ("gateway zero rate limit", with_("spec.gateway", {"rateLimits": {"team": 0}}), "spec.gateway.rateLimits.team"),
     ("SLO zero target", with_("spec.rebalance", {"policy": "SLO", "targets": {"ttftP90Ms": 0, "tbtP90Ms": 50}}),
      "spec.rebalance.targets.ttftP90Ms"),
     ("overlapping cluster ids", lambda d: (with_("spec.prefill.clusterIdBase", 0)(d),

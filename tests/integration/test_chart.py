@@ -38,8 +38,15 @@ def test_operator_installed_by_the_chart_runs_with_its_rbac(cluster: Cluster, cr
         assert can("delete", "pods", "-n", namespace) == "no"
         assert can("list", "secrets", "-n", namespace) == "no"
 
-        cluster.apply(sample(), namespace)
+        # the gateway's objects too: its Role grants only what the chart's ServiceAccount holds
+        assert can("create", "roles.rbac.authorization.k8s.io", "-n", namespace) == "yes"
+        assert can("create", "networkpolicies.networking.k8s.io", "-n", namespace) == "yes"
+        assert can("create", "deployments.apps", "-n", namespace) == "yes"
+        cluster.kubectl("create", "secret", "generic", "sim-small-keys", "-n", namespace, "--from-literal=a=sk-1")
+        cluster.apply(sample(gateway={"enabled": True, "apiKeysSecret": "sim-small-keys"}), namespace)
         wait_phase(cluster, namespace, "Ready", timeout=120, extra=lambda o: o["status"]["linksSummary"] == "4/4")
+        wait_for("the gateway Ready", lambda: cluster.get_json("deployment", "sim-small-gateway", "-n", namespace)[
+            "status"].get("readyReplicas") == 1, timeout=60)
         pod = wait_for("the operator pod", lambda: cluster.get_json(
             "pods", "-n", namespace, "-l", "app.kubernetes.io/name=pd-operator")["items"])[0]
         logs = cluster.kubectl("logs", pod["metadata"]["name"], "-n", namespace).stdout

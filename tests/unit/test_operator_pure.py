@@ -75,10 +75,42 @@ def test_children_set_and_owner():
     objs = by_kind_name(children())
     assert set(objs) == {("ConfigMap", "llm-config"), ("Service", "llm-prefill"), ("Service", "llm-decoder"),
                          ("Service", "llm-prefill-role"), ("Service", "llm-decoder-role"),
-                         ("StatefulSet", "llm-prefill"), ("StatefulSet", "llm-decoder")}
+                         ("StatefulSet", "llm-prefill"), ("StatefulSet", "llm-decoder"),
+                         ("NetworkPolicy", "llm-engines")}
     for o in objs.values():
         ref = o["metadata"]["ownerReferences"][0]
         assert ref["uid"] == "uid-1" and ref["controller"] and ref["kind"] == "PDDeployment"
+
+
+def test_gateway_objects_least_privilege_and_network_policy():
+    from pd_operator import gateway
+    spec = parse_spec({**SPEC, "image": "reg:5000/org/pd-sim-agent:0.3", "gateway": {
+        "enabled": True, "apiKeysSecret": "llm-keys", "rateLimits": {"team-b": 60}}})
+    objs = by_kind_name(builders.desired_children("llm", "ns", "uid-1", spec))
+    for kind in ("ServiceAccount", "Role", "RoleBinding", "Deployment", "Service"):
+        assert (kind, "llm-gateway") in objs
+    role = objs[("Role", "llm-gateway")]["rules"]
+    assert role == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+                    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"], "resourceNames": ["llm-keys"]}]
+    dep = objs[("Deployment", "llm-gateway")]
+    pod = dep["spec"]["template"]
+    assert pod["metadata"]["labels"]["pdoperator.io/gateway"] == "llm"
+    assert "pdoperator.io/deployment" not in pod["metadata"]["labels"], "not an engine pod"
+    c = pod["spec"]["containers"][0]
+    assert c["image"] == "reg:5000/org/pd-gateway:0.3" and c["ports"][0]["containerPort"] == 8000
+    env = {e["name"]: e for e in c["env"]}
+    assert env["PD_AGENT_DATA_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "llm-agent-data-token"
+    assert "PD_AGENT_TOKEN" not in env, "the gateway never holds the control token"
+    assert env["PD_GATEWAY_RPM"]["value"] == '{"team-b": 60}'
+    np = objs[("NetworkPolicy", "llm-engines")]["spec"]
+    agent_rule, datadist_rule = np["ingress"]
+    assert agent_rule["ports"] == [{"protocol": "TCP", "port": 8080}]
+    assert {"podSelector": {"matchLabels": {"pdoperator.io/gateway": "llm"}}} in agent_rule["from"]
+    assert datadist_rule == {"from": [{"podSelector": {"matchLabels": {"pdoperator.io/deployment": "llm"}}}],
+                             "ports": [{"protocol": "TCP", "port": 26000}]}
+    assert gateway.gateway_image(parse_spec({**SPEC, "image": "pd-sim-agent"})) == "pd-gateway"
+    with pytest.raises(ValueError):
+        parse_spec({**SPEC, "gateway": {"rateLimits": {"x": 0}}})
 
 
 def test_sim_settings_and_drain_timeout_reach_the_pods():

@@ -1,0 +1,94 @@
+"""Pure builders for the way in: pd-gateway (ServiceAccount, Role, RoleBinding, Deployment,
+Service) when `spec.gateway.enabled`, and the NetworkPolicy every deployment gets.
+
+Least privilege: the gateway's Role reads the deployment's pods and its API-keys Secret,
+nothing else; it holds only the agents' data-scope token (status, prefill, decode), so it
+cannot link, unlink, drain or switch an engine. The NetworkPolicy admits the agent port from
+the operator, the gateway and the deployment's own pods (verify probes and pull notices go
+agent to agent), and the datadist port from the deployment's own pods only."""
+from __future__ import annotations
+
+import json
+
+from .api import PDDeploymentSpec
+from .builders import AGENT_PORT, LABEL_DEPLOYMENT, _meta, common_labels
+
+LABEL_GATEWAY = "pdoperator.io/gateway"   # on gateway pods (not the engines' deployment label)
+GATEWAY_PORT = 8000
+OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "pd-operator"}
+
+
+def gateway_name(name: str) -> str:
+    return f"{name}-gateway"
+
+
+def data_token_secret_name(name: str) -> str:
+    return f"{name}-agent-data-token"
+
+
+def gateway_image(spec: PDDeploymentSpec) -> str:
+    """spec.gateway.image, or spec.image's repository renamed pd-gateway with the same tag."""
+    if spec.gateway and spec.gateway.image:
+        return spec.gateway.image
+    head, _, last = spec.image.rpartition("/")
+    tag = last.split("@", 1)[0].partition(":")[2]
+    return f"{head + '/' if head else ''}pd-gateway{':' + tag if tag else ''}"
+
+
+def gateway_objects(name: str, namespace: str, spec: PDDeploymentSpec, owner: dict) -> list[dict]:
+    gw = spec.gateway
+    if gw is None or not gw.enabled:
+        return []
+    n = gateway_name(name)
+    labels = {**common_labels(name), "app.kubernetes.io/component": "gateway"}
+    pod_labels = {"app.kubernetes.io/name": "pd-gateway", "app.kubernetes.io/instance": name, LABEL_GATEWAY: name}
+    sa = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(n, namespace, owner, labels)}
+    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(n, namespace, owner, labels),
+            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+                      {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"],
+                       "resourceNames": [gw.api_keys_secret]}]}
+    binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+               "metadata": _meta(n, namespace, owner, labels),
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": n},
+               "subjects": [{"kind": "ServiceAccount", "name": n, "namespace": namespace}]}
+    env = [
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": "PD_GATEWAY_DEPLOYMENT", "value": name},
+        {"name": "PD_MODEL_NAME", "value": spec.model.name},
+        {"name": "PD_GATEWAY_KEYS_SECRET", "value": gw.api_keys_secret},
+        {"name": "PD_AGENT_DATA_TOKEN", "valueFrom": {"secretKeyRef": {"name": data_token_secret_name(name),
+                                                                       "key": "token"}}},
+        {"name": "PD_GATEWAY_RPM", "value": json.dumps(gw.rate_limits or {}, sort_keys=True)},
+    ]
+    container = {"name": "gateway", "image": gateway_image(spec), "imagePullPolicy": spec.image_pull_policy,
+                 "env": env, "ports": [{"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"}],
+                 "readinessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 2,
+                                    "failureThreshold": 3, "timeoutSeconds": 2}}
+    if gw.resources:
+        container["resources"] = gw.resources.model_dump(exclude_none=True)
+    deployment = {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(n, namespace, owner, labels),
+        "spec": {"replicas": gw.replicas, "selector": {"matchLabels": {LABEL_GATEWAY: name}},
+                 "template": {"metadata": {"labels": pod_labels},
+                              "spec": {"serviceAccountName": n, "containers": [container],
+                                       "terminationGracePeriodSeconds": 30, "enableServiceLinks": False}}},
+    }
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": _meta(n, namespace, owner, labels),
+               "spec": {"selector": {LABEL_GATEWAY: name},
+                        "ports": [{"name": "http", "port": GATEWAY_PORT, "targetPort": "http"}]}}
+    return [sa, role, binding, deployment, service]
+
+
+def network_policy(name: str, namespace: str, spec: PDDeploymentSpec, owner: dict) -> dict:
+    own = {"podSelector": {"matchLabels": {LABEL_DEPLOYMENT: name}}}
+    agent_from = [own, {"podSelector": {"matchLabels": {LABEL_GATEWAY: name}}},
+                  {"namespaceSelector": {}, "podSelector": {"matchLabels": OPERATOR_POD_LABELS}}]
+    return {
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": _meta(f"{name}-engines", namespace, owner, common_labels(name)),
+        "spec": {"podSelector": {"matchLabels": {LABEL_DEPLOYMENT: name}}, "policyTypes": ["Ingress"],
+                 "ingress": [
+                     {"from": agent_from, "ports": [{"protocol": "TCP", "port": AGENT_PORT}]},
+                     {"from": [own], "ports": [{"protocol": "TCP", "port": spec.datadist.port}]},
+                 ]},
+    }

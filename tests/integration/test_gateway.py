@@ -1,0 +1,107 @@
+"""pd-gateway deployed by the operator (`spec.gateway.enabled`) in the local cluster: its
+objects and least privilege, the real `openai` client against it, load through it during
+live role switches in both directions, and the gateway's container killed under load."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import Cluster, wait_for
+from tests.integration.conftest import pdd, sample, wait_phase
+from tests.integration.test_switching import REBALANCE, set_prefill, switched
+from tests.integration.test_traffic import TRAFFIC_SPEC, Load
+
+pytestmark = pytest.mark.integration
+KEY = "sk-pd-test-0001"
+
+
+def gateway_pod(cluster: Cluster, ns: str) -> dict:
+    pods = cluster.get_json("pods", "-n", ns, "-l", "pdoperator.io/gateway=sim-small")["items"]
+    return next(p for p in pods if not p["metadata"].get("deletionTimestamp"))
+
+
+@pytest.fixture
+def served(cluster: Cluster, namespace: str, operator):
+    ns = namespace
+    cluster.kubectl("create", "secret", "generic", "sim-small-keys", "-n", ns, f"--from-literal=team-a={KEY}")
+    cluster.apply(sample(**TRAFFIC_SPEC, rebalance=REBALANCE, gateway={"enabled": True,
+                                                                       "apiKeysSecret": "sim-small-keys"}), ns)
+    wait_phase(cluster, ns, "Ready", timeout=120, extra=lambda o: o["status"]["linksSummary"] == "4/4")
+
+    def ready():
+        try:
+            p = gateway_pod(cluster, ns)
+        except StopIteration:
+            return None
+        ok = any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", []))
+        return ok and f"http://{p['status']['podIP']}:8000"
+    url = wait_for("the gateway Ready", ready, timeout=60)
+    wait_for("the gateway sees the fleet", lambda: httpx.get(f"{url}/healthz", trust_env=False).json()[
+        "decoders"] >= 2, timeout=30)
+    return ns, url
+
+
+def test_gateway_objects_and_openai_client(cluster: Cluster, served):
+    import openai
+    ns, url = served
+    sa = f"system:serviceaccount:{ns}:sim-small-gateway"
+    can = lambda *a: cluster.kubectl("auth", "can-i", *a, f"--as={sa}", "-n", ns, check=False).stdout.strip()  # noqa
+    assert can("list", "pods") == "yes" and can("get", "secret/sim-small-keys") == "yes"
+    assert can("get", "secret/sim-small-agent-token") == "no" and can("patch", "pods") == "no"
+    np = cluster.get_json("networkpolicy", "sim-small-engines", "-n", ns)
+    assert np["spec"]["podSelector"]["matchLabels"] == {"pdoperator.io/deployment": "sim-small"}
+    svc = cluster.get_json("service", "sim-small-gateway", "-n", ns)
+    assert svc["spec"]["ports"][0]["port"] == 8000
+    c = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, http_client=httpx.Client(trust_env=False))
+    model = c.models.list().data[0].id
+    assert model == pdd(cluster, ns)["spec"]["model"]["name"]
+    r = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "hello"}], max_tokens=5)
+    assert r.usage.completion_tokens == 5 and r.choices[0].message.content
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", http_client=httpx.Client(trust_env=False)).models.list()
+    logs = cluster.kubectl("logs", gateway_pod(cluster, ns)["metadata"]["name"], "-n", ns).stdout
+    assert "pd-gateway serving model" in logs and KEY not in logs
+
+
+def test_load_through_the_gateway_during_switches_both_ways(cluster: Cluster, served):
+    ns, url = served
+    load = Load(cluster, ns, duration=300, gateway=url, api_key=KEY)
+    time.sleep(3)
+    set_prefill(cluster, ns, 3)
+    last = switched(cluster, ns, "prefill", None, "3/3")["status"]["lastSwitch"]
+    time.sleep(2)
+    set_prefill(cluster, ns, 2)
+    switched(cluster, ns, "decoder", last["at"], "4/4")
+    time.sleep(2)
+    s = load.stop()
+    assert s["failed"] == 0, s["failed_by_reason"]
+    assert s["completed"] > 30
+    metrics = httpx.get(f"{url}/metrics", trust_env=False).text
+    assert 'pd_gateway_requests_total{api="chat",key="team-a",status="200"}' in metrics
+    stats = httpx.get(f"{url}/stats", trust_env=False).json()
+    assert stats["requests"] > 0 and stats["ttft_ms"]["p90"] is not None
+
+
+def test_gateway_container_killed_under_load(cluster: Cluster, served):
+    """Requests in flight on the killed gateway fail to their clients; the next ones succeed
+    once the container is back (same pod, same address)."""
+    ns, url = served
+    load = Load(cluster, ns, duration=300, gateway=url, api_key=KEY)
+    time.sleep(4)
+    pod = gateway_pod(cluster, ns)
+    cid = pod["status"]["containerStatuses"][0]["containerID"]
+    os.kill(int(cid.rsplit("/", 1)[1]), signal.SIGKILL)
+    wait_for("the gateway restarted", lambda: gateway_pod(cluster, ns)["status"]["containerStatuses"][0][
+        "restartCount"] >= 1, timeout=30)
+    wait_for("the gateway back", lambda: httpx.get(f"{url}/healthz", trust_env=False).status_code == 200, timeout=30)
+    time.sleep(4)
+    s = load.stop()
+    print(f"\ngateway killed under load: {json.dumps(s)}")
+    assert s["completed"] > 20
+    assert s["failed"] > 0 or s["requests"] == s["completed"]
+    assert set(s["failed_by_reason"]) <= {"RemoteProtocolError", "ConnectError", "ReadError", "ShortStream"}, s
