@@ -6,13 +6,16 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.conftest import Cluster, wait_for
-from tests.integration.conftest import pdd, sample, wait_phase
+from tests.integration.conftest import agent_post, pdd, sample, wait_phase
 from tests.integration.test_switching import REBALANCE, set_prefill, switched
 from tests.integration.test_traffic import TRAFFIC_SPEC, Load
 
@@ -105,3 +108,31 @@ def test_gateway_container_killed_under_load(cluster: Cluster, served):
     assert s["completed"] > 20
     assert s["failed"] > 0 or s["requests"] == s["completed"]
     assert set(s["failed_by_reason"]) <= {"RemoteProtocolError", "ConnectError", "ReadError", "ShortStream"}, s
+
+
+def kubectl_pdd(cluster: Cluster, *args: str) -> subprocess.CompletedProcess:
+    """As a user runs it: kubectl finds the `kubectl-pdd` plugin on PATH."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "KUBECONFIG": str(cluster.kubeconfig)}
+    return subprocess.run([str(cluster.bin_dir / "kubectl"), "pdd", *args],
+                          capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_kubectl_pdd_verify_and_status(cluster: Cluster, served):
+    ns, _ = served
+    r = kubectl_pdd(cluster, "verify", "sim-small", "-n", ns)
+    print(r.stdout)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("ok  sim-small-decoder-") >= 4 + 2, "4 links and 2 probes"
+    assert "bytes match" in r.stdout and "model tiny-llama, 8 tokens" in r.stdout and "all checks passed" in r.stdout
+    # this cluster's pod IPs are loopback addresses, which the API server will not proxy to
+    assert "calling the pods directly" in r.stdout
+    r = kubectl_pdd(cluster, "status", "sim-small", "-n", ns)
+    assert r.returncode == 0 and "sim-small-prefill-0" in r.stdout and "Rebalancing" in r.stdout, r.stdout
+    # a broken KV path and a wrong key, explained in the conditions' words
+    agent_post(cluster, ns, "sim-small-prefill-0", "/v1/admin/faults", {"pull_fail": True})
+    r = kubectl_pdd(cluster, "verify", "sim-small", "-n", ns, "--api-key", "sk-wrong")
+    print(r.stdout)
+    assert r.returncode == 1
+    assert "FAIL" in r.stdout and "<- sim-small-prefill-0" in r.stdout
+    assert "HTTP 401" in r.stdout and "key is missing or wrong" in r.stdout
