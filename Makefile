@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 KUBECONFIG_LOCAL := $(CURDIR)/.localcluster/kubeconfig
 BIN_DIR = $(shell hack/k8s-bins/build.sh --print-dir)
 
-.PHONY: help venv k8s-bins cluster-up cluster-down test test-unit test-integration crd crd-check demo bench bench-sim bench-links bench-switch clean
+.PHONY: help venv k8s-bins cluster-up cluster-down test test-unit test-integration crd crd-check demo bench bench-sim bench-links bench-switch bench-gateway clean
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
@@ -55,7 +55,10 @@ bench-links: venv k8s-bins ## pods Ready -> links up + KV path verified (2P2D ..
 bench-switch: venv k8s-bins ## one live role switch per direction under load: control-plane cost and drain time
 	$(PY) bench/bench_switch.py
 
-bench: bench-sim bench-links bench-switch ## every benchmark
+bench-gateway: venv ## latency pd-gateway adds per request, and requests/s it routes on one core
+	$(PY) bench/bench_gateway.py
+
+bench: bench-sim bench-links bench-switch bench-gateway ## every benchmark
 
 clean: cluster-down ## remove .venv
 	rm -rf $(VENV)

@@ -19,7 +19,8 @@ def next_ip() -> str:
 
 
 class AgentProc:
-    def __init__(self, role: str, cluster_id: int, env: dict | None = None, cache_desc: str | None = None):
+    def __init__(self, role: str, cluster_id: int, env: dict | None = None, cache_desc: str | None = None,
+                 log=None):
         self.ip = next_ip()
         self.role = role
         self.cluster_id = cluster_id
@@ -35,7 +36,7 @@ class AgentProc:
             e["LLM_DATADIST_CACHE_DESC"] = cache_desc
         e.update(env or {})
         self.proc = subprocess.Popen([sys.executable, "-m", "pd_agent"], env=e,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                                     stdout=log or subprocess.PIPE, stderr=subprocess.STDOUT)
         self.http = httpx.Client(base_url=self.url, trust_env=False, timeout=30,
                                  headers={"Authorization": f"Bearer {TOKEN}"})
         deadline = time.monotonic() + 20

@@ -362,6 +362,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--port", type=int, default=int(os.environ.get("PD_GATEWAY_PORT", PORT)))
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would drown the log
     asyncio.run(serve(Config.from_env(), args.host, args.port))
 
 

@@ -322,6 +322,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--port", type=int, default=None)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would drown the log
     try:
         identity = Identity.from_env()
     except ConfigError as e:

@@ -150,3 +150,18 @@ def test_data_token_cannot_control_engines(gateway, agents):
     r = httpx.post(f"{p.url}/v1/switch_role", json={"role": "decoder"}, headers=h, trust_env=False)
     assert r.status_code == 403 and r.json()["code"] == "AgentForbidden"
     assert httpx.post(f"{p.url}/v1/drain", json={}, headers=h, trust_env=False).status_code == 403
+
+
+def test_client_disconnect_cancels_the_decode(gateway):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "a long answer"}], "max_tokens": 3000,
+            "stream": True}
+    with httpx.Client(trust_env=False) as c:
+        with c.stream("POST", f"{gateway.url}/v1/chat/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEYS['team-a']}"}) as r:
+            for line in r.iter_lines():
+                if '"content":"' in line and '"content":""' not in line:
+                    break   # the first token: hang up
+    wait_for("the decoder freed the request", lambda: gateway.decoder.status()["load"]["in_flight"] == 0,
+             timeout=15)
+    metrics = httpx.get(f"{gateway.decoder.url}/metrics", trust_env=False).text
+    assert 'pd_agent_requests_failed_total{reason="cancelled"} 1.0' in metrics
