@@ -65,8 +65,24 @@ def test_gateway_objects_and_openai_client(cluster: Cluster, served):
     assert model == pdd(cluster, ns)["spec"]["model"]["name"]
     r = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "hello"}], max_tokens=5)
     assert r.usage.completion_tokens == 5 and r.choices[0].message.content
+    chunks = [ch.choices[0].delta.content for ch in c.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hello"}], max_tokens=6, stream=True)
+        if ch.choices and ch.choices[0].delta.content]
+    assert len(chunks) == 6
+    assert c.completions.create(model=model, prompt="Say this is a test", max_tokens=3).usage.completion_tokens == 3
+    http = httpx.Client(trust_env=False)
     with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", http_client=httpx.Client(trust_env=False)).models.list()
+        openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", http_client=http).models.list()
+    with pytest.raises(openai.NotFoundError, match="doubles /v1"):
+        openai.OpenAI(base_url=f"{url}/v1/v1", api_key=KEY, http_client=http).chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.NotFoundError, match=model):
+        c.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}])
+    curl = subprocess.run(["curl", "-s", "--noproxy", "*", f"{url}/v1/chat/completions", "-H",
+                           f"Authorization: Bearer {KEY}", "-H", "Content-Type: application/json", "-d",
+                           json.dumps({"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]})],
+                          capture_output=True, text=True, timeout=30)
+    assert json.loads(curl.stdout)["usage"]["completion_tokens"] == 2
     logs = cluster.kubectl("logs", gateway_pod(cluster, ns)["metadata"]["name"], "-n", ns).stdout
     assert "pd-gateway serving model" in logs and KEY not in logs
 
