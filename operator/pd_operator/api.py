@@ -117,6 +117,15 @@ class Manual(Model):
     prefill: int = Field(ge=0, le=1024)
 
 
+class LoadThresholds(Model):
+    """Policy Load: when a role counts as pressed or idle (high and low apart, for hysteresis)."""
+    prefill_busy_high: float = Field(default=0.85, gt=0, le=1, description="prefill busy fraction: pressed")
+    prefill_busy_low: float = Field(default=0.4, ge=0, lt=1, description="prefill busy fraction: idle")
+    prefill_queue_high: float = Field(default=2.0, gt=0, description="waiting requests per prefill: pressed")
+    decode_busy_high: float = Field(default=0.85, gt=0, description="(running + waiting) / max batch: pressed")
+    decode_busy_low: float = Field(default=0.5, ge=0, description="(running + waiting) / max batch: idle")
+
+
 class Rebalance(Model):
     model_config = ConfigDict(json_schema_extra=rules(
         ("self.policy != 'Manual' || has(self.manual)",
@@ -138,6 +147,12 @@ class Rebalance(Model):
     drain_timeout_seconds: int | None = Field(default=None, ge=0, le=3600,
                                               description="drain timeout of a switch (default spec.drainTimeoutSeconds)")
     max_concurrent_switches: int = Field(default=1, ge=1, le=64, description="role switches in flight at once")
+    evaluation_interval_seconds: int = Field(default=15, ge=1, le=86400,
+                                             description="how often Load and SLO re-decide the prefill count")
+    signal_max_age_seconds: int = Field(default=30, ge=1, le=3600,
+                                        description="older load signals freeze the ratio instead of driving it")
+    time_zone: str = Field(default="UTC", max_length=64, description="IANA time zone of the schedule")
+    load: LoadThresholds = Field(default_factory=LoadThresholds, json_schema_extra={"default": {}})
     targets: Targets | None = None
     schedule: list[ScheduleEntry] | None = Field(default=None, max_length=64)
     manual: Manual | None = None
@@ -320,6 +335,17 @@ class SwitchInFlight(Model):
     message: str | None = None
 
 
+class LastDecision(Model):
+    """The policy's last decision, with the numbers that drove it."""
+    policy: str
+    reason: str
+    message: str = ""
+    target_prefill: int | None = None
+    current_prefill: int | None = None
+    numbers: dict[str, str] | None = None
+    at: str | None = None
+
+
 class RebalanceStatus(Model):
     target_prefill: int | None = Field(default=None, description="prefill-role pods the policy wants")
     cooldown_until: str | None = None
@@ -337,6 +363,7 @@ class PDDeploymentStatus(Model):
     last_switch: LastSwitch | None = None
     switches: list[SwitchInFlight] | None = Field(default=None, json_schema_extra=map_list("pod"))
     rebalance: RebalanceStatus | None = None
+    last_decision: LastDecision | None = None
     last_verified: dict[str, Any] | None = Field(
         default=None, description="the last KV-path verification round: paths probed, bytes, slowest pull")
     observed_generation: int | None = None

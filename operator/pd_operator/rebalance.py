@@ -12,19 +12,70 @@ from __future__ import annotations
 from dataclasses import replace
 
 from . import links as lk
+from . import policies
 from .api import PDDeploymentSpec
-from .switch import SWITCHING, Candidate, Intent, Limits, Switch, View, clamp_target, planning_role
+from .switch import SWITCHING, Book, Candidate, Decision, Intent, Limits, Switch, View, iso, planning_role
+
+# Verdicts that freeze the ratio say so in the Rebalancing condition while nothing switches.
+FREEZES = ("CapacityExhausted", "SignalsStale", "NoSignals", "InvalidSchedule")
 
 
-def target(spec: PDDeploymentSpec) -> tuple[int | None, str]:
-    """(prefill count wanted, why); None when no policy sets one (yet)."""
+def signals(engines: list[lk.Engine], reports: dict, reported_at: dict[str, float], now: float) -> policies.Signals:
+    """Load signals from the serving engines' last reports (`reports[pod]` is an AgentStatus)."""
+    prefills, decoders, ttft, tbt, ages = [], [], [], [], []
+    for e in engines:
+        s = reports.get(e.pod)
+        if s is None or not e.serving or e.role not in ("prefill", "decoder"):
+            continue
+        ld = s.load
+        ages.append(now - reported_at.get(e.pod, now))
+        if e.role == "prefill":
+            prefills.append(policies.PrefillLoad(busy=ld.prefill_busy, queue=ld.queue_depth,
+                                                 queued_tokens=ld.queued_prompt_tokens))
+        else:
+            decoders.append(policies.DecoderLoad(running=ld.running, waiting=ld.decode_queue,
+                                                 max_batch=max(1, ld.max_batch), kv_used=ld.kv_used_bytes,
+                                                 kv_capacity=ld.kv_capacity_bytes))
+            if ld.ttft_p90_ms is not None:
+                ttft.append(ld.ttft_p90_ms)
+            if ld.tbt_p90_ms is not None:
+                tbt.append(ld.tbt_p90_ms)
+    # the worst decoder's percentiles: percentiles of different engines do not average
+    return policies.Signals(prefills=prefills, decoders=decoders, ttft_p90_ms=max(ttft) if ttft else None,
+                            tbt_p90_ms=max(tbt) if tbt else None, age_s=max(ages) if ages else 0.0)
+
+
+def decide_target(spec: PDDeploymentSpec, book: Book, sig: policies.Signals, current: int, wall: float
+                  ) -> tuple[policies.Verdict | None, bool]:
+    """Evaluate the policy when due (Manual and Schedule every pass, Load and SLO every
+    evaluationIntervalSeconds); record the target and the decision in the book. Returns the
+    verdict of this evaluation (None: not due) and whether the target changed."""
     rb = spec.rebalance
-    if rb is None:
-        return None, "no spec.rebalance"
-    total = spec.prefill.replicas + spec.decoder.replicas
-    if rb.policy == "Manual" and rb.manual is not None:
-        return clamp_target(rb.manual.prefill, total, limits(spec, 0.0)), f"Manual: prefill {rb.manual.prefill}"
-    return None, f"policy {rb.policy} has not decided"
+    periodic = rb.policy in ("Load", "SLO")
+    if periodic and wall < book.next_evaluation:
+        return None, False
+    v = policies.evaluate(spec, sig, current, limits(spec, 0.0), wall)
+    if periodic:
+        book.next_evaluation = wall + rb.evaluation_interval_seconds
+    before = book.target
+    if v.target is not None:
+        book.target = v.target
+    elif book.target is None:
+        book.target = current
+    record = {"policy": rb.policy, "reason": v.reason, "message": v.message, "targetPrefill": book.target,
+              "currentPrefill": current, **({"numbers": {k: str(x) for k, x in v.numbers.items()}}
+                                            if v.numbers else {})}
+    old = {k: x for k, x in (book.decision or {}).items() if k != "at"}
+    if periodic or old != record:
+        book.decision = {**record, "at": iso(wall)}
+    return v, book.target != before
+
+
+def condition_for(decision: Decision, verdict_reason: str | None, verdict_message: str | None) -> Decision:
+    """A freezing verdict explains the Rebalancing condition when no switch is needed or running."""
+    if decision.reason == "AtTarget" and verdict_reason in FREEZES:
+        return Decision(verdict_reason, verdict_message or "", target=decision.target, current=decision.current)
+    return decision
 
 
 def limits(spec: PDDeploymentSpec, cooldown_until: float) -> Limits:

@@ -253,6 +253,7 @@ class Controller:
                                            key=f"{e.pod} restarted")
                 mem.boot_ids[e.pod] = s.boot_id
                 mem.reports[e.pod] = s
+                mem.reported_at[e.pod] = time.monotonic()
                 if s.proxy_env and f"{e.pod}/{s.boot_id}" not in mem.proxy_warned:
                     mem.proxy_warned.add(f"{e.pod}/{s.boot_id}")
                     await self.events.post(body, "Warning", "ProxyEnvironment",
@@ -323,6 +324,7 @@ class Controller:
         mem.agent_backoff.prune(lambda k: k[0] in alive and k == observe.backoff_key(alive[k[0]]))
         for pod in [p for p in set(mem.reports) | set(mem.next_poll) if p not in alive]:
             mem.reports.pop(pod, None)
+            mem.reported_at.pop(pod, None)
             mem.next_poll.pop(pod, None)
             mem.agent_errors.pop(pod, None)
 
@@ -336,7 +338,7 @@ class Controller:
         # the desired mesh and its per-decoder counts, computed once for the whole pass
         want_map = lk.desired(engines, spec.datadist.topology)
         obs.per_decoder = per = lk.per_decoder(engines, obs.reported, spec.datadist.topology)
-        obs.switches, obs.last_switch = list(book.switches), book.last
+        obs.switches, obs.last_switch, obs.last_decision = list(book.switches), book.last, book.decision
         obs.cooldown_until = sw_.iso(book.cooldown_until) if book.cooldown_until else None
         for e in engines:
             if e.pod in reports and reports[e.pod].error is None:
@@ -390,6 +392,9 @@ class Controller:
             await self.events.post(body, "Warning", "CacheDescMismatch", ", ".join(pods) + " run different "
                                    "CacheDescs; pairs across them are not linked", key=",".join(pods))
         acted = False
+        if mem.decision_event:
+            await self.events.post(body, "Normal", "RebalanceDecision", mem.decision_event)
+            mem.decision_event = None
         for s in started:
             await self.events.post(body, "Normal", "SwitchStarted", f"{s.pod}: {s.from_} -> {s.to} ({s.reason})",
                                    key=f"start {s.pod} {s.started}")
@@ -481,10 +486,20 @@ class Controller:
         book.switches = kept
         obs.decision = None
         if spec.rebalance is not None:
-            target, why = rb.target(spec)
-            decision = sw_.choose(rb.candidates(engines, kept, set(mem.switch_refused)), kept, target,
-                                  rb.limits(spec, book.cooldown_until), wall, why,
+            cands = rb.candidates(engines, kept, set(mem.switch_refused))
+            current = sw_.prefill_count(cands)
+            sig = rb.signals(mesh, mem.reports, mem.reported_at, time.monotonic())
+            verdict, changed = rb.decide_target(spec, book, sig, current, wall)
+            if verdict is not None:
+                self.metrics.decisions.labels(spec.rebalance.policy, verdict.reason).inc()
+                if changed and book.target != current:
+                    mem.decision_event = f"{spec.rebalance.policy}: prefill {current} -> {book.target}: " \
+                                         f"{verdict.message}"
+            last = book.decision or {}
+            decision = sw_.choose(cands, kept, book.target, rb.limits(spec, book.cooldown_until), wall,
+                                  f"{spec.rebalance.policy}: {last.get('message', '')}",
                                   unsettled=self._unsettled(engines, obs, per, mem))
+            decision = rb.condition_for(decision, last.get("reason"), last.get("message"))
             if decision.start is not None:
                 s = decision.start
                 book.switches = kept = kept + [s]

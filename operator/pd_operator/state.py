@@ -54,7 +54,8 @@ class Memory:
     switch_fails: dict[str, int] = field(default_factory=dict)       # pod -> failed actions in its switch
     switch_refused: dict[str, str] = field(default_factory=dict)     # pod -> why its engine cannot switch
     switch_verified: dict[tuple[str, str], set] = field(default_factory=dict)  # (pod, boot id) -> pairs ok
-    decision: tuple[str, str] | None = None   # the last rebalancing decision (reason, message), for Events
+    decision_event: str | None = None     # a policy decision that changed the target, to post as an Event
+    reported_at: dict[str, float] = field(default_factory=dict)   # pod -> when its agent last answered
     limiter: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(AGENT_CONCURRENCY))
 
     def due(self, decoder: str, cid: int) -> bool:

@@ -56,6 +56,7 @@ class Observed:
     last_switch: dict | None = None                     # status.lastSwitch
     decision: object | None = None                      # switch.Decision of this pass (None: no rebalance)
     cooldown_until: str | None = None
+    last_decision: dict | None = None                   # status.lastDecision
 
 
 def _listed(messages: list[str]) -> str:
@@ -242,6 +243,8 @@ def build_status(spec: PDDeploymentSpec, obs: Observed, previous: dict | None) -
         out["switches"] = [s.to_status() for s in obs.switches]
     if obs.last_switch:
         out["lastSwitch"] = obs.last_switch
+    if obs.last_decision:
+        out["lastDecision"] = obs.last_decision
     if obs.decision is not None:
         rb = {"targetPrefill": obs.decision.target}
         if obs.cooldown_until:

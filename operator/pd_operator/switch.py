@@ -320,6 +320,9 @@ class Book:
     switches: list[Switch] = field(default_factory=list)
     cooldown_until: float = 0.0
     last: dict | None = None
+    target: int | None = None          # the prefill count the policy decided last
+    decision: dict | None = None       # status.lastDecision
+    next_evaluation: float = 0.0       # Load and SLO: when to decide again
 
     @classmethod
     def from_status(cls, status: dict | None) -> "Book":
@@ -327,4 +330,5 @@ class Book:
         rb = status.get("rebalance") or {}
         sws = [s for s in (Switch.from_status(d) for d in status.get("switches") or []) if s is not None]
         return cls(switches=sws, cooldown_until=parse_iso(rb.get("cooldownUntil")) or 0.0,
-                   last=status.get("lastSwitch"))
+                   last=status.get("lastSwitch"), target=rb.get("targetPrefill"),
+                   decision=status.get("lastDecision"))

@@ -267,8 +267,13 @@ class KvCacheManager:
         raise_if(self.engine.role not in roles, C.LLM_PARAM_INVALID,
                  f"{what} is not allowed on a {self.engine.role.name} engine")
 
+    @property
+    def capacity_bytes(self) -> int:
+        """Simulator extra: the memory caches may use (device memory x mem_utilization)."""
+        return int(device_memory_bytes() * self.engine.mem_utilization)
+
     def _reserve(self, desc: CacheDesc) -> None:
-        capacity = int(device_memory_bytes() * self.engine.mem_utilization)
+        capacity = self.capacity_bytes
         raise_if(self.used_bytes + desc.total_bytes > capacity, C.LLM_DEVICE_OUT_OF_MEMORY,
                  f"cannot allocate {desc.total_bytes} B: {self.used_bytes} of {capacity} B in use")
         self.used_bytes += desc.total_bytes

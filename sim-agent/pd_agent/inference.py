@@ -14,6 +14,9 @@ from .models import DecodeRequest, DecodeResponse, Load, PrefillRequest, Prefill
 from .timing import TimingModel
 
 
+BUSY_WINDOW_S = 10.0   # the prefill busy fraction covers this window
+
+
 def _p90(values) -> float | None:
     if not values:
         return None
@@ -57,6 +60,8 @@ class Inference:
         self._decode_wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._prefill_busy = 0
+        self._busy: collections.deque[tuple[float, float]] = collections.deque(maxlen=4096)  # prefill batches
+        self._busy_since: float | None = None
         core.inference = self
         core.before_switch.append(self._before_switch)
 
@@ -84,7 +89,16 @@ class Inference:
         pending = self.core.pending_kv()
         self.m.pending_kv.set(pending)
         queued_tokens = sum(p.req.prompt_tokens for p in self.prefill_q)
-        return Load(queue_depth=queue, queued_prompt_tokens=queued_tokens, running=running, in_flight=self.in_flight, pending_kv=pending,
+        # what a rebalancing policy reads: prefill busy over the last window, decoder batch use
+        now = time.monotonic()
+        busy = sum(min(e, now) - max(s, now - BUSY_WINDOW_S) for s, e in self._busy if e > now - BUSY_WINDOW_S)
+        if self._prefill_busy and self._busy_since is not None:
+            busy += now - max(self._busy_since, now - BUSY_WINDOW_S)
+        mgr = self.core.engine.kv_cache_manager if self.core.initialized else None
+        capacity = int(getattr(mgr, "capacity_bytes", 0) or 0)
+        return Load(queue_depth=queue, queued_prompt_tokens=queued_tokens, running=running,
+                    decode_queue=len(self.decode_wait), max_batch=self.max_batch,
+                    prefill_busy=round(min(1.0, busy / BUSY_WINDOW_S), 3), kv_capacity_bytes=capacity, in_flight=self.in_flight, pending_kv=pending,
                     completed=self.completed, failed=self.failed, ttft_p90_ms=_p90(self._ttft),
                     tbt_p90_ms=_p90(self._tbt))
 
@@ -120,7 +134,7 @@ class Inference:
             batch = [self.prefill_q.popleft() for _ in range(min(self.max_batch, len(self.prefill_q)))]
             self._prefill_busy = len(batch)
             lens = [min(b.req.prompt_tokens, self.max_seq) for b in batch]
-            t0 = time.monotonic()
+            t0 = self._busy_since = time.monotonic()
             await asyncio.sleep(self.timing.prefill_ms(lens) / 1000)
             prefill_ms = (time.monotonic() - t0) * 1000
             mgr = self.core.engine.kv_cache_manager
@@ -142,6 +156,8 @@ class Inference:
                     self.m.failed.labels(_code_name(e.status_code)).inc()
                     b.fut.set_exception(AgentError(_code_name(e.status_code), str(e), 507))
             self._prefill_busy = 0
+            self._busy.append((t0, time.monotonic()))
+            self._busy_since = None
 
     # ---- decode (decoder role) ----------------------------------------------------------------
     async def decode(self, req: DecodeRequest, out: asyncio.Queue | None = None) -> DecodeResponse:

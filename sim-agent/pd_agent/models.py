@@ -155,6 +155,9 @@ class Load(_Reply):
     queue_depth: int = 0
     queued_prompt_tokens: int = 0
     running: int = 0
+    decode_queue: int = 0            # decodes waiting for a batch slot
+    max_batch: int = 0
+    prefill_busy: float = 0.0        # fraction of the last 10 s the prefill loop was computing
     in_flight: int = 0
     pending_kv: int = 0
     kv_used_bytes: int = 0

@@ -1,0 +1,168 @@
+"""Rebalancing policies (pure): how many engines should be in the prefill role.
+
+Each policy is a chain of small checks over (signals, current prefill count, spec, clock)
+returning a `Verdict`: a new prefill count, or None to keep the one recorded, with the
+reason, a message and the numbers that drove it. The switcher (switch.py) decides which pod
+and when; min counts are applied to every target here too (clamp_target).
+
+- Manual: `manual.prefill`.
+- Schedule: the entry whose cron fired last (in `timeZone`) sets the count. An entry or a
+  time zone that does not parse freezes the ratio with a reason naming it.
+- Load: prefill pressure (prefill busy fraction, queued requests per prefill) against decode
+  pressure (running batch plus waiting decodes over the batch size): one more prefill when
+  prefills are pressed and decoders have room, one fewer in the reverse case. The high and
+  low thresholds are apart (hysteresis), so a ratio that just moved does not move back.
+- SLO: TTFT p90 over target while TBT has headroom -> one more prefill; TBT over while TTFT
+  has headroom -> one fewer; both over -> CapacityExhausted (add replicas).
+Signals older than `signalMaxAgeSeconds`, or missing, freeze the ratio instead of guessing."""
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from .api import PDDeploymentSpec
+from .switch import Limits, clamp_target
+
+HEADROOM = 0.8   # SLO: "has headroom" means under 80% of its target
+
+
+@dataclass(frozen=True)
+class PrefillLoad:
+    busy: float = 0.0            # fraction of the last 10 s computing
+    queue: int = 0               # requests waiting
+    queued_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class DecoderLoad:
+    running: int = 0
+    waiting: int = 0
+    max_batch: int = 1
+    kv_used: int = 0
+    kv_capacity: int = 0
+
+
+@dataclass(frozen=True)
+class Signals:
+    prefills: list[PrefillLoad] = field(default_factory=list)
+    decoders: list[DecoderLoad] = field(default_factory=list)
+    ttft_p90_ms: float | None = None
+    tbt_p90_ms: float | None = None
+    age_s: float = 0.0           # of the oldest signal used
+    source: str = "agents"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    target: int | None           # None: keep the prefill count recorded
+    reason: str
+    message: str
+    numbers: dict = field(default_factory=dict)
+
+
+def _bounded(want: int, total: int, limits: Limits, v: Verdict) -> Verdict:
+    got = clamp_target(want, total, limits)
+    if got != want:
+        return Verdict(got, v.reason, v.message + f"; held at {got} by the min counts", v.numbers)
+    return Verdict(got, v.reason, v.message, v.numbers)
+
+
+def manual(spec: PDDeploymentSpec, total: int, limits: Limits) -> Verdict:
+    want = spec.rebalance.manual.prefill
+    return _bounded(want, total, limits, Verdict(want, "Manual", f"manual.prefill is {want}"))
+
+
+def schedule(spec: PDDeploymentSpec, total: int, limits: Limits, now: float) -> Verdict:
+    from cronsim import CronSim, CronSimError
+    rb = spec.rebalance
+    try:
+        tz = ZoneInfo(rb.time_zone)
+    except (ZoneInfoNotFoundError, ValueError):
+        return Verdict(None, "InvalidSchedule", f"spec.rebalance.timeZone {rb.time_zone!r} is not an IANA time "
+                                                f"zone; the ratio is frozen")
+    # a time that fires exactly now counts (reverse iteration starts strictly before its start)
+    local = dt.datetime.fromtimestamp(now, tz) + dt.timedelta(seconds=1)
+    latest: tuple[dt.datetime, int, int] | None = None
+    for i, entry in enumerate(rb.schedule or []):
+        try:
+            fired = next(CronSim(entry.cron, local, reverse=True))
+        except (CronSimError, StopIteration) as e:
+            return Verdict(None, "InvalidSchedule", f"spec.rebalance.schedule[{i}].cron {entry.cron!r} does not "
+                                                    f"parse ({e}); the ratio is frozen")
+        if latest is None or fired > latest[0]:
+            latest = (fired, i, entry.prefill)
+    if latest is None:
+        return Verdict(None, "InvalidSchedule", "spec.rebalance.schedule is empty")
+    fired, i, want = latest
+    return _bounded(want, total, limits, Verdict(want, "Schedule", f"schedule[{i}] ({rb.schedule[i].cron}, "
+                                                                    f"{rb.time_zone}) fired at {fired.isoformat()}",
+                                                 {"entry": i}))
+
+
+def _fresh(sig: Signals, max_age: float) -> Verdict | None:
+    if sig.age_s > max_age:
+        return Verdict(None, "SignalsStale", f"the newest load signals are {sig.age_s:.0f}s old (over "
+                                             f"{max_age:.0f}s); the ratio is frozen")
+    return None
+
+
+def load(spec: PDDeploymentSpec, sig: Signals, current: int, total: int, limits: Limits) -> Verdict:
+    th = spec.rebalance.load
+    stale = _fresh(sig, spec.rebalance.signal_max_age_seconds)
+    if stale:
+        return stale
+    if not sig.prefills or not sig.decoders:
+        return Verdict(None, "NoSignals", "no serving prefill or decoder reports its load; the ratio is frozen")
+    p_busy = sum(p.busy for p in sig.prefills) / len(sig.prefills)
+    p_queue = sum(p.queue for p in sig.prefills) / len(sig.prefills)
+    d_busy = sum((d.running + d.waiting) / max(1, d.max_batch) for d in sig.decoders) / len(sig.decoders)
+    nums = {"prefillBusy": round(p_busy, 3), "prefillQueue": round(p_queue, 2), "decodeBusy": round(d_busy, 3)}
+    text = f"prefill busy {p_busy:.2f}, queue {p_queue:.1f}/prefill; decode batch use {d_busy:.2f}"
+    prefill_pressed = p_busy >= th.prefill_busy_high or p_queue >= th.prefill_queue_high
+    prefill_idle = p_busy <= th.prefill_busy_low and p_queue < 1
+    decode_pressed = d_busy >= th.decode_busy_high
+    decode_idle = d_busy <= th.decode_busy_low
+    if prefill_pressed and decode_pressed:
+        return Verdict(None, "CapacityExhausted", f"{text}: both roles are pressed; add replicas", nums)
+    if prefill_pressed and decode_idle:
+        return _bounded(current + 1, total, limits, Verdict(current + 1, "PrefillBound", f"{text}: one more "
+                                                                                          f"prefill", nums))
+    if decode_pressed and prefill_idle:
+        return _bounded(current - 1, total, limits, Verdict(current - 1, "DecodeBound", f"{text}: one fewer "
+                                                                                         f"prefill", nums))
+    return Verdict(None, "Balanced", f"{text}: within thresholds", nums)
+
+
+def slo(spec: PDDeploymentSpec, sig: Signals, current: int, total: int, limits: Limits) -> Verdict:
+    t = spec.rebalance.targets
+    stale = _fresh(sig, spec.rebalance.signal_max_age_seconds)
+    if stale:
+        return stale
+    if sig.ttft_p90_ms is None or sig.tbt_p90_ms is None:
+        return Verdict(None, "NoSignals", "no TTFT/TBT percentiles yet; the ratio is frozen")
+    ttft, tbt = sig.ttft_p90_ms, sig.tbt_p90_ms
+    nums = {"ttftP90Ms": round(ttft, 1), "tbtP90Ms": round(tbt, 1), "source": sig.source}
+    text = f"TTFT p90 {ttft:.0f} ms (target {t.ttft_p90_ms}), TBT p90 {tbt:.1f} ms (target {t.tbt_p90_ms})"
+    if ttft > t.ttft_p90_ms and tbt > t.tbt_p90_ms:
+        return Verdict(None, "CapacityExhausted", f"{text}: both over target; switching cannot help, add replicas",
+                       nums)
+    if ttft > t.ttft_p90_ms and tbt <= HEADROOM * t.tbt_p90_ms:
+        return _bounded(current + 1, total, limits, Verdict(current + 1, "TTFTOverTarget",
+                                                            f"{text}: one more prefill", nums))
+    if tbt > t.tbt_p90_ms and ttft <= HEADROOM * t.ttft_p90_ms:
+        return _bounded(current - 1, total, limits, Verdict(current - 1, "TBTOverTarget",
+                                                            f"{text}: one fewer prefill", nums))
+    return Verdict(None, "WithinTargets", f"{text}", nums)
+
+
+def evaluate(spec: PDDeploymentSpec, sig: Signals, current: int, limits: Limits, now: float) -> Verdict:
+    total = spec.prefill.replicas + spec.decoder.replicas
+    policy = spec.rebalance.policy
+    if policy == "Manual":
+        return manual(spec, total, limits)
+    if policy == "Schedule":
+        return schedule(spec, total, limits, now)
+    if policy == "Load":
+        return load(spec, sig, current, total, limits)
+    return slo(spec, sig, current, total, limits)

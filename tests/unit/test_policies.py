@@ -1,0 +1,115 @@
+"""Rebalancing policies (pure): table-driven."""
+import datetime as dt
+
+import pytest
+import yaml
+
+from pd_operator import policies
+from pd_operator.api import parse_spec
+from pd_operator.policies import DecoderLoad, PrefillLoad, Signals
+from pd_operator.rebalance import decide_target, limits
+from pd_operator.switch import Book
+from tests.conftest import REPO
+
+BASE = yaml.safe_load((REPO / "examples" / "sim-small.yaml").read_text())["spec"]
+
+
+def spec(policy: str, **rb):
+    return parse_spec({**BASE, "prefill": {"replicas": 3}, "decoder": {"replicas": 3},
+                       "rebalance": {"policy": policy, **rb}})
+
+
+def sig(p_busy=0.5, p_queue=0, d_run=2, d_wait=0, batch=4, n=2, ttft=None, tbt=None, age=1.0):
+    return Signals(prefills=[PrefillLoad(busy=p_busy, queue=p_queue)] * n,
+                   decoders=[DecoderLoad(running=d_run, waiting=d_wait, max_batch=batch)] * n,
+                   ttft_p90_ms=ttft, tbt_p90_ms=tbt, age_s=age)
+
+
+LOAD = spec("Load")
+
+
+@pytest.mark.parametrize("case, signals, current, want, reason", [
+    ("prefill pressed, decoders idle", sig(p_busy=0.95, d_run=1), 3, 4, "PrefillBound"),
+    ("queue builds on prefills", sig(p_busy=0.5, p_queue=3, d_run=1), 3, 4, "PrefillBound"),
+    ("decode pressed, prefills idle", sig(p_busy=0.1, d_run=4, d_wait=2), 3, 2, "DecodeBound"),
+    ("both pressed", sig(p_busy=0.95, d_run=4, d_wait=1), 3, None, "CapacityExhausted"),
+    ("in between (hysteresis band)", sig(p_busy=0.6, d_run=3), 3, None, "Balanced"),
+    ("prefill pressed but decoders busy-ish", sig(p_busy=0.95, d_run=3), 3, None, "Balanced"),
+    ("stale", sig(p_busy=0.95, d_run=1, age=31), 3, None, "SignalsStale"),
+    ("no signals", Signals(), 3, None, "NoSignals"),
+    ("min decoder keeps one", sig(p_busy=0.95, d_run=1), 5, 5, "PrefillBound"),
+    ("min prefill keeps one", sig(p_busy=0.1, d_run=4, d_wait=3), 1, 1, "DecodeBound"),
+])
+def test_load(case, signals, current, want, reason):
+    v = policies.evaluate(LOAD, signals, current, limits(LOAD, 0), 0)
+    assert (v.target, v.reason) == (want, reason), (case, v)
+
+
+SLO = spec("SLO", targets={"ttftP90Ms": 1000, "tbtP90Ms": 50})
+
+
+@pytest.mark.parametrize("ttft, tbt, current, want, reason", [
+    (1500, 30, 3, 4, "TTFTOverTarget"),
+    (500, 70, 3, 2, "TBTOverTarget"),
+    (1500, 70, 3, None, "CapacityExhausted"),
+    (1500, 45, 3, None, "WithinTargets"),     # TBT has no headroom (> 80% of target): hold
+    (900, 40, 3, None, "WithinTargets"),
+    (None, 40, 3, None, "NoSignals"),
+])
+def test_slo(ttft, tbt, current, want, reason):
+    v = policies.evaluate(SLO, sig(ttft=ttft, tbt=tbt), current, limits(SLO, 0), 0)
+    assert (v.target, v.reason) == (want, reason), v
+    if reason == "CapacityExhausted":
+        assert "add replicas" in v.message and v.numbers["ttftP90Ms"] == 1500
+
+
+def ts(s: str, tz: str = "UTC") -> float:
+    return dt.datetime.fromisoformat(s).replace(tzinfo=__import__("zoneinfo").ZoneInfo(tz)).timestamp()
+
+
+SCHED = spec("Schedule", timeZone="Asia/Shanghai",
+             schedule=[{"cron": "0 1 * * *", "prefill": 4}, {"cron": "0 9 * * *", "prefill": 2}])
+
+
+@pytest.mark.parametrize("local, want", [
+    ("2026-12-02 00:59:59", 2),   # before 01:00 the 09:00 entry of the day before holds
+    ("2026-12-02 01:00:00", 4),   # at its minute
+    ("2026-12-02 08:59:00", 4),
+    ("2026-12-02 09:00:00", 2),
+])
+def test_schedule_boundaries_in_the_time_zone(local, want):
+    v = policies.evaluate(SCHED, Signals(), 3, limits(SCHED, 0), ts(local, "Asia/Shanghai"))
+    assert v.target == want and v.reason == "Schedule", v
+    # the same wall-clock time in UTC is 8 hours later in Shanghai: 01:00 UTC is 09:00 there
+    in_utc = policies.evaluate(SCHED, Signals(), 3, limits(SCHED, 0), ts(local, "UTC")).target
+    assert in_utc == {"2026-12-02 00:59:59": 4, "2026-12-02 01:00:00": 2, "2026-12-02 08:59:00": 2,
+                      "2026-12-02 09:00:00": 2}[local]
+
+
+def test_schedule_that_does_not_parse_freezes_with_a_reason():
+    bad = spec("Schedule", schedule=[{"cron": "0 1 * * *", "prefill": 2}, {"cron": "61 * * * *", "prefill": 3}])
+    v = policies.evaluate(bad, Signals(), 3, limits(bad, 0), ts("2026-12-02 10:00:00"))
+    assert v.target is None and v.reason == "InvalidSchedule" and "schedule[1]" in v.message
+    tz = spec("Schedule", timeZone="Mars/Olympus", schedule=[{"cron": "0 1 * * *", "prefill": 2}])
+    assert policies.evaluate(tz, Signals(), 3, limits(tz, 0), 0).reason == "InvalidSchedule"
+
+
+def test_periodic_policies_decide_on_their_interval_and_keep_the_target_between():
+    book = Book()
+    v, changed = decide_target(LOAD, book, sig(p_busy=0.95, d_run=1), 3, 1000.0)
+    assert v.target == 4 and changed and book.target == 4 and book.decision["reason"] == "PrefillBound"
+    v, changed = decide_target(LOAD, book, sig(p_busy=0.1, d_run=4, d_wait=3), 4, 1010.0)
+    assert v is None and not changed and book.target == 4, "not due before evaluationIntervalSeconds"
+    v, changed = decide_target(LOAD, book, sig(p_busy=0.6, d_run=3), 4, 1015.0)
+    assert v.reason == "Balanced" and book.target == 4 and not changed
+    v, _ = decide_target(LOAD, book, sig(age=99), 4, 1030.0)
+    assert v.reason == "SignalsStale" and book.target == 4, "a stale signal freezes the ratio"
+
+
+def test_manual_decision_is_recorded_once():
+    m = spec("Manual", manual={"prefill": 2})
+    book = Book()
+    decide_target(m, book, Signals(), 3, 1.0)
+    first = dict(book.decision)
+    decide_target(m, book, Signals(), 3, 2.0)
+    assert book.decision == first and book.target == 2
