@@ -166,3 +166,18 @@ def evaluate(spec: PDDeploymentSpec, sig: Signals, current: int, limits: Limits,
     if policy == "Load":
         return load(spec, sig, current, total, limits)
     return slo(spec, sig, current, total, limits)
+
+
+def next_fire(spec: PDDeploymentSpec, now: float) -> float | None:
+    """Schedule: seconds until the next entry fires (so the pass that acts on it runs then)."""
+    from cronsim import CronSim, CronSimError
+    rb = spec.rebalance
+    if rb is None or rb.policy != "Schedule" or not rb.schedule:
+        return None
+    try:
+        tz = ZoneInfo(rb.time_zone)
+        local = dt.datetime.fromtimestamp(now, tz)
+        nxt = min(next(CronSim(e.cron, local)) for e in rb.schedule)
+    except (ZoneInfoNotFoundError, ValueError, CronSimError, StopIteration):
+        return None
+    return max(0.0, nxt.timestamp() - now)

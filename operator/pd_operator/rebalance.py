@@ -58,13 +58,11 @@ def decide_target(spec: PDDeploymentSpec, book: Book, sig: policies.Signals, cur
     if periodic:
         book.next_evaluation = wall + rb.evaluation_interval_seconds
     before = book.target
-    if v.target is not None:
+    if v.target is not None:   # a verdict that holds keeps the target recorded (or none: no switching)
         book.target = v.target
-    elif book.target is None:
-        book.target = current
-    record = {"policy": rb.policy, "reason": v.reason, "message": v.message, "targetPrefill": book.target,
-              "currentPrefill": current, **({"numbers": {k: str(x) for k, x in v.numbers.items()}}
-                                            if v.numbers else {})}
+    record = {"policy": rb.policy, "reason": v.reason, "message": v.message, "currentPrefill": current,
+              **({"targetPrefill": book.target} if book.target is not None else {}),
+              **({"numbers": {k: str(x) for k, x in v.numbers.items()}} if v.numbers else {})}
     old = {k: x for k, x in (book.decision or {}).items() if k != "at"}
     if periodic or old != record:
         book.decision = {**record, "at": iso(wall)}

@@ -24,7 +24,7 @@ import time
 
 from dataclasses import replace
 
-from . import act, children as ch, links as lk, observe, rebalance as rb, switch as sw_
+from . import act, children as ch, links as lk, observe, policies, rebalance as rb, switch as sw_
 from .agentclient import AgentClient
 from .api import GROUP, KIND, VERSION, PDDeploymentSpec, parse_spec
 from .builders import LABEL_DEPLOYMENT, desired_children, owner_reference, token_secret_name
@@ -438,6 +438,9 @@ class Controller:
             return ACTED_DELAY_S
         if book.switches:
             return SWITCH_POLL_S
+        fire = policies.next_fire(spec, time.time()) if spec.rebalance is not None else None
+        if fire is not None and fire < RESYNC_S:
+            return fire + 0.01   # a schedule entry fires then: be there
         if lk.holding_links(engines, obs.reported):
             return HOLDING_RECHECK_S
         if status["phase"] != "Ready":
@@ -496,9 +499,12 @@ class Controller:
                     mem.decision_event = f"{spec.rebalance.policy}: prefill {current} -> {book.target}: " \
                                          f"{verdict.message}"
             last = book.decision or {}
-            decision = sw_.choose(cands, kept, book.target, rb.limits(spec, book.cooldown_until), wall,
+            lim = rb.limits(spec, book.cooldown_until)
+            total = spec.prefill.replicas + spec.decoder.replicas
+            target = sw_.clamp_target(book.target, total, lim) if book.target is not None else None
+            decision = sw_.choose(cands, kept, target, lim, wall,
                                   f"{spec.rebalance.policy}: {last.get('message', '')}",
-                                  unsettled=self._unsettled(engines, obs, per, mem))
+                                  unsettled=self._unsettled(spec, engines, obs, per, mem))
             decision = rb.condition_for(decision, last.get("reason"), last.get("message"))
             if decision.start is not None:
                 s = decision.start
@@ -510,8 +516,12 @@ class Controller:
         return intents, started, outcomes
 
     @staticmethod
-    def _unsettled(engines: list[lk.Engine], obs: Observed, per: dict, mem: Memory) -> str | None:
+    def _unsettled(spec: PDDeploymentSpec, engines: list[lk.Engine], obs: Observed, per: dict, mem: Memory
+                   ) -> str | None:
         """Why the fleet is not steady enough to start a switch (None: it is)."""
+        want = spec.prefill.replicas + spec.decoder.replicas
+        if len(obs.pods) != want:
+            return f"{len(obs.pods)}/{want} engine pods exist"
         waiting = sorted(p["metadata"]["name"] for p in obs.pods if not pod_ready(p))
         if waiting:
             return f"pods not ready: {', '.join(waiting[:5])}"

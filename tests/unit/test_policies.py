@@ -96,6 +96,8 @@ def test_schedule_that_does_not_parse_freezes_with_a_reason():
 
 def test_periodic_policies_decide_on_their_interval_and_keep_the_target_between():
     book = Book()
+    v, changed = decide_target(LOAD, book, Signals(), 3, 900.0)
+    assert v.reason == "NoSignals" and book.target is None and not changed, "no guess before signals"
     v, changed = decide_target(LOAD, book, sig(p_busy=0.95, d_run=1), 3, 1000.0)
     assert v.target == 4 and changed and book.target == 4 and book.decision["reason"] == "PrefillBound"
     v, changed = decide_target(LOAD, book, sig(p_busy=0.1, d_run=4, d_wait=3), 4, 1010.0)
@@ -113,3 +115,8 @@ def test_manual_decision_is_recorded_once():
     first = dict(book.decision)
     decide_target(m, book, Signals(), 3, 2.0)
     assert book.decision == first and book.target == 2
+
+
+def test_next_fire_wakes_the_operator_at_the_minute():
+    assert policies.next_fire(SCHED, ts("2026-12-02 00:59:30", "Asia/Shanghai")) == pytest.approx(30)
+    assert policies.next_fire(LOAD, 0) is None

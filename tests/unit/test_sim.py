@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+from tests.conftest import wait_for
+
 import llm_datadist_sim as llm_datadist
 from llm_datadist_sim import (
     BlocksCacheKey, CacheDesc, CacheKey, DataType, LLMClusterInfo, LLMConfig, LLMDataDist,
@@ -246,7 +248,9 @@ def test_prompt_memory_freed_after_pull(prompt, decoder):
     d.link_clusters([p.info()], 5000)
     kv = d.kv_cache_manager
     kv.pull_cache(CacheKey(0, 5), kv.allocate_cache(desc()), 0)
-    assert p.cmd(op="used")["used"] == 0
+    # the prompt side frees the key after it sent the bytes, which may be just after the pull returns
+    wait_for("the prompt side freed the pulled cache", lambda: p.cmd(op="used")["used"] == 0, timeout=5,
+             interval=0.01)
 
 
 @pytest.mark.parametrize("key", [CacheKey(0, 99), CacheKey(0, 1, model_id=3)])

@@ -1,0 +1,123 @@
+"""Rebalancing policies on a live fleet: Load follows a workload that shifts from
+prompt-heavy to decode-heavy, within the min counts and the cooldown; a Schedule entry
+switches at its minute."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from tests.conftest import Cluster, wait_for
+from tests.integration.conftest import pdd, sample, wait_phase
+from tests.integration.switch_helpers import parse_time
+from tests.integration.test_traffic import Load
+
+pytestmark = pytest.mark.integration
+INTERVAL = 5
+COOLDOWN = 8
+
+
+class Watcher:
+    """Polls the PDDeployment's status while the test runs: decisions, switches, counts."""
+
+    def __init__(self, cluster: Cluster, ns: str):
+        self.cluster, self.ns = cluster, ns
+        self.decisions: dict[str, dict] = {}     # at -> lastDecision
+        self.switches: dict[str, dict] = {}      # pod@startedAt -> switch in flight
+        self.ended: dict[str, dict] = {}         # at -> lastSwitch
+        self.min_serving = {"prefill": 99, "decoder": 99}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                st = pdd(self.cluster, self.ns).get("status") or {}
+            except Exception:  # noqa: BLE001 - the next poll
+                continue
+            if st.get("lastDecision"):
+                self.decisions.setdefault(st["lastDecision"]["at"], st["lastDecision"])
+            for s in st.get("switches") or []:
+                self.switches.setdefault(f"{s['pod']}@{s['startedAt']}", s)
+            if st.get("lastSwitch", {}).get("at"):
+                self.ended.setdefault(st["lastSwitch"]["at"], st["lastSwitch"])
+            for role in ("prefill", "decoder"):
+                if st.get(role) is not None and st.get("phase") in ("Ready", "Switching"):
+                    self.min_serving[role] = min(self.min_serving[role], st[role])
+            time.sleep(0.2)
+
+    def evaluations_since(self, t: str) -> list[dict]:
+        return [d for at, d in sorted(self.decisions.items()) if at >= t]
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+
+
+def now_iso() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()) + f".{int(time.time() * 1000) % 1000:03d}Z"
+
+
+def test_load_policy_follows_a_shifting_workload(cluster: Cluster, namespace: str, operator):
+    ns = namespace
+    cluster.apply(sample(**{"model.kvCache.maxSeqLen": 2048, "drainTimeoutSeconds": 30, "sim": {"timeScale": 1.0},
+                            "rebalance": {"policy": "Load", "evaluationIntervalSeconds": INTERVAL,
+                                          "cooldownSeconds": COOLDOWN, "minPrefill": 1, "minDecoder": 1}}), ns)
+    wait_phase(cluster, ns, "Ready", timeout=120, extra=lambda o: o["status"]["linksSummary"] == "4/4")
+    w = Watcher(cluster, ns)
+    try:
+        # prompt-heavy: 2k-token prompts at 12/s are more than two prefills compute; short outputs
+        t1 = now_iso()
+        load = Load(cluster, ns, duration=300, rate=12, workload="code", max_output=8)
+        o = wait_for("a third prefill", lambda: (x := pdd(cluster, ns))["status"].get("prefill") == 3
+                     and x["status"]["phase"] == "Ready" and x, timeout=90)
+        first = next(d for d in w.evaluations_since(t1) if d["reason"] == "PrefillBound")
+        evals_p = [d for d in w.evaluations_since(t1) if d["at"] <= first["at"]]
+        s1 = load.stop()
+        print(f"\nprompt-heavy: {len(evals_p)} evaluations to PrefillBound {first}; load {s1}")
+        assert o["status"]["lastSwitch"]["to"] == "prefill"
+        # decode-heavy: long outputs at a modest rate fill the decoders' batches
+        t2 = now_iso()
+        load = Load(cluster, ns, duration=300, rate=3, workload="chat", max_output=256)
+        wait_for("back to one prefill", lambda: (x := pdd(cluster, ns))["status"].get("prefill") == 1
+                 and x["status"]["phase"] == "Ready", timeout=150)
+        s2 = load.stop()
+        first_d = next(d for d in w.evaluations_since(t2) if d["reason"] == "DecodeBound")
+        evals_d = [d for d in w.evaluations_since(t2) if d["at"] <= first_d["at"]]
+        print(f"decode-heavy: {len(evals_d)} evaluations to DecodeBound {first_d}; load {s2}")
+    finally:
+        w.close()
+    assert s1["failed"] == 0 and s2["failed"] == 0, (s1["failed_by_reason"], s2["failed_by_reason"])
+    assert len(evals_p) <= 2 and len(evals_d) <= 2, "followed within two evaluation intervals"
+    # min counts held at every poll, and switches started no sooner than the cooldown after the last ended
+    assert w.min_serving["prefill"] >= 1 and w.min_serving["decoder"] >= 1, w.min_serving
+    ends = sorted(parse_time(at) for at in w.ended)
+    for s in w.switches.values():
+        started = parse_time(s["startedAt"])
+        before = [e for e in ends if e <= started]
+        assert not before or started - before[-1] >= COOLDOWN - 0.01, (s, before[-1])
+    print(f"switches: {len(w.switches)}, min serving {w.min_serving}")
+
+
+def test_schedule_switches_at_its_minute(cluster: Cluster, namespace: str, operator):
+    ns = namespace
+    # even minutes: 3 prefills; odd minutes: 2
+    cluster.apply(sample(rebalance={"policy": "Schedule", "cooldownSeconds": 0, "timeZone": "Europe/Berlin",
+                                    "schedule": [{"cron": "*/2 * * * *", "prefill": 3},
+                                                 {"cron": "1-59/2 * * * *", "prefill": 2}]}), ns)
+    wait_phase(cluster, ns, "Ready", timeout=120)
+    st = wait_for("a schedule decision", lambda: pdd(cluster, ns)["status"].get("lastDecision"), timeout=30)
+    assert st["reason"] == "Schedule" and "Europe/Berlin" in st["message"]
+    first_target = st["targetPrefill"]
+    # the next minute boundary flips the target; the switch follows within seconds
+    boundary = (int(time.time()) // 60 + 1) * 60
+    o = wait_for("the next entry's switch", lambda: (x := pdd(cluster, ns))["status"].get("lastSwitch", {}).get(
+        "at", "") > time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(boundary)) and x, timeout=100)
+    last, dec = o["status"]["lastSwitch"], o["status"]["lastDecision"]
+    assert dec["targetPrefill"] != first_target and last["result"] == "Completed"
+    started = parse_time(last["at"]) - last["totalMs"] / 1000
+    print(f"\nschedule: entry fired at {time.strftime('%H:%M:%S', time.gmtime(boundary))}Z, switch started "
+          f"{started - boundary:.1f}s later, ended {parse_time(last['at']) - boundary:.1f}s after the minute")
+    assert started >= boundary, "not before its minute"
