@@ -215,19 +215,21 @@ class Sim(Model):
 class PDDeploymentSpec(Model):
     model_config = ConfigDict(json_schema_extra=rules(
         ("!has(self.rebalance) || self.rebalance.minPrefill + self.rebalance.minDecoder <= "
-         "self.prefill.replicas + self.decoder.replicas",
-         "spec.rebalance.minPrefill + spec.rebalance.minDecoder must not exceed "
-         "spec.prefill.replicas + spec.decoder.replicas", ".rebalance"),
+         "(has(self.replicas) ? self.replicas : self.prefill.replicas + self.decoder.replicas)",
+         "spec.rebalance.minPrefill + spec.rebalance.minDecoder must not exceed the engines "
+         "(spec.replicas, or spec.prefill.replicas + spec.decoder.replicas)", ".rebalance"),
         ("!has(self.rebalance) || !has(self.rebalance.manual) || self.rebalance.manual.prefill <= "
-         "self.prefill.replicas + self.decoder.replicas - self.rebalance.minDecoder",
+         "(has(self.replicas) ? self.replicas : self.prefill.replicas + self.decoder.replicas) - self.rebalance.minDecoder",
          "spec.rebalance.manual.prefill must leave spec.rebalance.minDecoder decoders "
-         "(at most prefill.replicas + decoder.replicas - minDecoder)", ".rebalance"),
+         "(at most the engines - minDecoder)", ".rebalance"),
         ("!has(self.rebalance) || !has(self.rebalance.schedule) || self.rebalance.schedule.all(e, "
-         "e.prefill <= self.prefill.replicas + self.decoder.replicas - self.rebalance.minDecoder)",
+         "e.prefill <= (has(self.replicas) ? self.replicas : self.prefill.replicas + self.decoder.replicas) - self.rebalance.minDecoder)",
          "every spec.rebalance.schedule[].prefill must leave spec.rebalance.minDecoder decoders", ".rebalance"),
         ("!has(self.prefill.clusterIdBase) || !has(self.decoder.clusterIdBase) || "
-         "self.prefill.clusterIdBase + self.prefill.replicas <= self.decoder.clusterIdBase || "
-         "self.decoder.clusterIdBase + self.decoder.replicas <= self.prefill.clusterIdBase",
+         "self.prefill.clusterIdBase + (has(self.replicas) ? self.replicas : self.prefill.replicas) <= "
+         "self.decoder.clusterIdBase || "
+         "self.decoder.clusterIdBase + (has(self.replicas) ? self.replicas : self.decoder.replicas) <= "
+         "self.prefill.clusterIdBase",
          "spec.prefill.clusterIdBase and spec.decoder.clusterIdBase ranges overlap: cluster_ids must be unique",
          ".decoder"),
         ("!has(self.sim) || self.backend == 'sim'",
@@ -241,6 +243,10 @@ class PDDeploymentSpec(Model):
     prefill: Group = Field(default_factory=Group, json_schema_extra={"default": {}})
     decoder: Group = Field(default_factory=Group, json_schema_extra={"default": {}})
     rebalance: Rebalance | None = None
+    replicas: int | None = Field(
+        default=None, ge=2, le=1024,
+        description="total engines, for the scale subresource (kubectl scale, HPA, KEDA): spread over the groups "
+                    "in proportion to prefill.replicas : decoder.replicas, at least one each")
     drain_timeout_seconds: int = Field(
         default=60, ge=0, le=3600,
         description="how long a leaving pod may finish in-flight requests and wait for its KV caches "
@@ -248,6 +254,19 @@ class PDDeploymentSpec(Model):
     ascend: Ascend | None = None
     sim: Sim | None = None
     gateway: GatewaySpec | None = None
+
+    def group_sizes(self) -> dict[str, int]:
+        """The StatefulSets' sizes: the groups' replicas, or spec.replicas spread over them."""
+        p, d = self.prefill.replicas, self.decoder.replicas
+        if self.replicas is None or self.replicas == p + d:
+            return {"prefill": p, "decoder": d}
+        share = round(self.replicas * p / (p + d)) if p + d else self.replicas // 2
+        pp = min(max(1, share), self.replicas - 1)
+        return {"prefill": pp, "decoder": self.replicas - pp}
+
+    @property
+    def total(self) -> int:
+        return sum(self.group_sizes().values())
 
 
 # ---- status ---------------------------------------------------------------------------------
@@ -367,6 +386,8 @@ class PDDeploymentStatus(Model):
     last_verified: dict[str, Any] | None = Field(
         default=None, description="the last KV-path verification round: paths probed, bytes, slowest pull")
     observed_generation: int | None = None
+    replicas: int | None = Field(default=None, description="engine pods that exist (scale subresource)")
+    selector: str | None = Field(default=None, description="label selector of the engine pods (scale subresource)")
 
 
 PRINTER_COLUMNS = [

@@ -193,7 +193,7 @@ def statefulset(name: str, namespace: str, spec: PDDeploymentSpec, group: str, o
         "apiVersion": "apps/v1", "kind": "StatefulSet",
         "metadata": _meta(sts_name(name, group), namespace, owner, labels),
         "spec": {
-            "replicas": g.replicas,
+            "replicas": spec.group_sizes()[group],
             "serviceName": sts_name(name, group),
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": selector_labels(name, group)},

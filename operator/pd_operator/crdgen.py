@@ -93,7 +93,9 @@ def crd() -> dict:
                       "listKind": f"{api.KIND}List"},
             "versions": [{
                 "name": api.VERSION, "served": True, "storage": True,
-                "subresources": {"status": {}},
+                "subresources": {"status": {}, "scale": {
+                    "specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
+                    "labelSelectorPath": ".status.selector"}},
                 "additionalPrinterColumns": api.PRINTER_COLUMNS,
                 "schema": {"openAPIV3Schema": openapi},
             }],

@@ -157,7 +157,7 @@ def slo(spec: PDDeploymentSpec, sig: Signals, current: int, total: int, limits: 
 
 
 def evaluate(spec: PDDeploymentSpec, sig: Signals, current: int, limits: Limits, now: float) -> Verdict:
-    total = spec.prefill.replicas + spec.decoder.replicas
+    total = spec.total
     policy = spec.rebalance.policy
     if policy == "Manual":
         return manual(spec, total, limits)

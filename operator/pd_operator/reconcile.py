@@ -311,7 +311,7 @@ class Controller:
             mem.book = sw_.Book.from_status(body.get("status"))
         book = mem.book
         obs = Observed(generation=gen, pods=live, engines=engines, problems=problems, model_id=spec.model.model_id,
-                       topology=spec.datadist.topology)
+                       topology=spec.datadist.topology, selector=f"{LABEL_DEPLOYMENT}={name}")
         if token:
             reports = await observe.gather(engines, self.agents, token, mem.agent_backoff, now, mem.limiter,
                                            only=self._to_ask(mem, engines, now, {s.pod for s in book.switches}))
@@ -500,7 +500,7 @@ class Controller:
                                          f"{verdict.message}"
             last = book.decision or {}
             lim = rb.limits(spec, book.cooldown_until)
-            total = spec.prefill.replicas + spec.decoder.replicas
+            total = spec.total
             target = sw_.clamp_target(book.target, total, lim) if book.target is not None else None
             decision = sw_.choose(cands, kept, target, lim, wall,
                                   f"{spec.rebalance.policy}: {last.get('message', '')}",
@@ -519,7 +519,7 @@ class Controller:
     def _unsettled(spec: PDDeploymentSpec, engines: list[lk.Engine], obs: Observed, per: dict, mem: Memory
                    ) -> str | None:
         """Why the fleet is not steady enough to start a switch (None: it is)."""
-        want = spec.prefill.replicas + spec.decoder.replicas
+        want = spec.total
         if len(obs.pods) != want:
             return f"{len(obs.pods)}/{want} engine pods exist"
         waiting = sorted(p["metadata"]["name"] for p in obs.pods if not pod_ready(p))
@@ -565,8 +565,9 @@ class Controller:
         name = body["metadata"]["name"]
         if mem.applied_event_generation != gen:
             mem.applied_event_generation = gen
-            what = (f"StatefulSets {name}-prefill ({spec.prefill.replicas}) and {name}-decoder "
-                    f"({spec.decoder.replicas}), Services and ConfigMap")
+            sizes = spec.group_sizes()
+            what = (f"StatefulSets {name}-prefill ({sizes['prefill']}) and {name}-decoder "
+                    f"({sizes['decoder']}), Services and ConfigMap")
             if created:
                 await self.events.post(body, "Normal", "Created", f"created {what}")
             else:

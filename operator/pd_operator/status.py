@@ -57,6 +57,7 @@ class Observed:
     decision: object | None = None                      # switch.Decision of this pass (None: no rebalance)
     cooldown_until: str | None = None
     last_decision: dict | None = None                   # status.lastDecision
+    selector: str | None = None                         # the engine pods' label selector (scale subresource)
 
 
 def _listed(messages: list[str]) -> str:
@@ -103,7 +104,7 @@ def _members(obs: Observed, per: dict[str, tuple[int, int, list[dict]]],
 def build_status(spec: PDDeploymentSpec, obs: Observed, previous: dict | None) -> dict:
     conds = (previous or {}).get("conditions")
     gen = obs.generation
-    desired_pods = spec.prefill.replicas + spec.decoder.replicas
+    desired_pods = spec.total
     live = obs.pods
     ready = [p for p in live if pod_ready(p)]
     per = obs.per_decoder if obs.per_decoder is not None else lk.per_decoder(obs.engines, obs.reported, obs.topology)
@@ -232,6 +233,7 @@ def build_status(spec: PDDeploymentSpec, obs: Observed, previous: dict | None) -
         "members": members,
         "conditions": conds,
         "cacheDesc": cache,
+        "replicas": len(live),
     }
     good = [r for r in results if r["ok"]]
     if good:
@@ -245,6 +247,8 @@ def build_status(spec: PDDeploymentSpec, obs: Observed, previous: dict | None) -
         out["lastSwitch"] = obs.last_switch
     if obs.last_decision:
         out["lastDecision"] = obs.last_decision
+    if obs.selector:
+        out["selector"] = obs.selector
     if obs.decision is not None:
         rb = {"targetPrefill": obs.decision.target}
         if obs.cooldown_until:

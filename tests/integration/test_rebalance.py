@@ -3,6 +3,7 @@ prompt-heavy to decode-heavy, within the min counts and the cooldown; a Schedule
 switches at its minute."""
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -11,7 +12,7 @@ import pytest
 from tests.conftest import Cluster, wait_for
 from tests.integration.conftest import pdd, sample, wait_phase
 from tests.integration.switch_helpers import parse_time
-from tests.integration.test_traffic import Load
+from tests.integration.test_traffic import TRAFFIC_SPEC, Load, settled
 
 pytestmark = pytest.mark.integration
 INTERVAL = 5
@@ -121,3 +122,32 @@ def test_schedule_switches_at_its_minute(cluster: Cluster, namespace: str, opera
     print(f"\nschedule: entry fired at {time.strftime('%H:%M:%S', time.gmtime(boundary))}Z, switch started "
           f"{started - boundary:.1f}s later, ended {parse_time(last['at']) - boundary:.1f}s after the minute")
     assert started >= boundary, "not before its minute"
+
+
+def test_kubectl_scale_under_load(cluster: Cluster, namespace: str, operator):
+    """The scale subresource: `kubectl scale pdd` grows and shrinks the fleet (spread over the
+    groups) the way HPA and KEDA would, under load, failing no request."""
+    ns = namespace
+    cluster.apply(sample(**TRAFFIC_SPEC), ns)
+    settled(cluster, ns, "4/4", 4)
+    load = Load(cluster, ns, duration=300)
+    time.sleep(3)
+    t0 = time.monotonic()
+    cluster.kubectl("scale", "pdd", "sim-small", "-n", ns, "--replicas=6")
+    settled(cluster, ns, "9/9", 6)
+    up = time.monotonic() - t0
+    scale = json.loads(cluster.kubectl("get", "--raw",
+                                       f"/apis/pdoperator.io/v1alpha1/namespaces/{ns}/pddeployments/sim-small/scale")
+                       .stdout)
+    assert scale["spec"]["replicas"] == 6 and scale["status"]["replicas"] == 6
+    assert scale["status"]["selector"] == "pdoperator.io/deployment=sim-small"
+    t0 = time.monotonic()
+    cluster.kubectl("scale", "pdd", "sim-small", "-n", ns, "--replicas=4")
+    settled(cluster, ns, "4/4", 4)
+    down = time.monotonic() - t0
+    time.sleep(2)
+    s = load.stop()
+    print(f"\nkubectl scale 4->6 settled in {up:.1f}s, 6->4 in {down:.1f}s; load {json.dumps(s)}")
+    assert s["failed"] == 0, s["failed_by_reason"]
+    sts = {x["metadata"]["name"]: x["spec"]["replicas"] for x in cluster.get_json("statefulsets", "-n", ns)["items"]}
+    assert sts == {"sim-small-prefill": 2, "sim-small-decoder": 2}

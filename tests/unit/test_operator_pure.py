@@ -375,7 +375,9 @@ def test_crd_schema_is_structural_and_complete():
     v = crd["spec"]["versions"][0]
     assert crd["metadata"]["name"] == "pddeployments.pdoperator.io"
     assert crd["spec"]["names"]["shortNames"] == ["pdd"] and crd["spec"]["names"]["categories"] == ["all"]
-    assert v["subresources"] == {"status": {}}
+    assert v["subresources"] == {"status": {}, "scale": {"specReplicasPath": ".spec.replicas",
+                                                       "statusReplicasPath": ".status.replicas",
+                                                       "labelSelectorPath": ".status.selector"}}
     assert [c["name"] for c in v["additionalPrinterColumns"]] == ["Phase", "Prefill", "Decoder", "Links", "Age"]
     text = yaml.safe_dump(crd)
     assert "$ref" not in text and "anyOf" not in text and "title" not in text

@@ -120,3 +120,13 @@ def test_manual_decision_is_recorded_once():
 def test_next_fire_wakes_the_operator_at_the_minute():
     assert policies.next_fire(SCHED, ts("2026-12-02 00:59:30", "Asia/Shanghai")) == pytest.approx(30)
     assert policies.next_fire(LOAD, 0) is None
+
+
+@pytest.mark.parametrize("p, d, total, want", [
+    (2, 2, None, (2, 2)), (2, 2, 6, (3, 3)), (2, 2, 4, (2, 2)), (1, 3, 8, (2, 6)), (3, 1, 2, (1, 1)),
+    (0, 4, 6, (1, 5)), (0, 4, 4, (0, 4)),
+])
+def test_scale_spreads_the_total_over_the_groups(p, d, total, want):
+    s = parse_spec({**BASE, "prefill": {"replicas": p}, "decoder": {"replicas": d},
+                    **({"replicas": total} if total else {})})
+    assert (s.group_sizes()["prefill"], s.group_sizes()["decoder"]) == want and s.total == sum(want)
