@@ -104,3 +104,11 @@ class AgentClient:
     async def switch_role(self, base: str, token: str, role: str, limiter=None) -> AgentStatus:
         return await self._call("switch_role", "POST", f"{base}/v1/switch_role", token, AgentStatus,
                                 SwitchRoleRequest(role=role), limiter=limiter)
+
+    async def gateway_stats(self, base: str) -> dict | None:
+        """pd-gateway's /stats (open, like /metrics): recent client-side TTFT/TBT percentiles."""
+        try:
+            r = await self._http.get(f"{base}/stats", timeout=STATUS_TIMEOUT_S)
+            return r.json() if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None

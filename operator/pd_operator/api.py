@@ -146,6 +146,10 @@ class Rebalance(Model):
     cooldown_seconds: int = Field(default=60, ge=0, le=86400)
     drain_timeout_seconds: int | None = Field(default=None, ge=0, le=3600,
                                               description="drain timeout of a switch (default spec.drainTimeoutSeconds)")
+    method: Literal["Switch", "Replace"] = Field(
+        default="Switch", description="Switch: move roles between running engines (switch_role). Replace: move one "
+                                      "replica between the groups (a new pod starts, then one of the other group "
+                                      "drains and goes), for engines that cannot switch roles")
     max_concurrent_switches: int = Field(default=1, ge=1, le=64, description="role switches in flight at once")
     evaluation_interval_seconds: int = Field(default=15, ge=1, le=86400,
                                              description="how often Load and SLO re-decide the prefill count")
@@ -255,8 +259,14 @@ class PDDeploymentSpec(Model):
     sim: Sim | None = None
     gateway: GatewaySpec | None = None
 
-    def group_sizes(self) -> dict[str, int]:
-        """The StatefulSets' sizes: the groups' replicas, or spec.replicas spread over them."""
+    def group_sizes(self, decided: dict | None = None) -> dict[str, int]:
+        """The StatefulSets' sizes: the groups' replicas, or spec.replicas spread over them; with
+        `method: Replace`, the sizes the operator decided and recorded (status.rebalance.groupSizes)
+        while they still add up to this total (plus the one pod a replacement adds for a while)."""
+        if decided and self.rebalance is not None and self.rebalance.method == "Replace":
+            n = decided.get("prefill", 0) + decided.get("decoder", 0)
+            if n == self.total + (1 if decided.get("growing") else 0):
+                return {"prefill": decided["prefill"], "decoder": decided["decoder"]}
         p, d = self.prefill.replicas, self.decoder.replicas
         if self.replicas is None or self.replicas == p + d:
             return {"prefill": p, "decoder": d}
@@ -266,7 +276,8 @@ class PDDeploymentSpec(Model):
 
     @property
     def total(self) -> int:
-        return sum(self.group_sizes().values())
+        p, d = self.prefill.replicas, self.decoder.replicas
+        return self.replicas if self.replicas is not None else p + d
 
 
 # ---- status ---------------------------------------------------------------------------------
@@ -365,8 +376,16 @@ class LastDecision(Model):
     at: str | None = None
 
 
+class GroupSizes(Model):
+    prefill: int
+    decoder: int
+    growing: Literal["prefill", "decoder"] | None = Field(
+        default=None, description="a replacement in flight: this group got its new pod; the other shrinks next")
+
+
 class RebalanceStatus(Model):
     target_prefill: int | None = Field(default=None, description="prefill-role pods the policy wants")
+    group_sizes: GroupSizes | None = Field(default=None, description="method Replace: the groups' decided sizes")
     cooldown_until: str | None = None
 
 

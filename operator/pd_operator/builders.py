@@ -118,7 +118,8 @@ def _env(name: str, spec: PDDeploymentSpec, group: str) -> list[dict]:
     ]
     env.append({"name": "PD_DRAIN_TIMEOUT_S", "value": str(spec.drain_timeout_seconds)})
     # switch_role needs llm.EnableSwitchRole at init; set it only where the spec may switch
-    env.append({"name": "PD_ENABLE_SWITCH_ROLE", "value": "1" if spec.rebalance is not None else "0"})
+    switching = spec.rebalance is not None and spec.rebalance.method == "Switch"
+    env.append({"name": "PD_ENABLE_SWITCH_ROLE", "value": "1" if switching else "0"})
     if spec.backend == "sim":
         scale = derive(spec.model.kv_cache).sim_memory_scale()
         env.append({"name": "PD_SIM_MEMORY_SCALE", "value": str(scale)})
@@ -162,7 +163,8 @@ def _ascend_volumes(spec: PDDeploymentSpec) -> tuple[list[dict], list[dict]]:
     return volumes, mounts
 
 
-def statefulset(name: str, namespace: str, spec: PDDeploymentSpec, group: str, owner: dict) -> dict:
+def statefulset(name: str, namespace: str, spec: PDDeploymentSpec, group: str, owner: dict,
+                decided: dict | None = None) -> dict:
     g = spec.prefill if group == "prefill" else spec.decoder
     labels = {**common_labels(name), **selector_labels(name, group)}
     pod_labels = {**labels, LABEL_ROLE: group}
@@ -193,7 +195,7 @@ def statefulset(name: str, namespace: str, spec: PDDeploymentSpec, group: str, o
         "apiVersion": "apps/v1", "kind": "StatefulSet",
         "metadata": _meta(sts_name(name, group), namespace, owner, labels),
         "spec": {
-            "replicas": spec.group_sizes()[group],
+            "replicas": spec.group_sizes(decided)[group],
             "serviceName": sts_name(name, group),
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": selector_labels(name, group)},
@@ -235,8 +237,11 @@ def token_secret(name: str, namespace: str, token: str, owner: dict, secret_name
             "stringData": {"token": token}}
 
 
-def desired_children(name: str, namespace: str, uid: str, spec: PDDeploymentSpec) -> list[dict]:
-    """Everything the operator applies for one PDDeployment, in apply order."""
+def desired_children(name: str, namespace: str, uid: str, spec: PDDeploymentSpec,
+                     decided: dict | None = None) -> list[dict]:
+    """Everything the operator applies for one PDDeployment, in apply order: a pure function of
+    the spec and the group sizes the operator decided (method Replace), so drift repair keeps
+    the decision."""
     owner = owner_reference(name, uid)
     out = [config_map(name, namespace, spec, owner)]
     for group in GROUPS:
@@ -244,7 +249,7 @@ def desired_children(name: str, namespace: str, uid: str, spec: PDDeploymentSpec
     for role in GROUPS:
         out.append(role_service(name, namespace, role, owner))
     for group in GROUPS:
-        out.append(statefulset(name, namespace, spec, group, owner))
+        out.append(statefulset(name, namespace, spec, group, owner, decided))
     from .gateway import gateway_objects, network_policy  # (it builds on the helpers above)
     out.append(network_policy(name, namespace, spec, owner))
     return out + gateway_objects(name, namespace, spec, owner)

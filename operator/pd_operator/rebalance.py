@@ -20,8 +20,10 @@ from .switch import SWITCHING, Book, Candidate, Decision, Intent, Limits, Switch
 FREEZES = ("CapacityExhausted", "SignalsStale", "NoSignals", "InvalidSchedule")
 
 
-def signals(engines: list[lk.Engine], reports: dict, reported_at: dict[str, float], now: float) -> policies.Signals:
-    """Load signals from the serving engines' last reports (`reports[pod]` is an AgentStatus)."""
+def signals(engines: list[lk.Engine], reports: dict, reported_at: dict[str, float], now: float,
+            gateway: tuple[dict, float] | None = None) -> policies.Signals:
+    """Load signals from the serving engines' last reports (`reports[pod]` is an AgentStatus);
+    TTFT/TBT from the gateway's client-side percentiles where it answered, else the decoders'."""
     prefills, decoders, ttft, tbt, ages = [], [], [], [], []
     for e in engines:
         s = reports.get(e.pod)
@@ -40,9 +42,14 @@ def signals(engines: list[lk.Engine], reports: dict, reported_at: dict[str, floa
                 ttft.append(ld.ttft_p90_ms)
             if ld.tbt_p90_ms is not None:
                 tbt.append(ld.tbt_p90_ms)
+    age = max(ages) if ages else 0.0
+    if gateway is not None and gateway[0].get("requests"):
+        stats, at = gateway
+        return policies.Signals(prefills=prefills, decoders=decoders, ttft_p90_ms=stats["ttft_ms"].get("p90"),
+                                tbt_p90_ms=stats["tbt_ms"].get("p90"), age_s=max(age, now - at), source="gateway")
     # the worst decoder's percentiles: percentiles of different engines do not average
     return policies.Signals(prefills=prefills, decoders=decoders, ttft_p90_ms=max(ttft) if ttft else None,
-                            tbt_p90_ms=max(tbt) if tbt else None, age_s=max(ages) if ages else 0.0)
+                            tbt_p90_ms=max(tbt) if tbt else None, age_s=age)
 
 
 def decide_target(spec: PDDeploymentSpec, book: Book, sig: policies.Signals, current: int, wall: float

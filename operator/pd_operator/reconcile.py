@@ -24,7 +24,7 @@ import time
 
 from dataclasses import replace
 
-from . import act, children as ch, links as lk, observe, policies, rebalance as rb, switch as sw_
+from . import act, children as ch, links as lk, observe, policies, rebalance as rb, replace, switch as sw_
 from .agentclient import AgentClient
 from .api import GROUP, KIND, VERSION, PDDeploymentSpec, parse_spec
 from .builders import LABEL_DEPLOYMENT, desired_children, owner_reference, token_secret_name
@@ -320,6 +320,9 @@ class Controller:
         else:
             reports = {}
         obs.engines = engines = await self._take_reports(body, mem, engines, reports, obs)
+        if spec.rebalance is not None and spec.rebalance.policy == "SLO" and spec.gateway and spec.gateway.enabled \
+                and time.time() >= book.next_evaluation:
+            mem.gateway_stats = await self._gateway_stats(ns, name)
         alive = {e.pod: e for e in engines}
         mem.agent_backoff.prune(lambda k: k[0] in alive and k == observe.backoff_key(alive[k[0]]))
         for pod in [p for p in set(mem.reports) | set(mem.next_poll) if p not in alive]:
@@ -340,6 +343,7 @@ class Controller:
         obs.per_decoder = per = lk.per_decoder(engines, obs.reported, spec.datadist.topology)
         obs.switches, obs.last_switch, obs.last_decision = list(book.switches), book.last, book.decision
         obs.cooldown_until = sw_.iso(book.cooldown_until) if book.cooldown_until else None
+        obs.group_sizes = book.sizes if spec.rebalance is not None and spec.rebalance.method == "Replace" else None
         for e in engines:
             if e.pod in reports and reports[e.pod].error is None:
                 settled = e.agent_ok and not e.leaving and (e.pod not in per or per[e.pod][0] == per[e.pod][1])
@@ -347,7 +351,8 @@ class Controller:
 
         # decide
         blocked = mem.blocked if mem.blocked_generation == gen else None
-        desired = desired_children(name, ns, meta["uid"], spec)
+        desired = desired_children(name, ns, meta["uid"], spec, book.sizes)
+        obs.desired_pods = sum(spec.group_sizes(book.sizes).values())
         to_apply = [] if blocked else ch.to_apply(desired, observed_children, mem.applied)
         plans = lk.plan(engines, obs.reported, spec.datadist.topology, due=mem.due) if token else []
         want = {(d, e.cluster_id) for d, es in want_map.items() for e in es}
@@ -491,7 +496,7 @@ class Controller:
         if spec.rebalance is not None:
             cands = rb.candidates(engines, kept, set(mem.switch_refused))
             current = sw_.prefill_count(cands)
-            sig = rb.signals(mesh, mem.reports, mem.reported_at, time.monotonic())
+            sig = rb.signals(mesh, mem.reports, mem.reported_at, time.monotonic(), mem.gateway_stats)
             verdict, changed = rb.decide_target(spec, book, sig, current, wall)
             if verdict is not None:
                 self.metrics.decisions.labels(spec.rebalance.policy, verdict.reason).inc()
@@ -502,9 +507,20 @@ class Controller:
             lim = rb.limits(spec, book.cooldown_until)
             total = spec.total
             target = sw_.clamp_target(book.target, total, lim) if book.target is not None else None
-            decision = sw_.choose(cands, kept, target, lim, wall,
-                                  f"{spec.rebalance.policy}: {last.get('message', '')}",
-                                  unsettled=self._unsettled(spec, engines, obs, per, mem))
+            why = f"{spec.rebalance.policy}: {last.get('message', '')}"
+            unsettled = self._unsettled(spec, engines, obs, per, mem, book.sizes)
+            if spec.rebalance.method == "Replace":
+                sizes = {**spec.group_sizes(book.sizes), **({"growing": book.sizes["growing"]}
+                                                            if book.sizes and book.sizes.get("growing") else {})}
+                new, decision = replace.plan(sizes, target, lim, wall, unsettled, why)
+                if new is not None:
+                    if not new.get("growing"):
+                        book.cooldown_until = wall + spec.rebalance.cooldown_seconds
+                    book.sizes = new
+                    mem.decision_event = (mem.decision_event + "; " if mem.decision_event else "") + \
+                        f"Replace: prefill {new['prefill']}, decoder {new['decoder']}: {decision.message}"
+            else:
+                decision = sw_.choose(cands, kept, target, lim, wall, why, unsettled=unsettled)
             decision = rb.condition_for(decision, last.get("reason"), last.get("message"))
             if decision.start is not None:
                 s = decision.start
@@ -515,11 +531,27 @@ class Controller:
         intents += rb.repairs(engines, kept)
         return intents, started, outcomes
 
+    async def _gateway_stats(self, ns: str, name: str) -> tuple[dict, float] | None:
+        """The gateway's recent client-side TTFT/TBT percentiles (what the SLO policy reads where
+        a gateway is deployed); None if no gateway pod answers."""
+        from .gateway import GATEWAY_PORT, LABEL_GATEWAY
+        try:
+            pods = await self.kube.list("v1", "Pod", ns, f"{LABEL_GATEWAY}={name}")
+        except KubeError:
+            return None
+        for p in pods:
+            ip = (p.get("status") or {}).get("podIP")
+            if ip and pod_ready(p) and not p["metadata"].get("deletionTimestamp"):
+                stats = await self.agents.gateway_stats(f"http://{ip}:{GATEWAY_PORT}")
+                if stats is not None:
+                    return stats, time.monotonic()
+        return None
+
     @staticmethod
-    def _unsettled(spec: PDDeploymentSpec, engines: list[lk.Engine], obs: Observed, per: dict, mem: Memory
-                   ) -> str | None:
+    def _unsettled(spec: PDDeploymentSpec, engines: list[lk.Engine], obs: Observed, per: dict, mem: Memory,
+                   decided: dict | None = None) -> str | None:
         """Why the fleet is not steady enough to start a switch (None: it is)."""
-        want = spec.total
+        want = sum(spec.group_sizes(decided).values())
         if len(obs.pods) != want:
             return f"{len(obs.pods)}/{want} engine pods exist"
         waiting = sorted(p["metadata"]["name"] for p in obs.pods if not pod_ready(p))
@@ -565,7 +597,7 @@ class Controller:
         name = body["metadata"]["name"]
         if mem.applied_event_generation != gen:
             mem.applied_event_generation = gen
-            sizes = spec.group_sizes()
+            sizes = spec.group_sizes(mem.book.sizes if mem.book else None)
             what = (f"StatefulSets {name}-prefill ({sizes['prefill']}) and {name}-decoder "
                     f"({sizes['decoder']}), Services and ConfigMap")
             if created:

@@ -56,6 +56,7 @@ class Memory:
     switch_verified: dict[tuple[str, str], set] = field(default_factory=dict)  # (pod, boot id) -> pairs ok
     decision_event: str | None = None     # a policy decision that changed the target, to post as an Event
     reported_at: dict[str, float] = field(default_factory=dict)   # pod -> when its agent last answered
+    gateway_stats: tuple[dict, float] | None = None   # the gateway's /stats and when it was read
     limiter: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(AGENT_CONCURRENCY))
 
     def due(self, decoder: str, cid: int) -> bool:

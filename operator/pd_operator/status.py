@@ -58,6 +58,8 @@ class Observed:
     cooldown_until: str | None = None
     last_decision: dict | None = None                   # status.lastDecision
     selector: str | None = None                         # the engine pods' label selector (scale subresource)
+    desired_pods: int | None = None                     # what the StatefulSets were sized to
+    group_sizes: dict | None = None                     # method Replace: status.rebalance.groupSizes
 
 
 def _listed(messages: list[str]) -> str:
@@ -104,7 +106,7 @@ def _members(obs: Observed, per: dict[str, tuple[int, int, list[dict]]],
 def build_status(spec: PDDeploymentSpec, obs: Observed, previous: dict | None) -> dict:
     conds = (previous or {}).get("conditions")
     gen = obs.generation
-    desired_pods = spec.total
+    desired_pods = obs.desired_pods if obs.desired_pods is not None else spec.total
     live = obs.pods
     ready = [p for p in live if pod_ready(p)]
     per = obs.per_decoder if obs.per_decoder is not None else lk.per_decoder(obs.engines, obs.reported, obs.topology)
@@ -250,7 +252,7 @@ def build_status(spec: PDDeploymentSpec, obs: Observed, previous: dict | None) -
     if obs.selector:
         out["selector"] = obs.selector
     if obs.decision is not None:
-        rb = {"targetPrefill": obs.decision.target}
+        rb = {"targetPrefill": obs.decision.target, "groupSizes": obs.group_sizes}
         if obs.cooldown_until:
             rb["cooldownUntil"] = obs.cooldown_until
         out["rebalance"] = {k: v for k, v in rb.items() if v is not None}

@@ -323,6 +323,7 @@ class Book:
     target: int | None = None          # the prefill count the policy decided last
     decision: dict | None = None       # status.lastDecision
     next_evaluation: float = 0.0       # Load and SLO: when to decide again
+    sizes: dict | None = None          # method Replace: the groups' decided sizes
 
     @classmethod
     def from_status(cls, status: dict | None) -> "Book":
@@ -331,4 +332,4 @@ class Book:
         sws = [s for s in (Switch.from_status(d) for d in status.get("switches") or []) if s is not None]
         return cls(switches=sws, cooldown_until=parse_iso(rb.get("cooldownUntil")) or 0.0,
                    last=status.get("lastSwitch"), target=rb.get("targetPrefill"),
-                   decision=status.get("lastDecision"))
+                   decision=status.get("lastDecision"), sizes=rb.get("groupSizes"))

@@ -232,7 +232,9 @@ async def one_request(http: httpx.AsyncClient, fleet: Fleet, rng: random.Random,
         decode_sent = time.monotonic()
         body, why = await _post(http, f"{d['url']}/v1/decode", {
             "req_id": req_id, "prompt_cluster_id": p["cluster_id"], "prompt_tokens": prompt,
-            "output_tokens": output, "prompt_agent_url": p["url"]})
+            "output_tokens": output, "prompt_agent_url": p["url"],
+            # so the decoder records the whole TTFT (queue and prefill included)
+            "prefill_ms": round((decode_sent - t0) * 1000, 3)})
         if not why:
             break
         if not retryable(why):

@@ -152,3 +152,18 @@ def test_kubectl_pdd_verify_and_status(cluster: Cluster, served):
     assert r.returncode == 1
     assert "FAIL" in r.stdout and "<- sim-small-prefill-0" in r.stdout
     assert "HTTP 401" in r.stdout and "key is missing or wrong" in r.stdout
+
+
+def test_slo_policy_reads_the_gateway(cluster: Cluster, served):
+    """Where a gateway is deployed, the SLO policy decides on the client-side percentiles it serves."""
+    ns, url = served
+    load = Load(cluster, ns, duration=300, gateway=url, api_key=KEY)
+    cluster.kubectl("patch", "pdd", "sim-small", "-n", ns, "--type=merge", "-p", json.dumps({"spec": {"rebalance": {
+        "policy": "SLO", "manual": None, "targets": {"ttftP90Ms": 60000, "tbtP90Ms": 60000},
+        "evaluationIntervalSeconds": 2}}}))
+    d = wait_for("an SLO decision on the gateway's numbers", lambda: (x := pdd(cluster, ns)["status"].get(
+        "lastDecision") or {}).get("numbers", {}).get("source") == "gateway" and x, timeout=60)
+    load.stop()
+    print(f"\nSLO decision: {d}")
+    assert d["policy"] == "SLO" and d["reason"] == "WithinTargets"
+    assert float(d["numbers"]["ttftP90Ms"]) > 0

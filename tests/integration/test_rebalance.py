@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tests.conftest import Cluster, wait_for
-from tests.integration.conftest import pdd, sample, wait_phase
+from tests.integration.conftest import events, pdd, sample, wait_phase
 from tests.integration.switch_helpers import parse_time
 from tests.integration.test_traffic import TRAFFIC_SPEC, Load, settled
 
@@ -151,3 +151,38 @@ def test_kubectl_scale_under_load(cluster: Cluster, namespace: str, operator):
     assert s["failed"] == 0, s["failed_by_reason"]
     sts = {x["metadata"]["name"]: x["spec"]["replicas"] for x in cluster.get_json("statefulsets", "-n", ns)["items"]}
     assert sts == {"sim-small-prefill": 2, "sim-small-decoder": 2}
+
+
+def test_replace_moves_replicas_and_loses_no_request(cluster: Cluster, namespace: str, operator):
+    """method: Replace, for engines that cannot switch: the groups' sizes move by one (a new pod
+    first, then one of the other group drains and goes), under load."""
+    from tests.integration.test_switching import set_prefill
+    ns = namespace
+    cluster.apply(sample(**TRAFFIC_SPEC, rebalance={"policy": "Manual", "manual": {"prefill": 2},
+                                                    "method": "Replace", "cooldownSeconds": 0}), ns)
+    settled(cluster, ns, "4/4", 4)
+    sts = lambda: {x["metadata"]["name"].rsplit("-", 1)[1]: x["spec"]["replicas"]  # noqa: E731
+                   for x in cluster.get_json("statefulsets", "-n", ns)["items"]}
+    load = Load(cluster, ns, duration=300)
+    time.sleep(3)
+    t0 = time.monotonic()
+    set_prefill(cluster, ns, 3)
+    settled(cluster, ns, "3/3", 4)
+    wait_for("prefill 3, decoder 1", lambda: sts() == {"prefill": 3, "decoder": 1}, timeout=30)
+    up = time.monotonic() - t0
+    assert pdd(cluster, ns)["status"]["rebalance"]["groupSizes"] == {"prefill": 3, "decoder": 1}
+    # drift repair keeps the decision
+    cluster.kubectl("scale", "statefulset", "sim-small-decoder", "-n", ns, "--replicas=2")
+    wait_for("the decided size back", lambda: sts() == {"prefill": 3, "decoder": 1}, timeout=30)
+    settled(cluster, ns, "3/3", 4)
+    t0 = time.monotonic()
+    set_prefill(cluster, ns, 2)
+    settled(cluster, ns, "4/4", 4)
+    wait_for("prefill 2, decoder 2", lambda: sts() == {"prefill": 2, "decoder": 2}, timeout=30)
+    down = time.monotonic() - t0
+    time.sleep(2)
+    s = load.stop()
+    print(f"\nReplace 2->3 in {up:.1f}s, 3->2 in {down:.1f}s; load {json.dumps(s)}")
+    assert s["failed"] == 0, s["failed_by_reason"]
+    reasons = [e["reason"] for e in events(cluster, ns)]
+    assert "RebalanceDecision" in reasons and "Switched" not in reasons

@@ -130,3 +130,29 @@ def test_scale_spreads_the_total_over_the_groups(p, d, total, want):
     s = parse_spec({**BASE, "prefill": {"replicas": p}, "decoder": {"replicas": d},
                     **({"replicas": total} if total else {})})
     assert (s.group_sizes()["prefill"], s.group_sizes()["decoder"]) == want and s.total == sum(want)
+
+
+def test_replace_grows_then_shrinks_within_min_counts():
+    from pd_operator import replace
+    from pd_operator.switch import Limits
+    lim = Limits()
+    new, d = replace.plan({"prefill": 2, "decoder": 2}, 3, lim, 100.0, None, "Manual")
+    assert new == {"prefill": 3, "decoder": 2, "growing": "prefill"} and d.reason == "Replacing"
+    keep, d = replace.plan(new, 3, lim, 101.0, "pods not ready: x-prefill-2", "Manual")
+    assert keep is None and "starting" in d.message
+    done, d = replace.plan(new, 3, lim, 102.0, None, "Manual")
+    assert done == {"prefill": 3, "decoder": 1} and "removing one decoder" in d.message
+    assert replace.plan(done, 3, lim, 103.0, None, "m")[1].reason == "AtTarget"
+    assert replace.plan(done, 4, lim, 103.0, None, "m")[1].reason == "MinCount"
+    assert replace.plan(done, 2, Limits(cooldown_until=200), 103.0, None, "m")[1].reason == "Cooldown"
+    back, _ = replace.plan(done, 2, lim, 300.0, None, "m")
+    assert back == {"prefill": 3, "decoder": 2, "growing": "decoder"}
+
+
+def test_replace_sizes_are_a_function_of_spec_and_record():
+    s = spec("Manual", manual={"prefill": 2}, method="Replace")
+    assert s.group_sizes({"prefill": 4, "decoder": 2}) == {"prefill": 4, "decoder": 2}
+    assert s.group_sizes({"prefill": 4, "decoder": 3, "growing": "prefill"}) == {"prefill": 4, "decoder": 3}
+    assert s.group_sizes({"prefill": 5, "decoder": 3}) == {"prefill": 3, "decoder": 3}, "a stale record is dropped"
+    assert spec("Manual", manual={"prefill": 2}).group_sizes({"prefill": 4, "decoder": 2}) == \
+        {"prefill": 3, "decoder": 3}, "method Switch ignores it"
