@@ -55,6 +55,41 @@ def arrival_times(kind: str, duration: float, rng: random.Random, rate: float = 
             out.append(t)
 
 
+def read_trace(lines, speed: float = 1.0, max_prompt: int | None = None, max_output: int | None = None
+               ) -> list[tuple[float, int, int]]:
+    """A trace in the Mooncake JSON-lines format (`timestamp` in ms, `input_length`,
+    `output_length`; other fields such as `hash_ids` ignored) as (seconds from the first
+    request / speed, prompt tokens, output tokens), in time order."""
+    rows = []
+    for n, line in enumerate(lines, 1):
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            r = json.loads(line)
+            rows.append((float(r["timestamp"]), int(r["input_length"]), int(r["output_length"])))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"trace line {n}: {e}: expected timestamp (ms), input_length, output_length") from e
+    rows.sort()
+    if not rows:
+        return []
+    t0 = rows[0][0]
+    cap = lambda v, c: max(1, min(v, c)) if c else max(1, v)  # noqa: E731
+    return [((ts - t0) / 1000 / speed, cap(p, max_prompt), cap(o, max_output)) for ts, p, o in rows]
+
+
+def request_plan(args: argparse.Namespace, rng: random.Random) -> list[tuple[float, int, int]]:
+    """(send at, prompt tokens, output tokens) per request: from --trace, or the synthetic shapes."""
+    if args.trace:
+        with open(args.trace) as f:
+            plan = read_trace(f, args.trace_speed, args.max_prompt, args.max_output)
+        return [r for r in plan if r[0] < args.duration] if args.duration else plan
+    times = arrival_times(args.arrival, args.duration, rng, args.rate, args.rate_min, args.rate_max, args.period)
+    p_mean, o_mean = WORKLOADS[args.workload]
+    return [(t, sample_length(p_mean, rng, args.max_prompt), sample_length(o_mean, rng, args.max_output))
+            for t in times]
+
+
 def sample_length(mean: float, rng: random.Random, cap: int, sigma: float = 0.8) -> int:
     mu = math.log(mean) - sigma * sigma / 2  # lognormal with the given mean
     return max(1, min(cap, int(rng.lognormvariate(mu, sigma))))
@@ -299,9 +334,7 @@ async def run(args: argparse.Namespace) -> Summary:
             discover = lambda: args.agent + find()  # noqa: E731
         fleet = Fleet(args.agent, http, discover)
         await fleet.refresh()
-        times = arrival_times(args.arrival, args.duration, rng, args.rate, args.rate_min, args.rate_max,
-                              args.period)
-        p_mean, o_mean = WORKLOADS[args.workload]
+        plan = request_plan(args, rng)
         base_id = rng.getrandbits(40) << 20
         start = time.monotonic()
         tasks = []
@@ -312,12 +345,11 @@ async def run(args: argparse.Namespace) -> Summary:
                 await fleet.refresh()
         ref = asyncio.create_task(refresher())
         stop = _stop_event()
-        for i, t in enumerate(times):
+        for i, (t, prompt, output) in enumerate(plan):
             if await _until(stop, start + t):
                 break
-            tasks.append(asyncio.create_task(one_request(
-                http, fleet, rng, base_id + i, sample_length(p_mean, rng, args.max_prompt),
-                sample_length(o_mean, rng, args.max_output), args.retry_window)))
+            tasks.append(asyncio.create_task(one_request(http, fleet, rng, base_id + i, prompt, output,
+                                                         args.retry_window)))
         results = await asyncio.gather(*tasks)
         ref.cancel()
         return summarize(list(results), time.monotonic() - start, args.slo_ttft_ms, args.slo_tbt_ms)
@@ -332,17 +364,14 @@ async def _run_gateway(args: argparse.Namespace, http: httpx.AsyncClient, rng: r
         r = await http.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {args.api_key}"})
         r.raise_for_status()
         model = r.json()["data"][0]["id"]
-    times = arrival_times(args.arrival, args.duration, rng, args.rate, args.rate_min, args.rate_max, args.period)
-    p_mean, o_mean = WORKLOADS[args.workload]
+    plan = request_plan(args, rng)
     start = time.monotonic()
     stop = _stop_event()
     tasks = []
-    for t in times:
+    for t, prompt, output in plan:
         if await _until(stop, start + t):
             break
-        tasks.append(asyncio.create_task(gateway_request(
-            http, url, args.api_key, model, sample_length(p_mean, rng, args.max_prompt),
-            sample_length(o_mean, rng, args.max_output))))
+        tasks.append(asyncio.create_task(gateway_request(http, url, args.api_key, model, prompt, output)))
     results = await asyncio.gather(*tasks)
     return summarize(list(results), time.monotonic() - start, args.slo_ttft_ms, args.slo_tbt_ms)
 
@@ -401,6 +430,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--retry-window", type=float, default=10.0,
                     help="seconds a refused request (draining pod, no linked pair) keeps trying other pairs")
+    ap.add_argument("--trace", default=None, help="replay a JSON-lines trace (timestamp ms, input_length, "
+                    "output_length: the Mooncake format) instead of the synthetic arrivals; --duration 0 plays it all")
+    ap.add_argument("--trace-speed", type=float, default=1.0, help="play the trace this many times faster")
     ap.add_argument("--gateway", default=None, help="send OpenAI streaming requests through pd-gateway at this URL")
     ap.add_argument("--api-key", default=os.environ.get("PD_GATEWAY_API_KEY"), help="the gateway's API key")
     ap.add_argument("--model", default=None, help="model id (default: the gateway's /v1/models)")
