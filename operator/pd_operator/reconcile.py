@@ -24,7 +24,7 @@ import time
 
 from dataclasses import replace
 
-from . import act, children as ch, links as lk, observe, policies, rebalance as rb, replace, switch as sw_
+from . import act, children as ch, links as lk, observe, policies, rebalance as rb, replace as rp, switch as sw_
 from .agentclient import AgentClient
 from .api import GROUP, KIND, VERSION, PDDeploymentSpec, parse_spec
 from .builders import LABEL_DEPLOYMENT, desired_children, owner_reference, token_secret_name
@@ -273,6 +273,16 @@ class Controller:
         return out
 
     @staticmethod
+    def _ask_always(spec: PDDeploymentSpec, book: sw_.Book, engines: list[lk.Engine]) -> set[str]:
+        """Switching pods every pass; everyone when a Load or SLO evaluation is due, so it
+        decides on fresh signals rather than on reports up to SETTLED_POLL_S old."""
+        pods = {s.pod for s in book.switches}
+        rb_ = spec.rebalance
+        if rb_ is not None and rb_.policy in ("Load", "SLO") and time.time() >= book.next_evaluation:
+            pods |= {e.pod for e in engines}
+        return pods
+
+    @staticmethod
     def _to_ask(mem: Memory, engines: list[lk.Engine], now: float, always: set[str] = frozenset()) -> set[str]:
         """Members to ask this pass: any whose pod changed, that is not settled (not linked yet,
         leaving, never asked), or whose settled interval is over. A large deployment coming up
@@ -314,7 +324,7 @@ class Controller:
                        topology=spec.datadist.topology, selector=f"{LABEL_DEPLOYMENT}={name}")
         if token:
             reports = await observe.gather(engines, self.agents, token, mem.agent_backoff, now, mem.limiter,
-                                           only=self._to_ask(mem, engines, now, {s.pod for s in book.switches}))
+                                           only=self._to_ask(mem, engines, now, self._ask_always(spec, book, engines)))
             if any(r.error is not None and r.error.kind == "AgentUnauthorized" for r in reports.values()):
                 mem.token_read_at = 0.0  # the Secret may have been rotated: read it again next pass
         else:
@@ -512,7 +522,7 @@ class Controller:
             if spec.rebalance.method == "Replace":
                 sizes = {**spec.group_sizes(book.sizes), **({"growing": book.sizes["growing"]}
                                                             if book.sizes and book.sizes.get("growing") else {})}
-                new, decision = replace.plan(sizes, target, lim, wall, unsettled, why)
+                new, decision = rp.plan(sizes, target, lim, wall, unsettled, why)
                 if new is not None:
                     if not new.get("growing"):
                         book.cooldown_until = wall + spec.rebalance.cooldown_seconds

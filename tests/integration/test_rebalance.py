@@ -69,9 +69,9 @@ def test_load_policy_follows_a_shifting_workload(cluster: Cluster, namespace: st
     wait_phase(cluster, ns, "Ready", timeout=120, extra=lambda o: o["status"]["linksSummary"] == "4/4")
     w = Watcher(cluster, ns)
     try:
-        # prompt-heavy: 2k-token prompts at 12/s are more than two prefills compute; short outputs
+        # prompt-heavy: 2k-token prompts at 16/s are far more than two prefills compute; short outputs
         t1 = now_iso()
-        load = Load(cluster, ns, duration=300, rate=12, workload="code", max_output=8)
+        load = Load(cluster, ns, duration=300, rate=16, workload="code", max_output=8)
         o = wait_for("a third prefill", lambda: (x := pdd(cluster, ns))["status"].get("prefill") == 3
                      and x["status"]["phase"] == "Ready" and x, timeout=90)
         first = next(d for d in w.evaluations_since(t1) if d["reason"] == "PrefillBound")
