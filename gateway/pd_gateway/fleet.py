@@ -132,6 +132,8 @@ async def generate(fleet: Fleet, req_id: int, prompt_tokens: int, output_tokens:
     avoid: set[str] = set()
 
     def refuse(reason: str, url: str | None) -> None:
+        if url is None and reason in attempt.refusals:
+            return  # waiting for a pair is counted once per request, however long it waits
         attempt.refusals[reason] = attempt.refusals.get(reason, 0) + 1
         if url:
             avoid.add(url)

@@ -56,13 +56,17 @@ class Config:
                    max_output_tokens=int(env.get("PD_GATEWAY_MAX_OUTPUT_TOKENS", MAX_OUTPUT_TOKENS)))
 
 
-def pod_finder(namespace: str, deployment: str) -> Callable[[], list[dict]]:
+def pod_finder(namespace: str, deployment: str, kubeconfig: str | None = None) -> Callable[[], list[dict]]:
+    """() -> the deployment's engine pods (name, ip, role label, leaving), listed afresh each call."""
     from kubernetes import client, config
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
-    api = client.CoreV1Api()
+    if kubeconfig:
+        api = client.CoreV1Api(config.new_client_from_config(config_file=kubeconfig))
+    else:
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            config.load_kube_config()
+        api = client.CoreV1Api()
 
     def find() -> list[dict]:
         pods = api.list_namespaced_pod(namespace, label_selector=f"pdoperator.io/deployment={deployment}",

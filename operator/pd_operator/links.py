@@ -196,10 +196,14 @@ def per_decoder(engines: list[Engine], reported: dict[str, list[dict]],
     return out
 
 
+def totals(per: dict[str, tuple[int, int, list[dict]]]) -> tuple[int, int]:
+    """(expected, up) summed over a per_decoder result."""
+    return sum(e for e, _, _ in per.values()), sum(u for _, u, _ in per.values())
+
+
 def counts(engines: list[Engine], reported: dict[str, list[dict]], topology: str = "FullMesh") -> tuple[int, int]:
     """(expected, up) over desired links."""
-    per = per_decoder(engines, reported, topology).values()
-    return sum(e for e, _, _ in per), sum(u for _, u, _ in per)
+    return totals(per_decoder(engines, reported, topology))
 
 
 def completes(engines: list[Engine], reported: dict[str, list[dict]], plans: list[DecoderPlan],

@@ -82,7 +82,7 @@ def spec_changes(old: dict | None, new: dict, prefix: str = "spec") -> list[str]
 def verify_due(engines: list[lk.Engine], reported: dict[str, list[dict]], per: dict[str, tuple[int, int, list]],
                mem: Memory, now: float, interval_s: float) -> list[tuple[lk.Engine, lk.Engine]]:
     """Verify when every desired link is up and either the link set changed or the interval passed."""
-    expected, up = sum(e for e, _, _ in per.values()), sum(u for _, u, _ in per.values())
+    expected, up = lk.totals(per)
     if not expected or up != expected:
         return []
     link_set = frozenset((d, l["cluster_id"]) for d, ls in reported.items() for l in ls)
@@ -343,14 +343,16 @@ class Controller:
 
         # rebalance: switches in flight advance on what this pass observed; maybe one starts
         wall = time.time()
+        steps = [(s.pod, s.step) for s in book.switches]
+        mesh, want_map, per = self._mesh(engines, book, obs, spec)
         switch_intents, started, outcomes = self._advance_switches(spec, mem, book, all_pods, engines, obs, reports,
-                                                                   wall)
-        # the link planner sees switching pods by their engine's role and step
-        engines = rb.mesh(engines, book.switches)
-
-        # the desired mesh and its per-decoder counts, computed once for the whole pass
-        want_map = lk.desired(engines, spec.datadist.topology)
-        obs.per_decoder = per = lk.per_decoder(engines, obs.reported, spec.datadist.topology)
+                                                                   wall, mesh, want_map, per)
+        # the link planner sees switching pods by their engine's role and step: the mesh is
+        # worked out again only if a switch moved (most passes have none)
+        if [(s.pod, s.step) for s in book.switches] != steps:
+            mesh, want_map, per = self._mesh(engines, book, obs, spec)
+        engines = mesh
+        obs.per_decoder = per
         obs.switches, obs.last_switch, obs.last_decision = list(book.switches), book.last, book.decision
         obs.cooldown_until = sw_.iso(book.cooldown_until) if book.cooldown_until else None
         obs.group_sizes = book.sizes if spec.rebalance is not None and spec.rebalance.method == "Replace" else None
@@ -463,16 +465,22 @@ class Controller:
             return min(NOT_READY_RESYNC_S, retry) if retry is not None else NOT_READY_RESYNC_S
         return min(RESYNC_S, max(0.5, mem.next_verify - time.monotonic()))
 
+    @staticmethod
+    def _mesh(engines: list[lk.Engine], book: sw_.Book, obs: Observed, spec: PDDeploymentSpec
+              ) -> tuple[list[lk.Engine], dict, dict]:
+        """The engines as the link planner sees them, the desired links and per-decoder counts."""
+        mesh = rb.mesh(engines, book.switches)
+        topo = spec.datadist.topology
+        return mesh, lk.desired(mesh, topo), lk.per_decoder(mesh, obs.reported, topo)
+
     def _advance_switches(self, spec: PDDeploymentSpec, mem: Memory, book: sw_.Book, pods: list[dict],
-                          engines: list[lk.Engine], obs: Observed, reports: dict, wall: float
+                          engines: list[lk.Engine], obs: Observed, reports: dict, wall: float,
+                          mesh: list[lk.Engine], want: dict, per: dict
                           ) -> tuple[list[sw_.Intent], list[sw_.Switch], list[sw_.Outcome]]:
         """Decide (pure calls): advance each switch in flight, start one if the policy wants a
         different prefill count, and repair pods whose label disagrees with their engine."""
-        topo = spec.datadist.topology
         pods_by_name = {p["metadata"]["name"]: p for p in pods}
         by_pod = {e.pod: e for e in engines}
-        mesh = rb.mesh(engines, book.switches)
-        want, per = lk.desired(mesh, topo), lk.per_decoder(mesh, obs.reported, topo)
 
         def view(s: sw_.Switch) -> sw_.View:
             e = by_pod.get(s.pod)
@@ -569,7 +577,7 @@ class Controller:
             return f"pods not ready: {', '.join(waiting[:5])}"
         if obs.agent_errors:
             return f"agents not answering: {', '.join(sorted(obs.agent_errors)[:5])}"
-        expected, up = sum(e for e, _, _ in per.values()), sum(u for _, u, _ in per.values())
+        expected, up = lk.totals(per)
         if up < expected or mem.failures:
             return f"links {up}/{expected} up"
         return None

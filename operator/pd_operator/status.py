@@ -110,8 +110,7 @@ def build_status(spec: PDDeploymentSpec, obs: Observed, previous: dict | None) -
     live = obs.pods
     ready = [p for p in live if pod_ready(p)]
     per = obs.per_decoder if obs.per_decoder is not None else lk.per_decoder(obs.engines, obs.reported, obs.topology)
-    expected = sum(e for e, _, _ in per.values())
-    up = sum(u for _, u, _ in per.values())
+    expected, up = lk.totals(per)
     failures_by_decoder: dict[str, list[tuple[int, str]]] = {}
     for (dpod, cid), (code, _) in obs.link_failures.items():
         failures_by_decoder.setdefault(dpod, []).append((cid, code))

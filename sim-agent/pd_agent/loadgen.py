@@ -30,6 +30,9 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
+from pd_gateway.fleet import Attempt, EngineError, Fleet, Unavailable, generate
+from pd_gateway.server import fixed_finder, pod_finder
+
 WORKLOADS = {"chat": (1155, 211), "code": (2048, 28)}  # (prompt mean, output mean)
 
 
@@ -111,14 +114,6 @@ class Result:
     refusals: dict[str, int] = field(default_factory=dict)  # refused before any token, by reason
 
 
-# Refusals that happen before a request produced anything: safe to send elsewhere.
-RETRYABLE = frozenset({"DRAINING", "ROLE_CHANGED", "NoLinkedPair", "ConnectError", "ConnectTimeout", "RemoteProtocolError"})
-
-
-def retryable(reason: str) -> bool:
-    return reason in RETRYABLE
-
-
 @dataclass
 class Summary:
     requests: int
@@ -159,131 +154,24 @@ def summarize(results: list[Result], duration_s: float, slo_ttft_ms: float, slo_
 
 # ---- I/O -----------------------------------------------------------------------------------
 
-class Fleet:
-    """The agents and who is linked to whom, refreshed from /v1/status."""
-
-    def __init__(self, urls: list[str], http: httpx.AsyncClient, discover=None):
-        self.urls = urls
-        self.http = http
-        self.discover = discover   # () -> agent URLs, re-read so pods that come and go are followed
-        self.prefills: list[dict] = []
-        self.decoders: list[dict] = []
-
-    async def refresh(self) -> None:
-        if self.discover is not None:
-            try:
-                self.urls = await asyncio.to_thread(self.discover)
-            except Exception as e:  # noqa: BLE001 - keep the last list; the API server may be restarting
-                print(f"loadgen: discovery failed, keeping {len(self.urls)} agents: {e}", file=sys.stderr)
-        async def one(url):
-            try:
-                st = (await self.http.get(f"{url}/v1/status")).json()
-                st["url"] = url
-                return st
-            except (httpx.HTTPError, ValueError):
-                return None
-        sts = [s for s in await asyncio.gather(*(one(u) for u in self.urls)) if s and s.get("initialized")]
-        self.prefills = [s for s in sts if s["role"] == "prompt" and not s["draining"]]
-        self.decoders = [s for s in sts if s["role"] == "decoder" and not s["draining"]]
-
-    def linked(self, p: dict, d: dict) -> bool:
-        return any(l["cluster_id"] == p["cluster_id"] and l.get("healthy", l["code"] == "LLM_SUCCESS")
-                   for l in d["links"])
-
-    def pick(self, rng: random.Random, avoid: set[str] = frozenset()) -> tuple[dict, dict] | None:
-        pairs = [(p, d) for p in self.prefills for d in self.decoders
-                 if p["url"] not in avoid and d["url"] not in avoid and self.linked(p, d)]
-        if not pairs:
-            return None
-        load = lambda s: s["load"]["queue_depth"] + s["load"]["running"]  # noqa: E731
-        best_p = min(load(p) for p, _ in pairs)
-        pairs = [(p, d) for p, d in pairs if load(p) == best_p]
-        return rng.choice(pairs)
-
-    def decoder_for(self, rng: random.Random, p: dict, avoid: set[str]) -> dict | None:
-        ds = [d for d in self.decoders if d["url"] not in avoid and self.linked(p, d)]
-        return rng.choice(ds) if ds else None
-
-    def refused(self, url: str) -> None:
-        """A pod said it is draining (or is gone): stop choosing it until it says otherwise."""
-        self.prefills = [s for s in self.prefills if s["url"] != url]
-        self.decoders = [s for s in self.decoders if s["url"] != url]
-
-
-async def _post(http: httpx.AsyncClient, url: str, body: dict) -> tuple[dict | None, str]:
-    """(body, "") on 200, else (None, reason)."""
-    try:
-        r = await http.post(url, json=body)
-    except httpx.HTTPError as e:
-        return None, type(e).__name__
-    if r.status_code != 200:
-        try:
-            return None, r.json().get("code", str(r.status_code))
-        except ValueError:
-            return None, str(r.status_code)
-    return r.json(), ""
-
-
-async def one_request(http: httpx.AsyncClient, fleet: Fleet, rng: random.Random, req_id: int,
-                      prompt: int, output: int, retry_window: float = 10.0) -> Result:
+async def direct_request(fleet: Fleet, req_id: int, prompt: int, output: int, retry_window: float = 10.0) -> Result:
+    """One request routed to the agents as pd-gateway routes it (pd_gateway.fleet.generate: a
+    prefill, then a streamed decode on a decoder linked to it, refusals before the first token
+    retried elsewhere); TTFT and TBT measured here, as the tokens arrive."""
     t0 = time.monotonic()
-    deadline = t0 + retry_window
-    refusals: dict[str, int] = {}
-    avoid: set[str] = set()
-
-    def refuse(reason: str, url: str | None) -> None:
-        refusals[reason] = refusals.get(reason, 0) + 1
-        if url:
-            avoid.add(url)
-            fleet.refused(url)
-
-    async def backoff() -> bool:
-        if time.monotonic() >= deadline:
-            return False
-        await asyncio.sleep(0.1)
-        return True
-
-    # prefill: on any pair that admits it
-    while True:
-        pair = fleet.pick(rng, avoid)
-        if pair is None:
-            if "NoLinkedPair" not in refusals:  # once per request, however long it waits
-                refuse("NoLinkedPair", None)
-            if await backoff():
-                avoid.clear()  # the fleet view was refreshed meanwhile
-                continue
-            return Result(ok=False, reason="NoLinkedPair", refusals=refusals)
-        p, d = pair
-        _, why = await _post(http, f"{p['url']}/v1/prefill", {"req_id": req_id, "prompt_tokens": prompt})
-        if not why:
-            break
-        if not retryable(why):
-            return Result(ok=False, reason=why, refusals=refusals)
-        refuse(why, p["url"])
-        if not await backoff():
-            return Result(ok=False, reason=why, refusals=refusals)
-    # decode: the cache lives on p, so only decoders linked to p can take it
-    while True:
-        decode_sent = time.monotonic()
-        body, why = await _post(http, f"{d['url']}/v1/decode", {
-            "req_id": req_id, "prompt_cluster_id": p["cluster_id"], "prompt_tokens": prompt,
-            "output_tokens": output, "prompt_agent_url": p["url"],
-            # so the decoder records the whole TTFT (queue and prefill included)
-            "prefill_ms": round((decode_sent - t0) * 1000, 3)})
-        if not why:
-            break
-        if not retryable(why):
-            return Result(ok=False, reason=why, refusals=refusals)
-        refuse(why, d["url"])
-        nxt = None
-        while nxt is None:
-            nxt = fleet.decoder_for(rng, p, avoid)
-            if nxt is None and not await backoff():
-                return Result(ok=False, reason="NoDecoderForCache", refusals=refusals)
-        d = nxt
-    # first_token_ms is counted by the decoder from the moment it took the request
-    ttft = (decode_sent - t0) * 1000 + body["first_token_ms"]
-    return Result(ok=True, ttft_ms=ttft, tbt_ms=body["tbt_ms_mean"], refusals=refusals)
+    attempt = Attempt()
+    times: list[float] = []
+    try:
+        async for msg in generate(fleet, req_id, prompt, output, attempt, retry_window):
+            if "token" in msg:
+                times.append(time.monotonic())
+    except Unavailable as e:
+        return Result(ok=False, reason=e.reason, refusals=attempt.refusals)
+    except EngineError as e:
+        return Result(ok=False, reason=e.code, refusals=attempt.refusals)
+    gaps = [(b - a) * 1000 for a, b in zip(times, times[1:])]
+    return Result(ok=True, ttft_ms=(times[0] - t0) * 1000, tbt_ms=sum(gaps) / len(gaps) if gaps else 0.0,
+                  refusals=attempt.refusals)
 
 
 async def gateway_request(http: httpx.AsyncClient, url: str, key: str, model: str, prompt: int,
@@ -328,28 +216,22 @@ async def run(args: argparse.Namespace) -> Summary:
                                  limits=httpx.Limits(max_connections=1000)) as http:
         if args.gateway:
             return await _run_gateway(args, http, rng)
-        discover = None
+        find = fixed_finder(args.agent)
         if args.deployment:
-            find = agent_finder(args.kubeconfig, args.namespace, args.deployment)
-            discover = lambda: args.agent + find()  # noqa: E731
-        fleet = Fleet(args.agent, http, discover)
+            pods = pod_finder(args.namespace, args.deployment, args.kubeconfig)
+            find = lambda: fixed_finder(args.agent)() + pods()  # noqa: E731
+        fleet = Fleet(http, args.token, find)
         await fleet.refresh()
         plan = request_plan(args, rng)
         base_id = rng.getrandbits(40) << 20
         start = time.monotonic()
         tasks = []
-
-        async def refresher():
-            while True:
-                await asyncio.sleep(1)
-                await fleet.refresh()
-        ref = asyncio.create_task(refresher())
+        ref = asyncio.create_task(fleet.run(1.0))
         stop = _stop_event()
         for i, (t, prompt, output) in enumerate(plan):
             if await _until(stop, start + t):
                 break
-            tasks.append(asyncio.create_task(one_request(http, fleet, rng, base_id + i, prompt, output,
-                                                         args.retry_window)))
+            tasks.append(asyncio.create_task(direct_request(fleet, base_id + i, prompt, output, args.retry_window)))
         results = await asyncio.gather(*tasks)
         ref.cancel()
         return summarize(list(results), time.monotonic() - start, args.slo_ttft_ms, args.slo_tbt_ms)
@@ -394,18 +276,6 @@ async def _until(stop: asyncio.Event, when: float) -> bool:
         except asyncio.TimeoutError:
             pass
     return stop.is_set()
-
-
-def agent_finder(kubeconfig: str | None, namespace: str, deployment: str):
-    """() -> the agent URLs of the deployment's pods, listed afresh on each call."""
-    from kubernetes import client, config
-    api = client.CoreV1Api(config.new_client_from_config(config_file=kubeconfig))
-
-    def find() -> list[str]:
-        pods = api.list_namespaced_pod(namespace, label_selector=f"pdoperator.io/deployment={deployment}",
-                                       _request_timeout=5).items
-        return [f"http://{p.status.pod_ip}:8080" for p in pods if p.status.pod_ip]
-    return find
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -69,8 +69,10 @@ def test_summary_counts_refusals_apart_from_failures():
 
 
 def test_only_refusals_before_any_token_are_retried():
-    from pd_agent.loadgen import retryable
+    from pd_gateway.fleet import RETRYABLE
+    retryable = RETRYABLE.__contains__
     assert retryable("DRAINING") and retryable("ConnectError") and retryable("NoLinkedPair")
+    assert retryable("ROLE_CHANGED")
     # a data-path error after admission is a failure, never hidden by a retry
     for code in ("LLM_NOT_YET_LINK", "LLM_WAIT_PROCESS_TIMEOUT", "LLM_KV_CACHE_NOT_EXIST", "ReadTimeout"):
         assert not retryable(code)
