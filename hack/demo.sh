@@ -30,7 +30,8 @@ step "events"
   --sort-by=.lastTimestamp -o custom-columns=TYPE:.type,REASON:.reason,MESSAGE:.message | tail -n 8
 
 step "10 s of simulated chat traffic through the linked pairs"
-token=$("$kubectl" -n pd-demo get secret sim-small-agent-token -o jsonpath='{.data.token}' | base64 -d)
+# the routers' (data-scope) token: status, prefill and decode only
+token=$("$kubectl" -n pd-demo get secret sim-small-agent-data-token -o jsonpath='{.data.token}' | base64 -d)
 "$PY" -m pd_agent.loadgen --kubeconfig "$KUBECONFIG" --namespace pd-demo --deployment sim-small \
   --token "$token" --rate 8 --duration 10 --max-prompt 1024 --max-output 32
 echo

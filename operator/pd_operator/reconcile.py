@@ -514,7 +514,8 @@ class Controller:
         if spec.rebalance is not None:
             cands = rb.candidates(engines, kept, set(mem.switch_refused))
             current = sw_.prefill_count(cands)
-            sig = rb.signals(mesh, mem.reports, mem.reported_at, time.monotonic(), mem.gateway_stats)
+            sig = rb.signals(mesh, mem.reports, mem.reported_at, time.monotonic(), mem.gateway_stats) \
+                if spec.rebalance.policy in ("Load", "SLO") else policies.Signals()
             verdict, changed = rb.decide_target(spec, book, sig, current, wall)
             if verdict is not None:
                 self.metrics.decisions.labels(spec.rebalance.policy, verdict.reason).inc()

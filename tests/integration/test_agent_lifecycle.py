@@ -118,11 +118,12 @@ async def test_loadgen_sends_refused_requests_elsewhere(agents):
     503 DRAINING; the request goes to another pair, and a decode refused after its prefill
     ran goes to another decoder linked to the same prefill."""
     import asyncio
-    import random
 
     import httpx
 
-    from pd_agent.loadgen import Fleet, one_request, summarize
+    from pd_agent.loadgen import direct_request, summarize
+    from pd_gateway.fleet import Fleet
+    from pd_gateway.server import fixed_finder
     from tests.agent_procs import TOKEN
     p1, p2 = await asyncio.gather(asyncio.to_thread(agents, "prompt", 0), asyncio.to_thread(agents, "prompt", 1))
     d1, d2 = await asyncio.gather(asyncio.to_thread(agents, "decoder", 1000),
@@ -130,13 +131,12 @@ async def test_loadgen_sends_refused_requests_elsewhere(agents):
     for d in (d1, d2):
         await asyncio.to_thread(d.post, "/v1/link", {"peers": [p1.peer(), p2.peer()]})
     async with httpx.AsyncClient(trust_env=False, headers={"Authorization": f"Bearer {TOKEN}"}) as http:
-        fleet = Fleet([p1.url, p2.url, d1.url, d2.url], http)
+        fleet = Fleet(http, TOKEN, fixed_finder([p1.url, p2.url, d1.url, d2.url]))
         await fleet.refresh()
         assert len(fleet.prefills) == 2 and len(fleet.decoders) == 2
         await http.post(f"{p1.url}/v1/drain", json={"timeout_s": 0})
         await http.post(f"{d1.url}/v1/drain", json={"timeout_s": 0})
-        rng = random.Random(2)
-        results = await asyncio.gather(*(one_request(http, fleet, rng, 500 + i, 64, 2) for i in range(12)))
+        results = await asyncio.gather(*(direct_request(fleet, 500 + i, 64, 2) for i in range(12)))
     s = summarize(list(results), 1.0, 1500, 80)
     assert s.failed == 0 and s.completed == 12, s
     assert s.retried >= 1 and s.refused_by_reason.get("DRAINING", 0) >= 1, s
