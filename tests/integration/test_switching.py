@@ -175,7 +175,9 @@ def test_switching_pod_restarted_mid_switch_comes_back_in_the_right_role(cluster
     assert obj["status"]["lastSwitch"]["pod"] == pod
     links_match_roles(cluster, ns)
 
-    # a prefill-role pod of the decoder group survives a container restart as a prefill
+    # a prefill-role pod of the decoder group survives a container restart as a prefill. This
+    # kill is not drained: requests whose KV cache waits on it when it dies may fail
+    before = agent_status(cluster, ns, pod)["load"]
     crash_container(cluster, ns, pod)
     wait_for(f"{pod} back", lambda: agent_status(cluster, ns, pod)["initialized"], timeout=30)
     assert agent_status(cluster, ns, pod)["role"] == "prompt"
@@ -202,9 +204,15 @@ def test_switching_pod_restarted_mid_switch_comes_back_in_the_right_role(cluster
     switched(cluster, ns, "decoder", last_at, "4/4")
     links_match_roles(cluster, ns)
     s = load.stop()
-    # the killed containers had nothing in flight (drained before each kill): nothing may fail
-    print(f"\ncontainer kills mid-switch: failed {s['failed']} {s['failed_by_reason']}")
-    assert s["failed"] == 0, s["failed_by_reason"]
+    # the kills mid-switch hit drained containers: nothing in flight there. The one undrained kill
+    # (a serving prefill) may fail the requests whose caches waited on it, and nothing else: only
+    # pulls from that prefill, at most what it held when it died (plus what arrived while the
+    # kill was being sent, a request or two at 7/s)
+    print(f"\ncontainer kills: failed {s['failed']} {s['failed_by_reason']}; the undrained prefill held "
+          f"{before['in_flight']} in flight and {before['pending_kv']} caches when killed")
+    assert set(s["failed_by_reason"]) <= {"LLM_WAIT_PROCESS_TIMEOUT", "LLM_LINK_FAILED", "LLM_NOT_YET_LINK",
+                                          "LLM_KV_CACHE_NOT_EXIST"}, s["failed_by_reason"]
+    assert s["failed"] <= before["in_flight"] + before["pending_kv"] + 2, s
 
 
 def test_drain_timeout_aborts_the_switch_and_fails_nothing(cluster: Cluster, namespace: str, operator):
