@@ -181,9 +181,13 @@ def test_missing_configmap_is_a_config_error(cluster: Cluster, namespace: str) -
         "spec": {"containers": [{"name": "main", "image": AGENT_IMAGE, "env": [
             {"name": "X", "valueFrom": {"configMapKeyRef": {"name": "absent", "key": "k"}}}]}]},
     }, namespace)
-    w = wait_for("CreateContainerConfigError", lambda: (
-        (cluster.get_json("pod", "nocm", "-n", namespace)["status"].get("containerStatuses") or [{}])[0]
-        .get("state", {}).get("waiting")))
+    # The first status the node writes is ContainerCreating; wait past it for the config error.
+    def waiting() -> dict | None:
+        cs = cluster.get_json("pod", "nocm", "-n", namespace)["status"].get("containerStatuses") or [{}]
+        w = cs[0].get("state", {}).get("waiting") or {}
+        return w if w.get("reason") not in (None, "ContainerCreating") else None
+
+    w = wait_for("CreateContainerConfigError", waiting)
     assert w["reason"] == "CreateContainerConfigError"
     assert "absent" in w["message"]
 
