@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 KUBECONFIG_LOCAL := $(CURDIR)/.localcluster/kubeconfig
 BIN_DIR = $(shell hack/k8s-bins/build.sh --print-dir)
 
-.PHONY: help venv k8s-bins cluster-up cluster-down test test-unit test-integration crd crd-check demo bench bench-sim bench-links bench-switch bench-gateway clean
+.PHONY: help venv k8s-bins cluster-up cluster-down test test-unit test-integration crd crd-check demo bench bench-sim bench-links bench-switch bench-gateway bench-rebalance bench-policy-sim clean
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
@@ -21,6 +21,11 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 venv: $(STAMP) ## create .venv with the project and its test extra
+
+BENCH_STAMP := $(VENV)/.bench-stamp
+$(BENCH_STAMP): $(STAMP)
+	$(VENV)/bin/pip install -q -e '.[test,bench]'
+	@touch $@
 
 k8s-bins: ## build etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, helm (cached)
 	@hack/k8s-bins/build.sh
@@ -57,6 +62,14 @@ bench-switch: venv k8s-bins ## one live role switch per direction under load: co
 
 bench-gateway: venv ## latency pd-gateway adds per request, and requests/s it routes on one core
 	$(PY) bench/bench_gateway.py
+
+bench-rebalance: $(BENCH_STAMP) k8s-bins ## live switching vs fixed ratios vs Replace on three traces (about 30 min; QUICK=1: a subset)
+	$(PY) bench/bench_rebalance.py $(if $(QUICK),--quick,) && \
+	$(if $(QUICK),true,$(PY) bench/bench_rebalance.py --compress 1 --traces shift --compare bench/results/rebalance.json) && \
+	$(PY) bench/bench_policy_sim.py --sizes 4 --compare bench/results/rebalance.json
+
+bench-policy-sim: venv ## the policies on a discrete-event model of 4, 32 and 256 engines (seconds per trace)
+	$(PY) bench/bench_policy_sim.py $(if $(wildcard bench/results/rebalance.json),--compare bench/results/rebalance.json,)
 
 bench: bench-sim bench-links bench-switch bench-gateway ## every benchmark
 

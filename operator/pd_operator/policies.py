@@ -10,10 +10,15 @@ and when; min counts are applied to every target here too (clamp_target).
   time zone that does not parse freezes the ratio with a reason naming it.
 - Load: prefill pressure (prefill busy fraction, queued requests per prefill) against decode
   pressure (running batch plus waiting decodes over the batch size): one more prefill when
-  prefills are pressed and decoders have room, one fewer in the reverse case. The high and
+  prefills are pressed and decoders have room, one fewer in the reverse case; a fleet of 16 or
+  more moves up to an eighth of its engines at once, towards the count that shares them by
+  each role's demand (`_step`). The high and
   low thresholds are apart (hysteresis), so a ratio that just moved does not move back.
-- SLO: TTFT p90 over target while TBT has headroom -> one more prefill; TBT over while TTFT
-  has headroom -> one fewer; both over -> CapacityExhausted (add replicas).
+- SLO: TTFT p90 over target while TBT has headroom -> one more prefill, unless the TTFT is
+  spent waiting for a decode slot (decoders full with a queue, prefills not pressed: one fewer,
+  since more prefills would only lengthen that queue) and holding when neither role queues
+  now (the percentiles still cover the time before the last change); TBT over while TTFT has headroom -> one
+  fewer; both over -> CapacityExhausted (add replicas).
 Signals older than `signalMaxAgeSeconds`, or missing, freeze the ratio instead of guessing."""
 from __future__ import annotations
 
@@ -126,12 +131,38 @@ def load(spec: PDDeploymentSpec, sig: Signals, current: int, total: int, limits:
     if prefill_pressed and decode_pressed:
         return Verdict(None, "CapacityExhausted", f"{text}: both roles are pressed; add replicas", nums)
     if prefill_pressed and decode_idle:
-        return _bounded(current + 1, total, limits, Verdict(current + 1, "PrefillBound", f"{text}: one more "
-                                                                                          f"prefill", nums))
+        n = _step(sig, current, total, +1)
+        return _bounded(current + n, total, limits, Verdict(current + n, "PrefillBound", f"{text}: {_more(n)}",
+                                                            nums))
     if decode_pressed and prefill_idle:
-        return _bounded(current - 1, total, limits, Verdict(current - 1, "DecodeBound", f"{text}: one fewer "
-                                                                                         f"prefill", nums))
+        n = _step(sig, current, total, -1)
+        return _bounded(current - n, total, limits, Verdict(current - n, "DecodeBound", f"{text}: {_fewer(n)}",
+                                                            nums))
     return Verdict(None, "Balanced", f"{text}: within thresholds", nums)
+
+
+def _more(n: int) -> str:
+    return "one more prefill" if n == 1 else f"{n} more prefills"
+
+
+def _fewer(n: int) -> str:
+    return "one fewer prefill" if n == 1 else f"{n} fewer prefills"
+
+
+def _step(sig: Signals, current: int, total: int, direction: int) -> int:
+    """How many engines to move in `direction`: one in a small fleet; in a large one, towards the
+    count that shares the engines by each role's demand (busy fraction plus queue per engine),
+    at most an eighth of the fleet per evaluation so an estimate off by a lot cannot swing it."""
+    cap = max(1, total // 8)
+    if cap == 1 or not sig.prefills or not sig.decoders:
+        return 1
+    batch = max(1, sig.decoders[0].max_batch)
+    p_dem = sum(min(2.0, p.busy + p.queue / batch) for p in sig.prefills)
+    d_dem = sum((d.running + d.waiting) / max(1, d.max_batch) for d in sig.decoders)
+    if p_dem + d_dem <= 0:
+        return 1
+    want = total * p_dem / (p_dem + d_dem)
+    return max(1, min(cap, round((want - current) * direction)))
 
 
 def slo(spec: PDDeploymentSpec, sig: Signals, current: int, total: int, limits: Limits) -> Verdict:
@@ -148,12 +179,45 @@ def slo(spec: PDDeploymentSpec, sig: Signals, current: int, total: int, limits: 
         return Verdict(None, "CapacityExhausted", f"{text}: both over target; switching cannot help, add replicas",
                        nums)
     if ttft > t.ttft_p90_ms and tbt <= HEADROOM * t.tbt_p90_ms:
-        return _bounded(current + 1, total, limits, Verdict(current + 1, "TTFTOverTarget",
-                                                            f"{text}: one more prefill", nums))
+        queued = _decode_queueing(spec, sig)
+        if queued:
+            # TTFT includes the wait for a decode slot: more prefills would only feed that queue
+            n = _step(sig, current, total, -1)
+            return _bounded(current - n, total, limits, Verdict(current - n, "DecodeQueueing",
+                                                                f"{text}, {queued}: {_fewer(n)}", nums))
+        if sig.prefills and not _prefill_queueing(spec, sig):
+            # the percentiles still hold requests from before the last change: wait for them to age out
+            return Verdict(None, "Settling", f"{text}, but neither role queues now; holding", nums)
+        n = _step(sig, current, total, +1)
+        return _bounded(current + n, total, limits, Verdict(current + n, "TTFTOverTarget",
+                                                            f"{text}: {_more(n)}", nums))
     if tbt > t.tbt_p90_ms and ttft <= HEADROOM * t.ttft_p90_ms:
         return _bounded(current - 1, total, limits, Verdict(current - 1, "TBTOverTarget",
                                                             f"{text}: one fewer prefill", nums))
     return Verdict(None, "WithinTargets", f"{text}", nums)
+
+
+def _decode_queueing(spec: PDDeploymentSpec, sig: Signals) -> str | None:
+    """Where TTFT goes to waiting for a decoder's batch slot (decoders full with a queue, the
+    prefills not pressed), said in words; None if the prefills are the wait or signals lack."""
+    if not sig.prefills or not sig.decoders:
+        return None
+    th = spec.rebalance.load
+    waiting = sum(d.waiting for d in sig.decoders) / len(sig.decoders)
+    d_busy = sum((d.running + d.waiting) / max(1, d.max_batch) for d in sig.decoders) / len(sig.decoders)
+    p_busy = sum(p.busy for p in sig.prefills) / len(sig.prefills)
+    p_queue = sum(p.queue for p in sig.prefills) / len(sig.prefills)
+    if waiting > 0 and d_busy >= th.decode_busy_high and p_busy < th.prefill_busy_high \
+            and p_queue < th.prefill_queue_high:
+        return f"{waiting:.1f} requests/decoder wait for a decode slot while prefills are {p_busy:.0%} busy"
+    return None
+
+
+def _prefill_queueing(spec: PDDeploymentSpec, sig: Signals) -> bool:
+    th = spec.rebalance.load
+    p_busy = sum(p.busy for p in sig.prefills) / len(sig.prefills)
+    p_queue = sum(p.queue for p in sig.prefills) / len(sig.prefills)
+    return p_busy >= th.prefill_busy_high or p_queue >= 1
 
 
 def evaluate(spec: PDDeploymentSpec, sig: Signals, current: int, limits: Limits, now: float) -> Verdict:

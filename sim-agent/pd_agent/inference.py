@@ -15,12 +15,17 @@ from .timing import TimingModel
 
 
 BUSY_WINDOW_S = 10.0   # the prefill busy fraction covers this window
+LATENCY_WINDOW_S = 30.0   # TTFT/TBT percentiles cover the requests finished in this window, so a
+                          # ratio that just changed shows in them within one window
 
 
-def _p90(values) -> float | None:
-    if not values:
+def _p90(window, now: float) -> float | None:
+    """p90 of the (finished at, value) pairs of the last LATENCY_WINDOW_S."""
+    while window and window[0][0] < now - LATENCY_WINDOW_S:
+        window.popleft()
+    if not window:
         return None
-    s = sorted(values)
+    s = sorted(v for _, v in window)
     return s[min(len(s) - 1, int(0.9 * len(s)))]
 
 
@@ -54,8 +59,8 @@ class Inference:
         self.in_flight = 0
         self.completed = 0
         self.failed = 0
-        self._ttft: collections.deque[float] = collections.deque(maxlen=500)
-        self._tbt: collections.deque[float] = collections.deque(maxlen=2000)
+        self._ttft: collections.deque[tuple[float, float]] = collections.deque(maxlen=2000)
+        self._tbt: collections.deque[tuple[float, float]] = collections.deque(maxlen=8000)
         self._prefill_wake = asyncio.Event()
         self._decode_wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -80,6 +85,17 @@ class Inference:
         for t in self._tasks:
             t.cancel()
 
+    async def _compute(self, seconds: float, due_attr: str) -> None:
+        """Take `seconds` of engine time. Back-to-back batches run on the engine's own clock: a
+        batch that follows another starts when that one was due to end, so the event loop's
+        wake-up latency does not add up over thousands of steps (the timing model is the engine;
+        the Python around it is not)."""
+        now = time.monotonic()
+        due = getattr(self, due_attr, 0.0)
+        start = due if 0 <= now - due < max(seconds, 0.005) else now
+        setattr(self, due_attr, start + seconds)
+        await asyncio.sleep(max(0.0, start + seconds - time.monotonic()))
+
     # ---- accounting ---------------------------------------------------------------------------
     def load(self) -> Load:
         queue = len(self.prefill_q) + len(self.decode_wait)
@@ -99,8 +115,8 @@ class Inference:
         return Load(queue_depth=queue, queued_prompt_tokens=queued_tokens, running=running,
                     decode_queue=len(self.decode_wait), max_batch=self.max_batch,
                     prefill_busy=round(min(1.0, busy / BUSY_WINDOW_S), 3), kv_capacity_bytes=capacity, in_flight=self.in_flight, pending_kv=pending,
-                    completed=self.completed, failed=self.failed, ttft_p90_ms=_p90(self._ttft),
-                    tbt_p90_ms=_p90(self._tbt))
+                    completed=self.completed, failed=self.failed, ttft_p90_ms=_p90(self._ttft, now),
+                    tbt_p90_ms=_p90(self._tbt, now))
 
     def _admit(self, role: str) -> None:
         """Refusals here happen before any work, so the caller can send the request elsewhere."""
@@ -135,7 +151,7 @@ class Inference:
             self._prefill_busy = len(batch)
             lens = [min(b.req.prompt_tokens, self.max_seq) for b in batch]
             t0 = self._busy_since = time.monotonic()
-            await asyncio.sleep(self.timing.prefill_ms(lens) / 1000)
+            await self._compute(self.timing.prefill_ms(lens) / 1000, "_prefill_due")
             prefill_ms = (time.monotonic() - t0) * 1000
             mgr = self.core.engine.kv_cache_manager
             for b, n in zip(batch, lens):
@@ -206,11 +222,12 @@ class Inference:
             gaps = [(b - a) * 1000 for a, b in zip(job.token_times, job.token_times[1:])]
             # what a client saw: the prefill's queue and compute time (if the router passed it) too
             whole = first + (req.prefill_ms or 0.0)
-            self._ttft.append(whole)
+            done_at = time.monotonic()
+            self._ttft.append((done_at, whole))
             self.m.ttft.observe(whole)
             for g in gaps:
                 self.m.tbt.observe(g)
-            self._tbt.extend(gaps)
+            self._tbt.extend((done_at, g) for g in gaps)
             self.completed += 1
             self.m.requests.labels("decode").inc()
             return DecodeResponse(tokens=len(job.token_times), pull_ms=pull_ms, first_token_ms=first,
@@ -230,7 +247,7 @@ class Inference:
                 self._decode_wake.clear()
                 await self._decode_wake.wait()
                 continue
-            await asyncio.sleep(self.timing.decode_step_ms([j.ctx for j in self.decode_running]) / 1000)
+            await self._compute(self.timing.decode_step_ms([j.ctx for j in self.decode_running]) / 1000, "_decode_due")
             now = time.monotonic()
             still = []
             for j in self.decode_running:

@@ -234,6 +234,7 @@ async def run(args: argparse.Namespace) -> Summary:
             tasks.append(asyncio.create_task(direct_request(fleet, base_id + i, prompt, output, args.retry_window)))
         results = await asyncio.gather(*tasks)
         ref.cancel()
+        _write_requests(args.requests_out, plan, results)
         return summarize(list(results), time.monotonic() - start, args.slo_ttft_ms, args.slo_tbt_ms)
 
 
@@ -255,7 +256,19 @@ async def _run_gateway(args: argparse.Namespace, http: httpx.AsyncClient, rng: r
             break
         tasks.append(asyncio.create_task(gateway_request(http, url, args.api_key, model, prompt, output)))
     results = await asyncio.gather(*tasks)
+    _write_requests(args.requests_out, plan, results)
     return summarize(list(results), time.monotonic() - start, args.slo_ttft_ms, args.slo_tbt_ms)
+
+
+def _write_requests(path: str | None, plan: list[tuple[float, int, int]], results) -> None:
+    """One JSON line per request sent: when (s from the start), lengths, and what it got."""
+    if not path:
+        return
+    with open(path, "w") as f:
+        for (t, prompt, output), r in zip(plan, results):
+            f.write(json.dumps({"t": round(t, 3), "prompt": prompt, "output": output, "ok": r.ok,
+                                "ttft_ms": round(r.ttft_ms, 2), "tbt_ms": round(r.tbt_ms, 3),
+                                "reason": r.reason}) + "\n")
 
 
 def _stop_event() -> asyncio.Event:
@@ -306,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gateway", default=None, help="send OpenAI streaming requests through pd-gateway at this URL")
     ap.add_argument("--api-key", default=os.environ.get("PD_GATEWAY_API_KEY"), help="the gateway's API key")
     ap.add_argument("--model", default=None, help="model id (default: the gateway's /v1/models)")
+    ap.add_argument("--requests-out", default=None, help="write one JSON line per request (time sent, "
+                    "lengths, TTFT, TBT, result) to this file")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if not args.agent and not args.deployment and not args.gateway:

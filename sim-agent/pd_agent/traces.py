@@ -15,7 +15,7 @@ decoder engine counts) computed from the simulator's timing models (pd_agent.tim
 Arrivals are a non-homogeneous Poisson process (thinning); lengths are lognormal around the
 phase's means (sigma 0.5), capped at --max-prompt / --max-output.
 
-    python -m pd_agent.traces shift --fleet 2x2 --duration 600 --period 120 --out shift.jsonl"""
+    python -m pd_agent.traces shift --fleet 2x2 --duration 480 --period 240 --out shift.jsonl"""
 from __future__ import annotations
 
 import argparse
@@ -61,7 +61,7 @@ def _length(mean: float, rng: random.Random, cap: int) -> int:
     return max(1, min(cap, int(rng.lognormvariate(math.log(mean) - sigma * sigma / 2, sigma))))
 
 
-def generate(kind: str, fleet: Fleet, duration: float, period: float = 120, low: float = 0.4, high: float = 0.9,
+def generate(kind: str, fleet: Fleet, duration: float, period: float = 240, low: float = 0.4, high: float = 0.9,
              seed: int = 1, timing: TimingModel | None = None, max_prompt: int = 4096,
              max_output: int = 1024) -> tuple[list[dict], dict]:
     """(trace rows, what was used: capacities and rates) for one of sine, shift, step."""
@@ -114,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("kind", choices=["sine", "shift", "step"])
     ap.add_argument("--fleet", default="2x2", help="prefills x decoders whose capacity sets the rates")
     ap.add_argument("--max-batch", type=int, default=4)
-    ap.add_argument("--duration", type=float, default=600)
-    ap.add_argument("--period", type=float, default=120)
+    ap.add_argument("--duration", type=float, default=480)
+    ap.add_argument("--period", type=float, default=240)
     ap.add_argument("--low", type=float, default=0.4, help="low rate, as a fraction of capacity")
     ap.add_argument("--high", type=float, default=0.9, help="high rate, as a fraction of capacity")
     ap.add_argument("--seed", type=int, default=1)

@@ -57,10 +57,27 @@ SLO = spec("SLO", targets={"ttftP90Ms": 1000, "tbtP90Ms": 50})
     (None, 40, 3, None, "NoSignals"),
 ])
 def test_slo(ttft, tbt, current, want, reason):
-    v = policies.evaluate(SLO, sig(ttft=ttft, tbt=tbt), current, limits(SLO, 0), 0)
+    v = policies.evaluate(SLO, sig(ttft=ttft, tbt=tbt, p_busy=0.9, d_run=1), current, limits(SLO, 0), 0)
     assert (v.target, v.reason) == (want, reason), v
     if reason == "CapacityExhausted":
         assert "add replicas" in v.message and v.numbers["ttftP90Ms"] == 1500
+
+
+@pytest.mark.parametrize("case, load, want, reason", [
+    ("decoders full with a queue, prefills idle: TTFT is the decode wait",
+     dict(p_busy=0.3, d_run=4, d_wait=3), 2, "DecodeQueueing"),
+    ("decoders full but no queue: the prefills are the wait", dict(p_busy=0.9, d_run=4, d_wait=0), 4,
+     "TTFTOverTarget"),
+    ("both queue: prefills pressed too", dict(p_busy=0.95, d_run=4, d_wait=3), 4, "TTFTOverTarget"),
+    ("prefill queue long", dict(p_busy=0.5, p_queue=3, d_run=4, d_wait=3), 4, "TTFTOverTarget"),
+    ("neither queues now: the percentiles are from before the last switch", dict(p_busy=0.2, d_run=2), None,
+     "Settling"),
+])
+def test_slo_attributes_ttft_to_the_decode_queue(case, load, want, reason):
+    v = policies.evaluate(SLO, sig(ttft=1500, tbt=30, **load), 3, limits(SLO, 0), 0)
+    assert (v.target, v.reason) == (want, reason), (case, v)
+    if reason == "DecodeQueueing":
+        assert "wait for a decode slot" in v.message
 
 
 def ts(s: str, tz: str = "UTC") -> float:
@@ -156,3 +173,19 @@ def test_replace_sizes_are_a_function_of_spec_and_record():
     assert s.group_sizes({"prefill": 5, "decoder": 3}) == {"prefill": 3, "decoder": 3}, "a stale record is dropped"
     assert spec("Manual", manual={"prefill": 2}).group_sizes({"prefill": 4, "decoder": 2}) == \
         {"prefill": 3, "decoder": 3}, "method Switch ignores it"
+
+
+BIG = parse_spec({**BASE, "prefill": {"replicas": 16}, "decoder": {"replicas": 16},
+                  "rebalance": {"policy": "Load", "minPrefill": 1, "minDecoder": 1}})
+
+
+@pytest.mark.parametrize("case, signals, current, want", [
+    # 16 prefills 10% busy, 16 decoders with 2 waiting each: demand is almost all decode;
+    # the step is capped at an eighth of the fleet (4)
+    ("large fleet, decode-bound: moves up to an eighth", sig(p_busy=0.1, d_run=4, d_wait=2, n=16), 16, 12),
+    ("large fleet, prefill-bound: towards its demand share (25), an eighth at a time",
+     sig(p_busy=0.95, d_run=1, n=16), 16, 20),
+])
+def test_load_moves_a_large_fleet_by_its_demand(case, signals, current, want):
+    v = policies.evaluate(BIG, signals, current, limits(BIG, 0), 0)
+    assert v.target == want, (case, v)

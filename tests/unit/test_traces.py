@@ -60,6 +60,6 @@ def test_capacity_follows_the_timing_model():
 
 @pytest.mark.parametrize("kind", ["sine", "shift", "step"])
 def test_shipped_traces_match_their_generator(kind):
-    rows, _ = traces.generate(kind, traces.Fleet(2, 2), 600, period=120, seed=1)
+    rows, _ = traces.generate(kind, traces.Fleet(2, 2), 480, period=240, seed=1)
     shipped = [json.loads(line) for line in (REPO / "bench" / "traces" / f"{kind}.jsonl").read_text().splitlines()]
     assert shipped == rows, f"regenerate with: python -m pd_agent.traces {kind} --out bench/traces/{kind}.jsonl"

@@ -1,0 +1,227 @@
+"""`make bench-rebalance`: what live switching buys, side by side with fixed ratios and with
+the peers' way (replacing pods), on the local cluster with the operator as a process.
+
+For each trace (bench/traces, bench/scenarios.py says how they are made) seven PDDeployments
+of 4 engines serve the same trace at the same time, each with its own load generator:
+fixed 1P3D, 2P2D and 3P1D; Schedule (entries written for the trace); Load; SLO; Load with
+`method: Replace` (a new engine pays ENGINE_START_S before it serves). Time is compressed by
+--compress: the simulator's time scale, the trace, the policies' intervals and cooldowns and
+the engine start-up are all divided by it, and every number is printed back in trace time.
+
+Prints one table per trace with the goals met or not, writes the numbers to
+bench/results/rebalance[-xN].json and a plot per trace (prefill count, arrival rate, TTFT
+and TBT p90 over time) to bench/results/rebalance-<trace>[-xN].png. --compare FILE prints
+each run's goodput beside another result's (compressed against uncompressed: goal 10%).
+
+    python bench/bench_rebalance.py [--compress 2] [--traces sine,shift,step] [--quick]"""
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import scenarios as sc  # noqa: E402
+from common import REPO, Bench  # noqa: E402
+from fleetsim import timeline  # noqa: E402
+
+RESULTS = sc.BENCH / "results"
+QUICK_RUNS = ["fixed-2P2D", "Load", "Load+Replace"]
+
+
+def kname(run: str) -> str:
+    return run.lower().replace("+", "-")
+
+
+def wait_ready(bench: Bench, ns: str, names: list[str], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    pending = set(names)
+    while pending and time.monotonic() < deadline:
+        for n in list(pending):
+            st = bench.pdd(ns, n).get("status") or {}
+            links = st.get("links") or {}
+            if st.get("phase") == "Ready" and links.get("expected") and links.get("up") == links.get("expected"):
+                pending.discard(n)
+        time.sleep(1)
+    if pending:
+        raise SystemExit(f"not Ready after {timeout:.0f} s: {sorted(pending)}")
+
+
+def run_trace(bench: Bench, kind: str, compress: float, only: list[str] | None, token_of) -> dict:
+    ns = f"bench-rb-{kind}-{uuid.uuid4().hex[:5]}"
+    bench.namespace(ns)
+    op, _ = bench.operator(ns, f"bench-rebalance-{kind}-operator.log")
+    loads: dict[str, subprocess.Popen] = {}
+    samples: dict[str, list[dict]] = {}
+    work = RESULTS / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        runs = [r for r in sc.runs(4, 0, compress, kind) if not only or r.name in only]
+        for r in runs:
+            doc = sc.pddeployment(r, kname(r.name), ns, compress)
+            if r.rebalance and r.rebalance["policy"] == "Schedule":
+                # hold the ratio until the trace starts; the entries are written for its start minute
+                doc["spec"]["rebalance"] = {**r.rebalance, "policy": "Manual", "manual": {"prefill": r.prefill}}
+            bench.custom.create_namespaced_custom_object("pdoperator.io", "v1alpha1", ns, "pddeployments", doc)
+        wait_ready(bench, ns, [kname(r.name) for r in runs], 300 + sc.ENGINE_START_S / compress)
+        # the trace starts on a minute, so the schedule's entries fire at its phase boundaries
+        start = (int(time.time()) // 60 + 1) * 60
+        if start - time.time() < 8:
+            start += 60
+        minute = time.gmtime(start).tm_min
+        env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
+        time.sleep(max(0.0, start - time.time() - 1.5))   # the load generators take about that to start
+        for r in runs:
+            name = kname(r.name)
+            loads[r.name] = subprocess.Popen(
+                [sys.executable, "-m", "pd_agent.loadgen", "--kubeconfig", bench.kubeconfig, "--namespace", ns,
+                 "--deployment", name, "--token", token_of(ns, name), "--trace", str(sc.trace_path(kind)),
+                 "--trace-speed", str(compress), "--duration", "0", "--max-prompt", str(sc.MAX_SEQ),
+                 "--max-output", "4096", "--slo-ttft-ms", str(sc.SLO_TTFT_MS / compress),
+                 "--slo-tbt-ms", str(sc.SLO_TBT_MS / compress), "--requests-out", str(work / f"{kind}-{name}.jsonl"),
+                 "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
+        time.sleep(max(0.0, start - time.time()))
+        for r in runs:
+            if r.rebalance and r.rebalance["policy"] == "Schedule":
+                entries = sc.runs(4, minute, compress, kind)[3].rebalance["schedule"]
+                bench.custom.patch_namespaced_custom_object(
+                    "pdoperator.io", "v1alpha1", ns, "pddeployments", kname(r.name),
+                    {"spec": {"rebalance": {"policy": "Schedule", "schedule": entries, "manual": None}}})
+        t0 = time.time()
+        while any(p.poll() is None for p in loads.values()):
+            t = (time.time() - t0) * compress
+            for r in runs:
+                st = bench.pdd(ns, kname(r.name)).get("status") or {}
+                samples.setdefault(r.name, []).append({"t": round(t, 1), "prefill": st.get("prefill"),
+                                                       "decoder": st.get("decoder")})
+            time.sleep(1)
+        out = {}
+        for r in runs:
+            stdout, stderr = loads[r.name].communicate()
+            if loads[r.name].returncode not in (0, 1) or not stdout.strip():
+                raise SystemExit(f"load generator of {r.name} failed: {stderr[-2000:]}")
+            s = json.loads(stdout)
+            reqs = [json.loads(x) for x in (work / f"{kind}-{kname(r.name)}.jsonl").read_text().splitlines()]
+            out[r.name] = in_trace_time(s, reqs, samples[r.name], compress)
+        return out
+    finally:
+        for p in loads.values():
+            if p.poll() is None:
+                p.kill()
+        op.send_signal(signal.SIGTERM)
+        try:
+            op.wait(30)
+        except subprocess.TimeoutExpired:
+            op.kill()
+        bench.core.delete_namespace(ns)
+
+
+def in_trace_time(s: dict, reqs: list[dict], samples: list[dict], compress: float) -> dict:
+    """The load generator's summary with times back in trace time; ratio moves counted from
+    the sampled prefill counts; the timeline per 10 s of trace."""
+    good = round(s["goodput_rps"] * s["duration_s"])
+    dur = sc.DURATION_S
+    moves = sum(1 for a, b in zip(samples, samples[1:])
+                if a["prefill"] is not None and b["prefill"] is not None and a["prefill"] != b["prefill"])
+    scale = lambda d: {k: (v * compress if v is not None else None) for k, v in d.items()}  # noqa: E731
+    tl = timeline(samples, [(q["t"] * compress, q["ttft_ms"] * compress if q["ok"] else None,
+                             q["tbt_ms"] * compress if q["ok"] else None) for q in reqs], dur, 10.0)
+    return {"requests": s["requests"], "completed": s["completed"], "failed": s["failed"],
+            "failed_by_reason": s["failed_by_reason"], "retried": s["retried"],
+            "goodput_rps": good / dur, "slo_attainment": s["slo_attainment"],
+            "ttft_ms": scale(s["ttft_ms"]), "tbt_ms": scale(s["tbt_ms"]), "switches": moves,
+            "wall_s": s["duration_s"], "timeline": tl}
+
+
+def plot(kind: str, rows: dict[str, dict], path: Path, compress: float) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(4, 1, figsize=(10, 11), sharex=True)
+    first = next(iter(rows.values()))["timeline"]
+    ax[0].plot([b["t"] for b in first], [b["rate"] for b in first], color="black")
+    ax[0].set_ylabel("arrivals / s")
+    ax[0].set_title(f"trace {kind}: {sc.TRACES[kind]} (4 engines, compressed x{compress:g}, trace time)")
+    for name, s in rows.items():
+        tl = s["timeline"]
+        ts = [b["t"] for b in tl]
+        style = "--" if name.startswith("fixed") else "-"
+        ax[1].step(ts, [b["prefill"] for b in tl], style, where="post", label=name)
+        ax[2].plot(ts, [b["ttft_p90"] for b in tl], style, label=name)
+        ax[3].plot(ts, [b["tbt_p90"] for b in tl], style, label=name)
+    ax[1].set_ylabel("prefill engines")
+    ax[2].set_ylabel("TTFT p90 ms")
+    ax[2].set_yscale("log")
+    ax[2].axhline(sc.SLO_TTFT_MS, color="grey", lw=0.8)
+    ax[3].set_ylabel("TBT p90 ms")
+    ax[3].axhline(sc.SLO_TBT_MS, color="grey", lw=0.8)
+    ax[3].set_xlabel("trace time, s")
+    ax[1].legend(fontsize=8, ncol=4)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--compress", type=float, default=2.0)
+    ap.add_argument("--traces", default=",".join(sc.TRACES))
+    ap.add_argument("--runs", default=None, help="comma-separated subset of " + ",".join(sc.RUNS))
+    ap.add_argument("--quick", action="store_true", help=f"trace shift only, runs {', '.join(QUICK_RUNS)}")
+    ap.add_argument("--compare", default=None, help="another result JSON: print its goodput beside")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    kinds = ["shift"] if args.quick else args.traces.split(",")
+    only = QUICK_RUNS if args.quick else (args.runs.split(",") if args.runs else None)
+    suffix = "" if args.compress == 2 else f"-x{args.compress:g}"
+    out_path = Path(args.out) if args.out else RESULTS / f"rebalance{suffix}.json"
+    other = json.loads(Path(args.compare).read_text()) if args.compare else None
+    bench = Bench()
+
+    def token_of(ns: str, name: str) -> str:
+        for _ in range(100):
+            try:
+                sec = bench.core.read_namespaced_secret(f"{name}-agent-data-token", ns)
+                return base64.b64decode(sec.data["token"]).decode()
+            except Exception:  # noqa: BLE001 - created by the operator shortly after the PDDeployment
+                time.sleep(0.2)
+        raise SystemExit(f"no data token Secret for {name}")
+
+    result = {"compress": args.compress, "engines": 4, "slo": {"ttft_ms": sc.SLO_TTFT_MS, "tbt_ms": sc.SLO_TBT_MS},
+              "traces": {}}
+    t_all = time.monotonic()
+    try:
+        for kind in kinds:
+            t0 = time.monotonic()
+            rows = run_trace(bench, kind, args.compress, only, token_of)
+            result["traces"][kind] = {"runs": rows, "wall_s": round(time.monotonic() - t0)}
+            o = other["traces"].get(kind, {}).get("runs") if other else None
+            print(sc.table(f"trace {kind} {sc.TRACES[kind]}: 4 engines, compressed x{args.compress:g}, in trace time",
+                           rows, o, f"x{other['compress']:g} goodput" if other else ""))
+            for goal, met, why in sc.goodput_goals(rows, kind):
+                print(f"  goal: {goal}: {'met' if met else 'NOT met'} ({why})")
+            if o:
+                diffs = [abs(rows[n]["goodput_rps"] - o[n]["goodput_rps"]) / o[n]["goodput_rps"]
+                         for n in rows if n in o and o[n]["goodput_rps"]]
+                worst = max(diffs) if diffs else float("nan")
+                print(f"  goal: goodput within 10% of x{other['compress']:g} for every run: "
+                      f"{'met' if worst <= 0.10 else 'NOT met'} (worst {worst:.1%})")
+            png = RESULTS / f"rebalance-{kind}{suffix}.png"
+            plot(kind, rows, png, args.compress)
+            print(f"  plot: {png.relative_to(REPO)}  ({time.monotonic() - t0:.0f} s)\n", flush=True)
+            out_path.write_text(json.dumps(result, indent=1))
+    finally:
+        bench.close()
+    print(f"wrote {out_path} in {time.monotonic() - t_all:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,431 @@
+"""A discrete-event model of a P-D fleet of N engines, driven by the operator's own policy and
+switch functions (pd_operator.policies, .switch, .replace), so a trace runs in seconds at
+fleet sizes this machine cannot run.
+
+It models what the simulated serving (pd_agent.inference) does, with the same timing models:
+- prefill: a FIFO per engine, batches of up to max_batch prompts, each batch costs
+  TimingModel.prefill_ms; the cache waits on the prefill until a decoder pulled it.
+- decode: continuous batching of up to max_batch requests; each step costs
+  TimingModel.decode_step_ms of the running contexts and gives every running request a token;
+  the KV pull costs kv_transfer_ms before the request joins the decoder's queue.
+- routing as pd-gateway routes (pd_gateway.fleet): engine loads as of the last refresh (every
+  second), the prefill with the least queued prompt tokens, then the decoder with the least
+  running + queued, ties broken at random; draining engines are not chosen.
+- switching as the operator does it: the policy is evaluated every pass (Manual, Schedule) or
+  every evaluationIntervalSeconds (Load, SLO) on signals read from the engines; switch.choose
+  picks the pod; Drain ends when the engine holds no request and no unpulled cache, then the
+  control-plane steps cost `switch_s` (what `make bench-switch` measures) and the cooldown
+  starts. Replace (replace.plan) adds an engine that serves after `engine_start_s`, then
+  drains and removes one of the other role.
+
+Between two events that change a decoder's batch, its steps are summed in closed form (the
+step time grows linearly with the contexts), so the cost is per request, not per token."""
+from __future__ import annotations
+
+import collections
+import heapq
+import itertools
+import math
+import random
+from dataclasses import dataclass, field
+
+from pd_agent.inference import LATENCY_WINDOW_S
+from pd_agent.timing import TimingModel
+from pd_operator import policies
+from pd_operator import replace as rp
+from pd_operator import switch as sw
+from pd_operator.api import PDDeploymentSpec
+from pd_operator.rebalance import decide_target, limits
+
+BUSY_WINDOW_S = 10.0
+REFRESH_S = 1.0
+PASS_S = 1.0           # the operator's pass while something is in motion
+
+
+@dataclass
+class Req:
+    id: int
+    arrival: float
+    prompt: int
+    output: int
+    first: float | None = None
+    last: float | None = None
+    ctx: int = 0
+    remaining: int = 0
+
+
+@dataclass
+class Engine:
+    name: str
+    group: str
+    role: str
+    serving_at: float = 0.0           # a new engine (Replace) serves from then
+    draining: bool = False
+    leaving: bool = False             # Replace: drains, then goes
+    gone: bool = False
+    # prefill
+    queue: collections.deque = field(default_factory=collections.deque)
+    busy_until: float = 0.0
+    batch_n: int = 0
+    busy: list = field(default_factory=list)     # (start, end) of prefill batches
+    unpulled: int = 0
+    # decode
+    wait: collections.deque = field(default_factory=collections.deque)
+    running: list = field(default_factory=list)
+    pulling: int = 0
+    seg: tuple | None = None          # (t0, S0, B, steps planned, version)
+    version: int = 0
+    ttft: collections.deque = field(default_factory=lambda: collections.deque(maxlen=2000))   # (at, ms)
+    tbt: collections.deque = field(default_factory=lambda: collections.deque(maxlen=8000))
+
+    def serving(self, now: float) -> bool:
+        return not self.gone and not self.draining and not self.leaving and now >= self.serving_at
+
+    def idle(self) -> bool:
+        return not (self.queue or self.batch_n or self.unpulled or self.wait or self.running or self.pulling)
+
+    def in_flight(self) -> int:
+        return len(self.queue) + self.batch_n + len(self.wait) + len(self.running) + self.pulling
+
+
+@dataclass
+class Result:
+    requests: list[Req]
+    duration_s: float
+    timeline: list[dict]
+    switches: int
+    replacements: int
+    decisions: list[dict]
+
+
+class FleetSim:
+    def __init__(self, spec: PDDeploymentSpec, rows: list[tuple[float, int, int]], timing: TimingModel,
+                 max_batch: int, bytes_per_token: int, duration: float, seed: int = 1, switch_s: float = 0.4,
+                 engine_start_s: float = 60.0, wall_start: float = 0.0):
+        self.spec, self.t, self.mb = spec, timing, max_batch
+        self.bpt, self.duration, self.switch_s, self.start_s = bytes_per_token, duration, switch_s, engine_start_s
+        self.wall0 = wall_start
+        self.rng = random.Random(seed)
+        self.ev: list = []
+        self.seq = itertools.count()
+        self.now = 0.0
+        sizes = spec.group_sizes()
+        self.engines = [Engine(f"prefill-{i}", "prefill", "prefill") for i in range(sizes["prefill"])] + \
+                       [Engine(f"decoder-{i}", "decoder", "decoder") for i in range(sizes["decoder"])]
+        self.reqs = [Req(i, a, p, o) for i, (a, p, o) in enumerate(rows) if a < duration]
+        self.snapshot: dict[str, tuple] = {}
+        self.ranked: dict[str, list[list[Engine]]] = {}
+        self.book = sw.Book()
+        self.switching: dict[str, tuple[sw.Switch, float | None]] = {}   # pod -> (switch, drained at)
+        self.sizes: dict | None = None
+        self.n_switches = self.n_replaced = 0
+        self.timeline: list[dict] = []
+        self.decisions: list[dict] = []
+        self.pending: list[Req] = []        # no pair to take them yet: retried every refresh
+
+    # ---- the event queue ----------------------------------------------------------------------
+    def at(self, when: float, kind: str, *args) -> None:
+        heapq.heappush(self.ev, (when, next(self.seq), kind, args))
+
+    def run(self) -> Result:
+        for r in self.reqs:
+            self.at(r.arrival, "arrive", r)
+        self.at(0.0, "refresh")
+        self.at(0.0, "pass")
+        self.at(0.0, "sample")
+        horizon = self.duration * 4 + 600      # requests admitted before the end may finish after it
+        while self.ev:
+            when, _, kind, args = heapq.heappop(self.ev)
+            if when > horizon:
+                break
+            self.now = when
+            getattr(self, "_" + kind)(*args)
+            if kind in ("refresh", "pass", "sample") and when >= self.duration and self._all_done():
+                break
+        return Result(self.reqs, self.duration, self.timeline, self.n_switches, self.n_replaced, self.decisions)
+
+    def _all_done(self) -> bool:
+        return all(r.last is not None for r in self.reqs)
+
+    # ---- routing ------------------------------------------------------------------------------
+    def _refresh(self) -> None:
+        self.snapshot = {e.name: (sum(r.prompt for r in e.queue), len(e.queue) + len(e.wait),
+                                  len(e.running) + e.batch_n) for e in self.engines if e.serving(self.now)}
+        # the loads stay as of this refresh until the next: rank once, pick from the best
+        self.ranked = {}
+        for role, load in (("prefill", lambda e: (self.snapshot[e.name][0], self.snapshot[e.name][1])),
+                           ("decoder", lambda e: (self.snapshot[e.name][2] + self.snapshot[e.name][1],))):
+            ok = sorted((e for e in self.engines if e.role == role and e.name in self.snapshot), key=load)
+            self.ranked[role] = [[e for e in ok if load(e) == k] for k in sorted({load(e) for e in ok})]
+        retry, self.pending = self.pending, []
+        for r in retry:
+            self._arrive(r)
+        if self.now < self.duration or not self._all_done():
+            self.at(self.now + REFRESH_S, "refresh")
+
+    def _pick(self, role: str) -> Engine | None:
+        for tier in self.ranked.get(role, []):
+            ok = [e for e in tier if e.role == role and e.serving(self.now)]
+            if ok:
+                return self.rng.choice(ok)
+        return None
+
+    def _arrive(self, r: Req) -> None:
+        p = self._pick("prefill")
+        if p is None or self._pick("decoder") is None:
+            self.pending.append(r)
+            return
+        p.queue.append(r)
+        self._prefill_next(p)
+
+    # ---- prefill ------------------------------------------------------------------------------
+    def _prefill_next(self, e: Engine) -> None:
+        if e.batch_n or not e.queue:
+            return
+        batch = [e.queue.popleft() for _ in range(min(self.mb, len(e.queue)))]
+        e.batch_n = len(batch)
+        dt = self.t.prefill_ms([r.prompt for r in batch]) / 1000
+        e.busy.append((self.now, self.now + dt))
+        if len(e.busy) > 256:
+            del e.busy[:128]
+        self.at(self.now + dt, "prefilled", e, batch)
+
+    def _prefilled(self, e: Engine, batch: list[Req]) -> None:
+        e.batch_n = 0
+        for r in batch:
+            d = self._pick("decoder")
+            if d is None:      # every decoder went away meanwhile: the cache waits for the next refresh
+                d = min((x for x in self.engines if x.role == "decoder" and not x.gone), key=Engine.in_flight)
+            e.unpulled += 1
+            d.pulling += 1
+            self.at(self.now + self.t.kv_transfer_ms(r.prompt * self.bpt) / 1000, "pulled", e, d, r)
+        self._prefill_next(e)
+
+    def _pulled(self, p: Engine, d: Engine, r: Req) -> None:
+        p.unpulled -= 1
+        d.pulling -= 1
+        r.ctx, r.remaining = r.prompt, r.output
+        d.wait.append(r)
+        if len(d.running) < self.mb:
+            self._decode_replan(d)
+
+    # ---- decode: steps summed between batch changes ---------------------------------------------
+    def _cum(self, s0: int, b: int, k: int) -> float:
+        """Seconds of k decode steps from context sum s0 with b running (each step adds b)."""
+        tm = self.t
+        per = tm.decode_a * s0 + tm.decode_b * b + tm.decode_c
+        return (k * per + tm.decode_a * b * k * (k - 1) / 2) * tm.time_scale / 1000
+
+    def _decode_replan(self, d: Engine) -> None:
+        """Settle the steps done so far (the one in progress completes first), admit, plan on."""
+        if d.seg is not None:
+            t0, s0, b, k, _ = d.seg
+            # steps completed by now, and the one in progress: it ends at the next boundary
+            lo, hi = 0, k
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if t0 + self._cum(s0, b, mid) <= self.now + 1e-12:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            # a step that began this very instant takes the newcomers in (the engine batches what
+            # is waiting when it starts a step)
+            done = 0 if self.now - t0 <= 1e-12 else (min(k, lo + 1) if lo < k else k)
+            end = t0 + self._cum(s0, b, done)
+            self._apply_steps(d, t0, s0, b, done)
+            d.seg = None
+            if end > self.now + 1e-12:
+                d.version += 1
+                d.seg = (end, 0, 0, 0, d.version)      # a resume marker: replan at `end`
+                self.at(end, "decode_resume", d, d.version)
+                return
+        while d.wait and len(d.running) < self.mb:
+            d.running.append(d.wait.popleft())
+        if not d.running:
+            return
+        b = len(d.running)
+        s0 = sum(r.ctx for r in d.running)
+        k = min(r.remaining for r in d.running)
+        d.version += 1
+        d.seg = (self.now, s0, b, k, d.version)
+        self.at(self.now + self._cum(s0, b, k), "decode_end", d, d.version)
+
+    def _apply_steps(self, d: Engine, t0: float, s0: int, b: int, k: int) -> None:
+        if k <= 0 or b == 0:
+            return
+        first = t0 + self._cum(s0, b, 1)
+        end = t0 + self._cum(s0, b, k)
+        mean_step = (end - t0) / k * 1000
+        still = []
+        for r in d.running:
+            if r.first is None:
+                r.first = first
+            r.ctx += k
+            r.remaining -= k
+            if r.remaining <= 0:
+                r.last = end
+                d.ttft.append((end, (r.first - r.arrival) * 1000))
+            else:
+                still.append(r)
+        d.tbt.extend([(end, mean_step)] * b)
+        d.running = still
+
+    def _decode_end(self, d: Engine, version: int) -> None:
+        if d.seg is None or d.seg[4] != version:
+            return
+        t0, s0, b, k, _ = d.seg
+        self._apply_steps(d, t0, s0, b, k)
+        d.seg = None
+        self._decode_replan(d)
+
+    def _decode_resume(self, d: Engine, version: int) -> None:
+        if d.seg is None or d.seg[4] != version:
+            return
+        d.seg = None
+        self._decode_replan(d)
+
+    # ---- the operator -------------------------------------------------------------------------
+    def signals(self) -> policies.Signals:
+        now = self.now
+        pre, dec, ttft, tbt = [], [], [], []
+        for e in self.engines:
+            if not e.serving(now):
+                continue
+            if e.role == "prefill":
+                busy = sum(min(b, now) - max(a, now - BUSY_WINDOW_S) for a, b in e.busy if b > now - BUSY_WINDOW_S
+                           and a < now)
+                pre.append(policies.PrefillLoad(busy=min(1.0, busy / BUSY_WINDOW_S), queue=len(e.queue),
+                                                queued_tokens=sum(r.prompt for r in e.queue)))
+            else:
+                dec.append(policies.DecoderLoad(running=len(e.running), waiting=len(e.wait), max_batch=self.mb))
+                for window, into in ((e.ttft, ttft), (e.tbt, tbt)):
+                    while window and window[0][0] < now - LATENCY_WINDOW_S:
+                        window.popleft()
+                    recent = [v for at, v in window if at <= now]
+                    if recent:
+                        into.append(_p90(recent))
+        return policies.Signals(prefills=pre, decoders=dec, ttft_p90_ms=max(ttft) if ttft else None,
+                                tbt_p90_ms=max(tbt) if tbt else None)
+
+    def _candidates(self) -> list[sw.Candidate]:
+        out = []
+        for e in self.engines:
+            if e.gone or e.leaving:
+                continue
+            s = self.switching.get(e.name)
+            out.append(sw.Candidate(pod=e.name, uid=e.name, group=e.group, role=s[0].to if s else e.role,
+                                    available=s is None and e.serving(self.now), switchable=True,
+                                    in_flight=e.in_flight()))
+        return out
+
+    def _pass(self) -> None:
+        spec, rb = self.spec, self.spec.rebalance
+        wall = self.wall0 + self.now
+        if rb is not None:
+            self._advance(wall)
+            cands = self._candidates()
+            current = sw.prefill_count(cands)
+            sig = self.signals() if rb.policy in ("Load", "SLO") else policies.Signals()
+            v, _ = decide_target(spec, self.book, sig, current, wall)
+            if v is not None and (not self.decisions or self.decisions[-1]["reason"] != v.reason
+                                  or self.decisions[-1].get("target") != v.target):
+                self.decisions.append({"t": round(self.now, 1), "reason": v.reason, "target": v.target})
+            lim = limits(spec, self.book.cooldown_until)
+            target = sw.clamp_target(self.book.target, spec.total, lim) if self.book.target is not None else None
+            if rb.method == "Replace":
+                self._replace(target, lim, wall)
+            else:
+                d = sw.choose(cands, [s for s, _ in self.switching.values()], target, lim, wall, "policy")
+                if d.start is not None:
+                    e = next(x for x in self.engines if x.name == d.start.pod)
+                    e.draining = True
+                    self.switching[e.name] = (d.start, None)
+        if self.now < self.duration or not self._all_done():
+            self.at(self.now + PASS_S, "pass")
+
+    def _advance(self, wall: float) -> None:
+        for name, (s, drained) in list(self.switching.items()):
+            e = next(x for x in self.engines if x.name == name)
+            if drained is None:
+                if e.idle():
+                    self.switching[name] = (s, self.now)
+            elif self.now >= drained + self.switch_s:
+                e.role, e.draining = s.to, False
+                del self.switching[name]
+                self.n_switches += 1
+                self.book.cooldown_until = wall + self.spec.rebalance.cooldown_seconds
+
+    def _replace(self, target: int | None, lim: sw.Limits, wall: float) -> None:
+        live = [e for e in self.engines if not e.gone and not e.leaving]
+        starting = [e for e in live if e.serving_at > self.now]
+        sizes = self.sizes or {"prefill": sum(e.role == "prefill" for e in live),
+                               "decoder": sum(e.role == "decoder" for e in live)}
+        unsettled = "a new pod is starting" if starting else None
+        new, _ = rp.plan(sizes, target, lim, wall, unsettled, "policy")
+        if new is None:
+            return
+        if new.get("growing"):
+            g = new["growing"]
+            self.engines.append(Engine(f"{g}-r{len(self.engines)}", g, g, serving_at=self.now + self.start_s))
+        else:
+            shrink = "decoder" if sizes.get("growing") == "prefill" else "prefill"
+            victim = [e for e in live if e.role == shrink][-1]
+            victim.leaving = True
+            self.n_replaced += 1
+            self.book.cooldown_until = wall + self.spec.rebalance.cooldown_seconds
+        self.sizes = new
+
+    def _sample(self) -> None:
+        for e in self.engines:
+            if e.leaving and not e.gone and e.idle():
+                e.gone = True
+        live = [e for e in self.engines if not e.gone and self.now >= e.serving_at]
+        self.timeline.append({"t": round(self.now, 1), "prefill": sum(e.role == "prefill" for e in live),
+                              "decoder": sum(e.role == "decoder" for e in live),
+                              "switching": len(self.switching)})
+        if self.now < self.duration or not self._all_done():
+            self.at(self.now + 1.0, "sample")
+
+
+def _p90(values) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(0.9 * len(s)))]
+
+
+def summarize(res: Result, slo_ttft_ms: float, slo_tbt_ms: float, bucket_s: float = 10.0) -> dict:
+    """The loadgen's numbers (pd_agent.loadgen.summarize) for the model's requests, plus a
+    timeline per bucket: arrivals/s, TTFT and TBT p90 of the requests that arrived in it."""
+    from pd_agent.loadgen import Result as LR
+    from pd_agent.loadgen import summarize as ls
+    out = []
+    for r in res.requests:
+        if r.last is None:
+            out.append(LR(ok=False, reason="Unfinished"))
+            continue
+        tbt = (r.last - r.first) / (r.output - 1) * 1000 if r.output > 1 else 0.0
+        out.append(LR(ok=True, ttft_ms=(r.first - r.arrival) * 1000, tbt_ms=tbt))
+    s = ls(out, res.duration_s, slo_ttft_ms, slo_tbt_ms)
+    series = timeline(res.timeline, [(r.arrival, o.ttft_ms if o.ok else None, o.tbt_ms if o.ok else None)
+                                     for r, o in zip(res.requests, out)], res.duration_s, bucket_s)
+    return {**s.__dict__, "switches": res.switches, "replacements": res.replacements, "timeline": series}
+
+
+def timeline(counts: list[dict], reqs: list[tuple[float, float | None, float | None]], duration: float,
+             bucket_s: float) -> list[dict]:
+    """Per bucket of the trace: prefill count (last sample in it), arrivals/s, TTFT and TBT p90."""
+    n = max(1, math.ceil(duration / bucket_s))
+    by = [[] for _ in range(n)]
+    for a, ttft, tbt in reqs:
+        i = min(n - 1, int(a / bucket_s))
+        by[i].append((ttft, tbt))
+    out, ci = [], 0
+    for i in range(n):
+        end = (i + 1) * bucket_s
+        while ci + 1 < len(counts) and counts[ci + 1]["t"] <= end:
+            ci += 1
+        ttfts = [x for x, _ in by[i] if x is not None]
+        tbts = [y for _, y in by[i] if y is not None]
+        out.append({"t": i * bucket_s, "prefill": counts[ci]["prefill"] if counts else None,
+                    "rate": len(by[i]) / bucket_s, "ttft_p90": _p90(ttfts) if ttfts else None,
+                    "tbt_p90": _p90(tbts) if tbts else None})
+    return out
