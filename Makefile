@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 KUBECONFIG_LOCAL := $(CURDIR)/.localcluster/kubeconfig
 BIN_DIR = $(shell hack/k8s-bins/build.sh --print-dir)
 
-.PHONY: help venv k8s-bins cluster-up cluster-down test test-unit test-integration crd crd-check demo bench bench-sim bench-links bench-switch bench-gateway bench-rebalance bench-policy-sim clean
+.PHONY: help venv k8s-bins cluster-up cluster-down test test-unit test-integration test-e2e e2e-kind images lint-workflows crd crd-check demo bench bench-sim bench-links bench-switch bench-gateway bench-rebalance bench-policy-sim clean
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
@@ -36,7 +36,7 @@ cluster-up: venv k8s-bins ## start the local control plane and node agent (idemp
 cluster-down: venv ## stop the local cluster and remove its state (idempotent)
 	@$(PY) -m pd_localcluster down
 
-test: venv k8s-bins ## every test: unit, then integration on the local cluster
+test: venv k8s-bins lint-workflows images ## every test: unit, integration on the local cluster, e2e from the images
 	$(PY) -m pytest tests -v -p no:cacheprovider
 
 test-unit: venv ## unit tests only
@@ -44,6 +44,18 @@ test-unit: venv ## unit tests only
 
 test-integration: venv k8s-bins ## integration tests only
 	$(PY) -m pytest tests/integration -v
+
+test-e2e: venv k8s-bins images ## e2e scenarios on a local cluster whose pods run from their images (Docker)
+	$(PY) -m pytest tests/e2e -v -p no:cacheprovider
+
+e2e-kind: venv k8s-bins images ## the e2e scenarios on a kind cluster (needs a registry for kind's node image)
+	@PY="$(PY)" hack/e2e/kind.sh
+
+images: venv ## build pd-operator, pd-sim-agent, pd-gateway with Docker (installs and starts Docker if missing)
+	@PY="$(PY)" hack/images/build.sh
+
+lint-workflows: ## actionlint the GitHub Actions workflows (built from its Go module, cached)
+	@"$$(hack/tools/build.sh actionlint)" -color .github/workflows/*.yaml && echo "[actionlint] workflows ok"
 
 crd: venv ## regenerate the CRD (crds/ and the chart's copy) from the pydantic models
 	$(PY) -m pd_operator.crdgen --out crds/pddeployment.yaml --out charts/pd-operator/crds/pddeployment.yaml
@@ -65,7 +77,6 @@ bench-gateway: venv ## latency pd-gateway adds per request, and requests/s it ro
 
 bench-rebalance: $(BENCH_STAMP) k8s-bins ## live switching vs fixed ratios vs Replace on three traces (about 30 min; QUICK=1: a subset)
 	$(PY) bench/bench_rebalance.py $(if $(QUICK),--quick,) && \
-	$(if $(QUICK),true,$(PY) bench/bench_rebalance.py --compress 1 --traces shift --compare bench/results/rebalance.json) && \
 	$(PY) bench/bench_policy_sim.py --sizes 4 --compare bench/results/rebalance.json
 
 bench-policy-sim: venv ## the policies on a discrete-event model of 4, 32 and 256 engines (seconds per trace)

@@ -13,7 +13,8 @@ bench/results/rebalance[-xN].json and a plot per trace (prefill count, arrival r
 and TBT p90 over time) to bench/results/rebalance-<trace>[-xN].png. --compare FILE prints
 each run's goodput beside another result's (compressed against uncompressed: goal 10%).
 
-    python bench/bench_rebalance.py [--compress 2] [--traces sine,shift,step] [--quick]"""
+    python bench/bench_rebalance.py [--compress 1] [--traces sine,shift,step] [--quick]
+    python bench/bench_rebalance.py --compress 2 --compare bench/results/rebalance.json  # the compression check"""
 from __future__ import annotations
 
 import argparse
@@ -172,7 +173,8 @@ def plot(kind: str, rows: dict[str, dict], path: Path, compress: float) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--compress", type=float, default=2.0)
+    ap.add_argument("--compress", type=float, default=1.0,
+                    help="run this many times faster than the trace (x2 costs fidelity: see the README)")
     ap.add_argument("--traces", default=",".join(sc.TRACES))
     ap.add_argument("--runs", default=None, help="comma-separated subset of " + ",".join(sc.RUNS))
     ap.add_argument("--quick", action="store_true", help=f"trace shift only, runs {', '.join(QUICK_RUNS)}")
@@ -181,7 +183,7 @@ def main() -> None:
     args = ap.parse_args()
     kinds = ["shift"] if args.quick else args.traces.split(",")
     only = QUICK_RUNS if args.quick else (args.runs.split(",") if args.runs else None)
-    suffix = "" if args.compress == 2 else f"-x{args.compress:g}"
+    suffix = "" if args.compress == 1 else f"-x{args.compress:g}"
     out_path = Path(args.out) if args.out else RESULTS / f"rebalance{suffix}.json"
     other = json.loads(Path(args.compare).read_text()) if args.compare else None
     bench = Bench()

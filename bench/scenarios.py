@@ -108,7 +108,7 @@ MODEL = {"name": "tiny-llama", "modelId": 0,
 def pddeployment(run: Run, name: str, namespace: str, compress: float = 1.0) -> dict:
     """The PDDeployment of one run (lowercase `name`)."""
     spec = {
-        "backend": "sim", "image": "example.com/pd/pd-sim-agent:0.1", "model": copy.deepcopy(MODEL),
+        "backend": "sim", "image": "example.com/pd/pd-sim-agent:0.1.0", "model": copy.deepcopy(MODEL),
         "datadist": {"port": 26000, "linkTimeoutMs": 2000, "topology": "FullMesh"},
         "prefill": {"replicas": run.prefill}, "decoder": {"replicas": run.total - run.prefill},
         "sim": {"timeScale": 1 / compress, "engineStartSeconds": math.ceil(ENGINE_START_S / compress)},

@@ -24,21 +24,24 @@ def main(argv: list[str] | None = None) -> int:
     up = sub.add_parser("up", help="start etcd, the control plane and the node agent")
     up.add_argument("--bin-dir", type=Path, default=None)
     up.add_argument("--nodes", type=int, default=3)
+    up.add_argument("--runtime", choices=["process", "container"], default="process",
+                    help="run pods as processes (default) or from their images under Docker")
     sub.add_parser("down", help="stop everything `up` started and remove its state")
     sub.add_parser("status", help="exit 0 if the cluster is up")
     na = sub.add_parser("node-agent", help="(internal) run the local node agent")
     na.add_argument("--nodes", type=int, required=True)
     na.add_argument("--kubelet-port", type=int, required=True)
     na.add_argument("--pod-ip-base", type=int, default=100)
+    na.add_argument("--runtime", choices=["process", "container"], default="process")
     args = ap.parse_args(argv)
     root = (args.root or default_root()).resolve()
     if args.cmd == "node-agent":
         from .nodeagent import main as node_main
-        node_main(root, args.nodes, args.kubelet_port, args.pod_ip_base)
+        node_main(root, args.nodes, args.kubelet_port, args.pod_ip_base, args.runtime)
         return 0
     cluster = LocalCluster(root)
     if args.cmd == "up":
-        cluster.up(args.bin_dir or bin_dir_default(), nodes=args.nodes)
+        cluster.up(args.bin_dir or bin_dir_default(), nodes=args.nodes, runtime=args.runtime)
     elif args.cmd == "down":
         cluster.down()
     elif args.cmd == "status":

@@ -143,7 +143,7 @@ class LocalCluster:
         return self.apiserver_ready(state)
 
     # ---- up ------------------------------------------------------------------------------
-    def up(self, bin_dir: Path, nodes: int = 3, timeout: float = 120) -> None:
+    def up(self, bin_dir: Path, nodes: int = 3, timeout: float = 120, runtime: str = "process") -> None:
         t0 = time.monotonic()
         if self.is_up():
             log(f"already up (kubeconfig: {self.paths.kubeconfig})")
@@ -245,10 +245,10 @@ class LocalCluster:
                 "--bind-address=127.0.0.1", f"--secure-port={ports['scheduler']}",
                 "--leader-elect=false", "--v=1",
             ])
-            log(f"starting the local node agent ({nodes} nodes)")
+            log(f"starting the local node agent ({nodes} nodes, pods {'as processes' if runtime == 'process' else 'from their images under Docker'})")
             spawn("node-agent", [
                 sys.executable, "-m", "pd_localcluster", f"--root={self.paths.root}", "node-agent",
-                f"--nodes={nodes}",
+                f"--nodes={nodes}", f"--runtime={runtime}",
                 f"--kubelet-port={ports['kubelet']}",
                 f"--pod-ip-base={pod_ip_base(self.paths.root, nodes)}",
             ])

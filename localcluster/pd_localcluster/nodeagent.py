@@ -1,5 +1,5 @@
 """The local node agent: a stand-in for the kubelet that runs the pods bound to the local
-Nodes as processes on this machine.
+Nodes on this machine, as processes or from their images under Docker (runtime.py).
 
 Each pod gets its own loopback IP (127.<base+n>.x.y on node n; the base differs per
 cluster directory so two local clusters do not hand out the same addresses) which its processes find in
@@ -11,7 +11,6 @@ endpoint (so ``kubectl logs`` works), and completes graceful deletion."""
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import datetime as dt
 import logging
 import os
@@ -33,12 +32,12 @@ from .podspec import (
     ConfigError, ContainerState, UnknownImage, backoff_seconds, command_line, pod_phase,
     referenced_objects, resolve_env, should_restart,
 )
+from .runtime import Running, Runtime, make as make_runtime
 
 log = logging.getLogger("node-agent")
 K8S_VERSION = os.environ.get("PD_K8S_VERSION", "v1.36.3")
 NODE_CAPACITY = {"cpu": "16", "memory": "32Gi", "pods": "110", "ephemeral-storage": "100Gi",
                  "huawei.com/Ascend910": "16"}
-PR_SET_PDEATHSIG = 1
 
 
 def now() -> str:
@@ -47,14 +46,6 @@ def now() -> str:
 
 def now_micro() -> str:
     return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def _die_with_parent() -> None:
-    """Pod processes must not outlive the node agent."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass
 
 
 class IPAllocator:
@@ -84,7 +75,8 @@ class ContainerRun:
         self.spec = spec
         self.name = spec["name"]
         self.cs = ContainerState(name=self.name, image=spec.get("image", ""))
-        self.proc: asyncio.subprocess.Process | None = None
+        self.run: Running | None = None
+        self.exited = True
         self.instance = 0  # bumps on every start, so log followers see the end of an instance
         self.log_dir = worker.dir / self.name
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -97,7 +89,7 @@ class ContainerRun:
 
     @property
     def running(self) -> bool:
-        return self.proc is not None and self.proc.returncode is None
+        return self.run is not None and not self.exited
 
     async def supervise(self) -> None:
         w = self.worker
@@ -105,9 +97,15 @@ class ContainerRun:
         while not w.deleting:
             spec = w.container_spec(self.name) or self.spec
             self.cs.image = spec.get("image", "")
+            exit_code: int | None = None
             try:
                 env = await w.container_env(spec)
-                argv = command_line(spec, env)
+                if w.agent.runtime.name == "process":
+                    command_line(spec, env)   # an image with no local command fails here, as a pull would
+                self.env = env
+                self.run = await w.agent.runtime.start(
+                    pod_uid=w.uid, pod_dir=w.dir, name=self.name, restart=self.cs.restart_count, spec=spec,
+                    pod_spec=w.pod["spec"], env=env, log_path=self.log_path())
             except UnknownImage as e:
                 reason = "ErrImagePull" if pull_failures == 0 else "ImagePullBackOff"
                 self.cs.state = {"waiting": {"reason": reason, "message": str(e)}}
@@ -123,9 +121,14 @@ class ContainerRun:
                 await w.report()
                 await w.sleep_unless_deleted(3)
                 continue
+            except OSError as e:
+                self.cs.state = {"terminated": {"exitCode": 128, "reason": "StartError", "message": str(e),
+                                                "startedAt": now(), "finishedAt": now()}}
+                exit_code = 128
+                await w.report()
             pull_failures = 0
-            self.env = env
-            exit_code = await self._run_once(argv, env, spec)
+            if exit_code is None:
+                exit_code = await self._run_once(spec)
             if w.deleting:
                 break
             if not should_restart(w.restart_policy, exit_code):
@@ -145,35 +148,21 @@ class ContainerRun:
                 break
             self.cs.restart_count += 1
 
-    async def _run_once(self, argv: list[str], env: dict[str, str], spec: dict) -> int:
+    async def _run_once(self, spec: dict) -> int:
         w = self.worker
-        logf = open(self.log_path(), "ab")
-        try:
-            self.proc = await asyncio.create_subprocess_exec(
-                *argv, env=env, cwd=str(w.dir), stdin=asyncio.subprocess.DEVNULL,
-                stdout=logf, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
-                preexec_fn=_die_with_parent,
-            )
-        except OSError as e:
-            logf.close()
-            self.cs.state = {"terminated": {"exitCode": 128, "reason": "StartError", "message": str(e),
-                                            "startedAt": now(), "finishedAt": now()}}
-            await w.report()
-            return 128
-        finally:
-            if not logf.closed:
-                logf.close()
+        self.exited = False
         self.instance += 1
         started = now()
-        self.cs.container_id = f"local://{w.uid}/{self.name}/{self.proc.pid}"
+        self.cs.container_id = self.run.id
         self.cs.state = {"running": {"startedAt": started}}
         self.cs.ready = "readinessProbe" not in spec
         self.kill_reason = ""
-        await w.event("Normal", "Started", f"Started container {self.name} (pid {self.proc.pid})")
+        await w.event("Normal", "Started", f"Started container {self.name} ({self.run.id})")
         await w.report()
         probes = [asyncio.create_task(self._probe_loop(spec[k], k))
                   for k in ("readinessProbe", "livenessProbe") if k in spec]
-        code = await self.proc.wait()
+        code = await self.run.wait()
+        self.exited = True
         for p in probes:
             p.cancel()
         self.cs.ready = False
@@ -233,34 +222,16 @@ class ContainerRun:
                     asyncio.open_connection(probe["tcpSocket"].get("host") or w.ip, port), timeout)
                 writer.close()
                 return True
-            if "exec" in probe:
+            if "exec" in probe and self.run is not None:
                 # the env the container started with: no API reads on every probe
-                env = self.env
-                p = await asyncio.create_subprocess_exec(
-                    *command_line({"command": probe["exec"]["command"], "image": self.spec["image"]}, env),
-                    env=env, cwd=str(w.dir), stdout=asyncio.subprocess.DEVNULL,
-                    stderr=asyncio.subprocess.DEVNULL)
-                return await asyncio.wait_for(p.wait(), timeout) == 0
+                return await self.run.exec(probe["exec"]["command"], self.env, timeout) == 0
         except Exception:  # noqa: BLE001 - any failure is a failed probe
             return False
         return True
 
     async def stop(self, grace: float) -> None:
-        p = self.proc
-        if p is None or p.returncode is not None:
-            return
-        try:
-            os.killpg(p.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        try:
-            await asyncio.wait_for(p.wait(), grace)
-        except asyncio.TimeoutError:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            await p.wait()
+        if self.running:
+            await self.run.stop(grace)
 
 
 class PodWorker:
@@ -481,9 +452,11 @@ class PodWorker:
 
 
 class NodeAgent:
-    def __init__(self, root: Path, nodes: int, kubelet_port: int, pod_ip_base: int = 100):
+    def __init__(self, root: Path, nodes: int, kubelet_port: int, pod_ip_base: int = 100,
+                 runtime: str = "process"):
         import httpx
         self.root = root
+        self.runtime: Runtime = make_runtime(runtime, root)
         self.node_names = [f"local-node-{i + 1}" for i in range(nodes)]
         self.kubelet_port = kubelet_port
         self.api = KubeApi(root / "kubeconfig")
@@ -527,7 +500,8 @@ class NodeAgent:
                 "machineID": uuid.uuid5(uuid.NAMESPACE_DNS, self.node_names[i]).hex,
                 "systemUUID": str(uuid.uuid5(uuid.NAMESPACE_DNS, self.node_names[i])),
                 "bootID": self.boot_id, "kernelVersion": platform.release(),
-                "osImage": "pd-operator local node", "containerRuntimeVersion": "local://processes",
+                "osImage": "pd-operator local node", "containerRuntimeVersion":
+                    "local://processes" if self.runtime.name == "process" else "docker://local",
                 "kubeletVersion": K8S_VERSION, "kubeProxyVersion": "",
                 "operatingSystem": "linux", "architecture": "amd64",
             },
@@ -695,6 +669,7 @@ class NodeAgent:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
+        await self.runtime.cleanup()
         await self.register_nodes()
         runners = await self.serve_logs()
         tasks = [asyncio.create_task(self.heartbeat()), asyncio.create_task(self.watch_pods())]
@@ -704,13 +679,14 @@ class NodeAgent:
             t.cancel()
         await asyncio.gather(*(c.stop(5) for w in list(self.workers.values()) for c in w.containers),
                              return_exceptions=True)
+        await self.runtime.cleanup()
         for r in runners:
             await r.cleanup()
         await self.http.aclose()
         await self.api.close()
 
 
-def main(root: Path, nodes: int, kubelet_port: int, pod_ip_base: int = 100) -> None:
+def main(root: Path, nodes: int, kubelet_port: int, pod_ip_base: int = 100, runtime: str = "process") -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    asyncio.run(NodeAgent(root, nodes, kubelet_port, pod_ip_base).run())
+    asyncio.run(NodeAgent(root, nodes, kubelet_port, pod_ip_base, runtime).run())

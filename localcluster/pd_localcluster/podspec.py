@@ -7,7 +7,7 @@ import base64
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 # Repository suffix -> entrypoint. Images stand for our Python entry points on this machine.
 IMAGE_ENTRYPOINTS: dict[str, list[str]] = {

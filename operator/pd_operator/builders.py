@@ -163,6 +163,25 @@ def _ascend_volumes(spec: PDDeploymentSpec) -> tuple[list[dict], list[dict]]:
     return volumes, mounts
 
 
+RUN_AS = 10001   # the images' user
+
+
+def harden(pod_spec: dict, container: dict, non_root: bool = True) -> None:
+    """Every pod the project creates: no privilege escalation, no capabilities, the
+    RuntimeDefault seccomp profile, a read-only root filesystem with an emptyDir on /tmp, and
+    (where the workload allows it) a non-root user. Ascend engines are the exception to the
+    last: the NPU driver's device nodes belong to its own user and group (HwHiAiUser), which
+    the image's user must match, so `backend: llm-datadist` keeps the image's user."""
+    sc = {"seccompProfile": {"type": "RuntimeDefault"}}
+    if non_root:
+        sc.update(runAsNonRoot=True, runAsUser=RUN_AS, runAsGroup=RUN_AS)
+    pod_spec["securityContext"] = sc
+    container["securityContext"] = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                    "capabilities": {"drop": ["ALL"]}}
+    pod_spec.setdefault("volumes", []).append({"name": "tmp", "emptyDir": {}})
+    container.setdefault("volumeMounts", []).append({"name": "tmp", "mountPath": "/tmp"})
+
+
 def statefulset(name: str, namespace: str, spec: PDDeploymentSpec, group: str, owner: dict,
                 decided: dict | None = None) -> dict:
     g = spec.prefill if group == "prefill" else spec.decoder
@@ -187,6 +206,7 @@ def statefulset(name: str, namespace: str, spec: PDDeploymentSpec, group: str, o
                       "enableServiceLinks": False}
     if volumes:
         pod_spec["volumes"] = volumes
+    harden(pod_spec, container, non_root=spec.backend != "llm-datadist")
     if g.node_selector:
         pod_spec["nodeSelector"] = g.node_selector
     if g.tolerations:

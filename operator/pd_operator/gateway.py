@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 from .api import PDDeploymentSpec
-from .builders import AGENT_PORT, LABEL_DEPLOYMENT, _meta, common_labels
+from .builders import AGENT_PORT, LABEL_DEPLOYMENT, _meta, common_labels, harden
 
 LABEL_GATEWAY = "pdoperator.io/gateway"   # on gateway pods (not the engines' deployment label)
 GATEWAY_PORT = 8000
@@ -66,12 +66,13 @@ def gateway_objects(name: str, namespace: str, spec: PDDeploymentSpec, owner: di
                                     "failureThreshold": 3, "timeoutSeconds": 2}}
     if gw.resources:
         container["resources"] = gw.resources.model_dump(exclude_none=True)
+    pod_spec = {"serviceAccountName": n, "containers": [container], "terminationGracePeriodSeconds": 30,
+                "enableServiceLinks": False}
+    harden(pod_spec, container)
     deployment = {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(n, namespace, owner, labels),
         "spec": {"replicas": gw.replicas, "selector": {"matchLabels": {LABEL_GATEWAY: name}},
-                 "template": {"metadata": {"labels": pod_labels},
-                              "spec": {"serviceAccountName": n, "containers": [container],
-                                       "terminationGracePeriodSeconds": 30, "enableServiceLinks": False}}},
+                 "template": {"metadata": {"labels": pod_labels}, "spec": pod_spec}},
     }
     service = {"apiVersion": "v1", "kind": "Service", "metadata": _meta(n, namespace, owner, labels),
                "spec": {"selector": {LABEL_GATEWAY: name},

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pd_operator import builders, conditions, crdgen, links
+from pd_operator import builders, conditions, crdgen, gateway, links
 from pd_operator.api import KvCache, parse_spec
 from pd_operator.cachedesc import derive
 from pd_operator.members import member_of, with_report
@@ -190,10 +190,30 @@ def test_llm_datadist_backend_mounts_host_paths():
     spec = parse_spec({**SPEC, "backend": "llm-datadist"})
     sts = builders.statefulset("llm", "ns", spec, "prefill", builders.owner_reference("llm", "u"))
     pod = sts["spec"]["template"]["spec"]
-    paths = [v["hostPath"]["path"] for v in pod["volumes"]]
+    paths = [v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v]
     assert "/etc/hccn.conf" in paths and "/usr/local/Ascend/driver" in paths
-    assert all(m["readOnly"] for m in pod["containers"][0]["volumeMounts"])
+    assert all(m["readOnly"] for m in pod["containers"][0]["volumeMounts"] if m["name"] != "tmp")
     assert not any(e["name"] == "PD_SIM_MEMORY_SCALE" for e in pod["containers"][0]["env"])
+    # the NPU driver's devices belong to its own user: the image's user stays
+    assert "runAsUser" not in pod["securityContext"]
+    assert pod["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
+
+
+@pytest.mark.parametrize("backend", ["sim", "llm-datadist"])
+def test_every_pod_is_hardened(backend):
+    spec = parse_spec({**SPEC, "backend": backend, "gateway": {"enabled": True, "apiKeysSecret": "keys"}})
+    sts = builders.statefulset("x", "ns", spec, "decoder", builders.owner_reference("x", "u"))
+    gw = next(o for o in gateway.gateway_objects("x", "ns", spec, builders.owner_reference("x", "u"))
+              if o["kind"] == "Deployment")
+    for pod in (sts["spec"]["template"]["spec"], gw["spec"]["template"]["spec"]):
+        c = pod["containers"][0]
+        assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                        "capabilities": {"drop": ["ALL"]}}
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert {"name": "tmp", "emptyDir": {}} in pod["volumes"]
+        assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]
+    assert gw["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert ("runAsUser" in sts["spec"]["template"]["spec"]["securityContext"]) == (backend == "sim")
 
 
 # ---- links ---------------------------------------------------------------------------------

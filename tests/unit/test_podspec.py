@@ -111,3 +111,38 @@ def test_unsupported_value_from_is_a_config_error():
     c = {"env": [{"name": "X", "valueFrom": {"fileKeyRef": {"path": "a", "key": "b"}}}]}
     with pytest.raises(ConfigError, match="X: unsupported valueFrom"):
         resolve_env(POD, c, "", "", {}, {})
+
+
+def test_docker_args_carry_the_pods_security_context_volumes_and_limits():
+    from pathlib import Path
+
+    from pd_localcluster.runtime import docker_args
+    from pd_operator import builders
+    from pd_operator.api import parse_spec
+    import yaml
+    from tests.conftest import REPO
+    doc = yaml.safe_load((REPO / "examples" / "sim-small.yaml").read_text())
+    doc["spec"]["decoder"]["resources"] = {"limits": {"memory": "512Mi", "cpu": "500m"}}
+    sts = builders.statefulset("x", "ns", parse_spec(doc["spec"]), "decoder", builders.owner_reference("x", "u"))
+    pod = sts["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    args = docker_args(cname="pd-1-agent-0", root_label="/r", spec=c, pod_spec=pod,
+                       env={"A": "1", "PATH": "/host/bin", "HOME": "/pods/x"}, mounts=[Path("/pods/x/sa")])
+    joined = " ".join(args)
+    assert args[:2] == ["run", "--rm"] and "--network host" in joined
+    assert "--user 10001:10001" in joined and "--read-only" in args
+    assert "--cap-drop ALL" in joined and "--security-opt no-new-privileges" in joined
+    assert "--tmpfs /tmp:rw,exec,mode=1777" in joined
+    assert "-v /pods/x/sa:/pods/x/sa:ro" in joined
+    assert "--memory 512m" in joined and "--cpus 0.5" in joined
+    # the image's own PATH and HOME apply inside it, not the node's
+    assert "-e A=1" in joined and "PATH=" not in joined and "HOME=" not in joined
+    assert args[-1] == c["image"] and "--entrypoint" not in args
+
+
+def test_docker_args_command_replaces_the_entrypoint():
+    from pd_localcluster.runtime import docker_args
+    spec = {"name": "m", "image": "img:1", "command": ["python", "-m", "pd_agent.loadgen"], "args": ["--json"]}
+    args = docker_args(cname="c", root_label="/r", spec=spec, pod_spec={}, env={}, mounts=[])
+    assert args[args.index("--entrypoint"):] == ["--entrypoint", "python", "img:1", "-m", "pd_agent.loadgen", "--json"]
+    assert "--user" not in args and "--read-only" not in args
