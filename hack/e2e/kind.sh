@@ -18,8 +18,9 @@ echo "[e2e-kind] creating kind cluster $NAME ($("$KIND" version))"
 if ! "$KIND" create cluster --name "$NAME" --kubeconfig "$KUBECONFIG_E2E" ${NODE_IMAGE:+--image "$NODE_IMAGE"} \
      --wait 120s >/tmp/kind-create.log 2>&1; then
   if grep -qiE "pull|registry|manifest|dial tcp|no such host|i/o timeout" /tmp/kind-create.log; then
-    echo "[e2e-kind] kind cannot get its node image here (kindest/node: no image registry is reachable from" \
-         "this machine); run this target where Docker Hub is reachable (the e2e-kind GitHub workflow does)," \
+    node=$(grep -o 'kindest/node:[^ "@)]*' /tmp/kind-create.log | head -1)
+    echo "[e2e-kind] kind cannot get its node image ${node:-kindest/node} here: no image registry is reachable" \
+         "from this machine. Run this target where Docker Hub is reachable (the e2e-kind GitHub workflow does)," \
          "or set PD_KIND_NODE_IMAGE to a node image present in the local Docker." >&2
   else
     echo "[e2e-kind] kind create cluster failed:" >&2

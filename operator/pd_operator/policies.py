@@ -86,12 +86,16 @@ def schedule(spec: PDDeploymentSpec, total: int, limits: Limits, now: float) -> 
     except (ZoneInfoNotFoundError, ValueError):
         return Verdict(None, "InvalidSchedule", f"spec.rebalance.timeZone {rb.time_zone!r} is not an IANA time "
                                                 f"zone; the ratio is frozen")
-    # a time that fires exactly now counts (reverse iteration starts strictly before its start)
-    local = dt.datetime.fromtimestamp(now, tz) + dt.timedelta(seconds=1)
+    # a time that fires exactly now counts (reverse iteration starts strictly before its start),
+    # one later than now does not: a pass half a second before the minute is not at the minute
+    local = dt.datetime.fromtimestamp(now, tz)
     latest: tuple[dt.datetime, int, int] | None = None
     for i, entry in enumerate(rb.schedule or []):
         try:
-            fired = next(CronSim(entry.cron, local, reverse=True))
+            it = CronSim(entry.cron, local + dt.timedelta(seconds=1), reverse=True)
+            fired = next(it)
+            if fired > local:
+                fired = next(it)
         except (CronSimError, StopIteration) as e:
             return Verdict(None, "InvalidSchedule", f"spec.rebalance.schedule[{i}].cron {entry.cron!r} does not "
                                                     f"parse ({e}); the ratio is frozen")

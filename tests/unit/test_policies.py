@@ -90,6 +90,8 @@ SCHED = spec("Schedule", timeZone="Asia/Shanghai",
 
 @pytest.mark.parametrize("local, want", [
     ("2026-12-02 00:59:59", 2),   # before 01:00 the 09:00 entry of the day before holds
+    ("2026-12-02 00:59:59.5", 2),  # half a second before is still before
+    ("2026-12-02 01:00:00.2", 4),
     ("2026-12-02 01:00:00", 4),   # at its minute
     ("2026-12-02 08:59:00", 4),
     ("2026-12-02 09:00:00", 2),
@@ -99,8 +101,8 @@ def test_schedule_boundaries_in_the_time_zone(local, want):
     assert v.target == want and v.reason == "Schedule", v
     # the same wall-clock time in UTC is 8 hours later in Shanghai: 01:00 UTC is 09:00 there
     in_utc = policies.evaluate(SCHED, Signals(), 3, limits(SCHED, 0), ts(local, "UTC")).target
-    assert in_utc == {"2026-12-02 00:59:59": 4, "2026-12-02 01:00:00": 2, "2026-12-02 08:59:00": 2,
-                      "2026-12-02 09:00:00": 2}[local]
+    assert in_utc == {"2026-12-02 00:59:59": 4, "2026-12-02 00:59:59.5": 4, "2026-12-02 01:00:00": 2,
+                      "2026-12-02 01:00:00.2": 2, "2026-12-02 08:59:00": 2, "2026-12-02 09:00:00": 2}[local]
 
 
 def test_schedule_that_does_not_parse_freezes_with_a_reason():
