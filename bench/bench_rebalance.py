@@ -84,7 +84,7 @@ def run_trace(bench: Bench, kind: str, compress: float, only: list[str] | None, 
             name = kname(r.name)
             loads[r.name] = subprocess.Popen(
                 [sys.executable, "-m", "pd_agent.loadgen", "--kubeconfig", bench.kubeconfig, "--namespace", ns,
-                 "--deployment", name, "--token", token_of(ns, name), "--trace", str(sc.trace_path(kind)),
+                 "--deployment", name, f"--token={token_of(ns, name)}", "--trace", str(sc.trace_path(kind)),
                  "--trace-speed", str(compress), "--duration", "0", "--max-prompt", str(sc.MAX_SEQ),
                  "--max-output", "4096", "--slo-ttft-ms", str(sc.SLO_TTFT_MS / compress),
                  "--slo-tbt-ms", str(sc.SLO_TBT_MS / compress), "--requests-out", str(work / f"{kind}-{name}.jsonl"),

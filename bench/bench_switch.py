@@ -54,7 +54,7 @@ def main() -> None:
         token = base64.b64decode(bench.core.read_namespaced_secret("sim-small-agent-token", ns).data["token"]).decode()
         load = subprocess.Popen(
             [sys.executable, "-m", "pd_agent.loadgen", "--kubeconfig", bench.kubeconfig, "--namespace", ns,
-             "--deployment", "sim-small", "--token", token, "--rate", str(args.rate), "--duration", "3600",
+             "--deployment", "sim-small", f"--token={token}", "--rate", str(args.rate), "--duration", "3600",
              "--workload", args.workload, "--max-prompt", "2048", "--max-output", str(args.max_output), "--json"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
         time.sleep(3)

@@ -36,9 +36,10 @@ def _peer_of_link(link: dict) -> Peer:
 
 async def ensure_token(kube: Kube, name: str, namespace: str, owner: dict) -> None:
     """The agents' bearer tokens, control (the operator's) and data (routers'): created once,
-    never re-generated (running pods hold them)."""
-    await kube.create(token_secret(name, namespace, secrets.token_urlsafe(32), owner))
-    await kube.create(token_secret(name, namespace, secrets.token_urlsafe(32), owner, f"{name}-agent-data-token"))
+    never re-generated (running pods hold them). Hex, so a token never starts with '-', which a
+    command line (`--token $TOKEN`) would take for an option."""
+    await kube.create(token_secret(name, namespace, secrets.token_hex(32), owner))
+    await kube.create(token_secret(name, namespace, secrets.token_hex(32), owner, f"{name}-agent-data-token"))
 
 
 async def apply_children(kube: Kube, metrics: OperatorMetrics, mem: Memory, objs: list[dict]) -> None:

@@ -35,12 +35,12 @@ class Load:
     def __init__(self, cluster: Cluster, ns: str, duration: float, rate: float = 7, workload: str = "code",
                  max_output: int = 32, name: str = "sim-small", gateway: str | None = None, api_key: str = ""):
         if gateway:   # through pd-gateway, as a client would
-            target = ["--gateway", gateway, "--api-key", api_key]
+            target = ["--gateway", gateway, f"--api-key={api_key}"]
         else:         # straight to the agents, with the routers' (data-scope) token
             token = base64.b64decode(cluster.get_json("secret", f"{name}-agent-data-token", "-n", ns)["data"][
                 "token"]).decode()
             target = ["--kubeconfig", str(cluster.kubeconfig), "--namespace", ns, "--deployment", name,
-                      "--token", token]
+                      f"--token={token}"]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pd_agent.loadgen", *target, "--rate", str(rate), "--duration", str(duration),
              "--workload", workload, "--max-prompt", "2048", "--max-output", str(max_output), "--json"],
