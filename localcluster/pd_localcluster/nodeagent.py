@@ -29,7 +29,7 @@ from aiohttp import web
 from .kubeapi import ApiError, KubeApi
 from .pki import node_ip
 from .podspec import (
-    ConfigError, ContainerState, UnknownImage, backoff_seconds, command_line, pod_phase,
+    ConfigError, ContainerState, UnknownImage, backoff_seconds, pod_phase,
     referenced_objects, resolve_env, should_restart,
 )
 from .runtime import Running, Runtime, make as make_runtime
@@ -100,9 +100,9 @@ class ContainerRun:
             exit_code: int | None = None
             try:
                 env = await w.container_env(spec)
-                if w.agent.runtime.name == "process":
-                    command_line(spec, env)   # an image with no local command fails here, as a pull would
                 self.env = env
+                # an image the runtime cannot run (no local command, not in Docker) raises
+                # UnknownImage here, as a failed pull would
                 self.run = await w.agent.runtime.start(
                     pod_uid=w.uid, pod_dir=w.dir, name=self.name, restart=self.cs.restart_count, spec=spec,
                     pod_spec=w.pod["spec"], env=env, log_path=self.log_path())
