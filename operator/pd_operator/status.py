@@ -254,7 +254,9 @@ def build_status(spec: PDDeploymentSpec, obs: Observed, previous: dict | None) -
         rb = {"targetPrefill": obs.decision.target, "groupSizes": obs.group_sizes}
         if obs.cooldown_until:
             rb["cooldownUntil"] = obs.cooldown_until
-        out["rebalance"] = {k: v for k, v in rb.items() if v is not None}
+        rb = {k: v for k, v in rb.items() if v is not None}
+        if rb:   # never `{}`: server-side apply turns an empty map into null (kubernetes#135841)
+            out["rebalance"] = rb
     if obs.observed_generation is not None:
         out["observedGeneration"] = obs.observed_generation
     return out

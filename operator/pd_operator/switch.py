@@ -69,7 +69,9 @@ class Switch:
     def to_status(self) -> dict:
         out = {"pod": self.pod, "uid": self.uid, "from": self.from_, "to": self.to, "step": self.step,
                "startedAt": iso(self.started), "stepStartedAt": iso(self.step_started), "reason": self.reason,
-               "attempts": self.attempts, "stepsMs": {s: ms for s, ms in self.durations}}
+               "attempts": self.attempts}
+        if self.durations:   # never `{}`: server-side apply turns an empty map into null (kubernetes#135841)
+            out["stepsMs"] = {s: ms for s, ms in self.durations}
         if self.message:
             out["message"] = self.message
         return out
