@@ -5,9 +5,12 @@ import itertools
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
+
+from tests.procs import spawn
 
 TOKEN = "test-token"
 _ips = itertools.count(1)
@@ -35,14 +38,15 @@ class AgentProc:
         if cache_desc:
             e["LLM_DATADIST_CACHE_DESC"] = cache_desc
         e.update(env or {})
-        self.proc = subprocess.Popen([sys.executable, "-m", "pd_agent"], env=e,
-                                     stdout=log or subprocess.PIPE, stderr=subprocess.STDOUT)
+        # output to a file, not a pipe: a pipe nobody reads fills up and blocks the agent
+        self.log = log or tempfile.TemporaryFile()
+        self.proc = spawn([sys.executable, "-m", "pd_agent"], env=e, stdout=self.log, stderr=subprocess.STDOUT)
         self.http = httpx.Client(base_url=self.url, trust_env=False, timeout=30,
                                  headers={"Authorization": f"Bearer {TOKEN}"})
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"agent exited: {self.proc.stdout.read().decode()}")
+                raise RuntimeError(f"agent exited: {self.output()}")
             try:
                 if self.http.get("/healthz").status_code == 200:
                     return
@@ -67,7 +71,10 @@ class AgentProc:
 
     def output(self) -> str:
         """Everything the agent printed (after it exited)."""
-        return self.proc.stdout.read().decode(errors="replace") if self.proc.poll() is not None else ""
+        if self.proc.poll() is None or not hasattr(self.log, "seek"):
+            return ""
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -3,6 +3,7 @@ fresh namespace per test."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 import uuid
@@ -12,7 +13,30 @@ from typing import Any, Callable
 
 import pytest
 
+from tests import procs
+
 REPO = Path(__file__).resolve().parents[1]
+# every process the suite starts, directly or through the local cluster, inherits this
+SESSION = os.environ.setdefault(procs.SESSION_ENV, uuid.uuid4().hex)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_running():
+    """Set up first, torn down last: after the local clusters are down, no process this
+    session started may still run."""
+    yield
+    left = procs.session_processes(SESSION)
+    if left:
+        procs.kill_all([pid for pid, _ in left])
+        pytest.fail("processes started by the suite were still running after it (now killed): "
+                    + "; ".join(f"{pid} {cmd}" for pid, cmd in left))
+
+
+@pytest.fixture(autouse=True)
+def processes_end_with_the_test():
+    yield
+    killed = procs.end_owned()
+    assert not killed, f"these ignored SIGTERM for 20 s and were killed: {killed}"
 
 
 @dataclass

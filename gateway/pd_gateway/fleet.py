@@ -20,6 +20,9 @@ from typing import AsyncIterator, Callable
 import httpx
 
 log = logging.getLogger("pd_gateway.fleet")
+# a decoder that sends no token for this long has failed the request (a hung or stopped peer
+# must not hold a client forever)
+TOKEN_GAP_TIMEOUT_S = 120.0
 RETRYABLE = frozenset({"DRAINING", "ROLE_CHANGED", "ConnectError", "ConnectTimeout", "RemoteProtocolError",
                        "ReadError", "NoLinkedPair"})
 AGENT_PORT = 8080
@@ -63,11 +66,15 @@ class Fleet:
     async def refresh(self) -> None:
         try:
             pods = await asyncio.to_thread(self.discover)
-            self.error = ""
         except Exception as e:  # noqa: BLE001 - keep routing on the last view; the API server may be away
-            self.error = f"listing pods: {e}"
-            log.warning("%s", self.error)
+            error = f"listing pods: {e}"
+            if error != self.error:   # once per new error, not once a second while the API server is away
+                log.warning("%s (routing on the last view until it answers)", error)
+            self.error = error
             return
+        if self.error:
+            log.info("listing pods works again")
+            self.error = ""
         pods = [p for p in pods if p.get("ip") and not p.get("leaving") and p.get("label") != "switching"]
 
         async def one(p: dict) -> dict | None:
@@ -186,7 +193,7 @@ async def generate(fleet: Fleet, req_id: int, prompt_tokens: int, output_tokens:
         started = False
         try:
             async with fleet.http.stream("POST", f"{d['url']}/v1/decode", headers=fleet.headers, json=body,
-                                         timeout=httpx.Timeout(None, connect=2)) as r:
+                                         timeout=httpx.Timeout(None, connect=2, read=TOKEN_GAP_TIMEOUT_S)) as r:
                 if r.status_code != 200:
                     await r.aread()
                     await refused(r, d)

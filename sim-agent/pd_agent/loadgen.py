@@ -209,13 +209,14 @@ async def gateway_request(http: httpx.AsyncClient, url: str, key: str, model: st
 
 
 async def run(args: argparse.Namespace) -> Summary:
+    stop = _Stop.install()
     rng = random.Random(args.seed)
     headers = {"Authorization": f"Bearer {args.token}"} if args.token else {}
     async with httpx.AsyncClient(trust_env=False, headers=headers,
                                  timeout=httpx.Timeout(120, connect=5),
                                  limits=httpx.Limits(max_connections=1000)) as http:
         if args.gateway:
-            return await _run_gateway(args, http, rng)
+            return await _run_gateway(args, http, rng, stop)
         find = fixed_finder(args.agent)
         if args.deployment:
             pods = pod_finder(args.namespace, args.deployment, args.kubeconfig)
@@ -227,18 +228,18 @@ async def run(args: argparse.Namespace) -> Summary:
         start = time.monotonic()
         tasks = []
         ref = asyncio.create_task(fleet.run(1.0))
-        stop = _stop_event()
         for i, (t, prompt, output) in enumerate(plan):
-            if await _until(stop, start + t):
+            if await _until(stop.first, start + t):
                 break
             tasks.append(asyncio.create_task(direct_request(fleet, base_id + i, prompt, output, args.retry_window)))
-        results = await asyncio.gather(*tasks)
+        results = await _finish(tasks, stop, args.stop_grace)
         ref.cancel()
         _write_requests(args.requests_out, plan, results)
-        return summarize(list(results), time.monotonic() - start, args.slo_ttft_ms, args.slo_tbt_ms)
+        return summarize(results, time.monotonic() - start, args.slo_ttft_ms, args.slo_tbt_ms)
 
 
-async def _run_gateway(args: argparse.Namespace, http: httpx.AsyncClient, rng: random.Random) -> Summary:
+async def _run_gateway(args: argparse.Namespace, http: httpx.AsyncClient, rng: random.Random,
+                       stop: "_Stop") -> Summary:
     url = args.gateway.rstrip("/")
     if url.endswith("/v1"):
         url = url[:-3]
@@ -249,15 +250,14 @@ async def _run_gateway(args: argparse.Namespace, http: httpx.AsyncClient, rng: r
         model = r.json()["data"][0]["id"]
     plan = request_plan(args, rng)
     start = time.monotonic()
-    stop = _stop_event()
     tasks = []
     for t, prompt, output in plan:
-        if await _until(stop, start + t):
+        if await _until(stop.first, start + t):
             break
         tasks.append(asyncio.create_task(gateway_request(http, url, args.api_key, model, prompt, output)))
-    results = await asyncio.gather(*tasks)
+    results = await _finish(tasks, stop, args.stop_grace)
     _write_requests(args.requests_out, plan, results)
-    return summarize(list(results), time.monotonic() - start, args.slo_ttft_ms, args.slo_tbt_ms)
+    return summarize(results, time.monotonic() - start, args.slo_ttft_ms, args.slo_tbt_ms)
 
 
 def _write_requests(path: str | None, plan: list[tuple[float, int, int]], results) -> None:
@@ -271,13 +271,44 @@ def _write_requests(path: str | None, plan: list[tuple[float, int, int]], result
                                 "reason": r.reason}) + "\n")
 
 
-def _stop_event() -> asyncio.Event:
-    """Set on SIGTERM/SIGINT: stop sending, let the requests in flight finish, report."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    return stop
+class _Stop:
+    """SIGTERM/SIGINT: the first stops sending and gives the requests in flight --stop-grace
+    seconds to finish; a second one cancels them at once. Either way the summary is printed."""
+
+    def __init__(self) -> None:
+        self.first = asyncio.Event()
+        self.now = asyncio.Event()
+
+    def signal(self) -> None:
+        (self.now if self.first.is_set() else self.first).set()
+
+    @classmethod
+    def install(cls) -> "_Stop":
+        stop = cls()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.signal)
+        return stop
+
+
+async def _finish(tasks: list[asyncio.Task], stop: _Stop, grace: float) -> list[Result]:
+    """Wait for the requests in flight; after a stop signal at most `grace` seconds (none after
+    a second one). Requests cut short count as failed, reason Cancelled."""
+    pending = {t for t in tasks if not t.done()}
+    hurry = asyncio.create_task(stop.now.wait())
+    end: float | None = None
+    while pending and not hurry.done():
+        if stop.first.is_set() and end is None:
+            end = time.monotonic() + grace
+        if end is not None and time.monotonic() >= end:
+            break
+        _, pending = await asyncio.wait(pending | {hurry}, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+        pending.discard(hurry)
+    hurry.cancel()
+    for t in pending:
+        t.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    return [Result(ok=False, reason="Cancelled") if t.cancelled() else t.result() for t in tasks]
 
 
 async def _until(stop: asyncio.Event, when: float) -> bool:
@@ -321,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="model id (default: the gateway's /v1/models)")
     ap.add_argument("--requests-out", default=None, help="write one JSON line per request (time sent, "
                     "lengths, TTFT, TBT, result) to this file")
+    ap.add_argument("--stop-grace", type=float, default=60.0, help="after SIGTERM/SIGINT, seconds the requests "
+                    "in flight get to finish before they are cancelled (a second signal cancels them at once)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if not args.agent and not args.deployment and not args.gateway:

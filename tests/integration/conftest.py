@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO, Cluster, wait_for
+from tests.procs import spawn
 
 
 @pytest.fixture
@@ -59,7 +60,7 @@ class OperatorProc:
         env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
         env.update(KUBECONFIG=str(self.kubeconfig or self.cluster.kubeconfig), PD_OPERATOR_NAMESPACES=self.namespace,
                    PD_OPERATOR_METRICS_ADDR=f"127.0.0.1:{self.metrics_port}", **extra_env)
-        self.proc = subprocess.Popen([sys.executable, "-m", "pd_operator"], env=env, stdout=log,
+        self.proc = spawn([sys.executable, "-m", "pd_operator"], env=env, stdout=log,
                                      stderr=subprocess.STDOUT)
 
     def wait_exit(self, timeout: float = 60) -> int:

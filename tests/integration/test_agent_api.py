@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import subprocess
+import time
 
 import httpx
 import pytest
@@ -167,3 +169,36 @@ def test_loadgen_cli_against_agents(agents):
     assert s["ttft_ms"]["p90"] > 0 and s["goodput_rps"] > 0
     wait_for("pull notices", lambda: p1.status()["load"]["pending_kv"] == 0
              and p2.status()["load"]["pending_kv"] == 0, timeout=5)
+
+
+def test_loadgen_honours_sigterm_with_requests_stuck_in_flight(agents):
+    """Every pull hangs (the prompt side answers after 10 minutes, and the decoder waits that
+    long). The first SIGTERM stops
+    sending and gives the requests in flight --stop-grace seconds; a second one cancels them at
+    once. Either way the load generator prints its summary and exits."""
+    import json
+    import signal
+    import sys
+    import tempfile
+
+    from tests.procs import spawn
+    p = agents("prompt", 0, env={"PD_SIM_FAULT_PULL_DELAY_MS": "600000"})
+    d = agents("decoder", 1000, env={"LLM_DATADIST_SYNC_KV_TIMEOUT_MS": "600000"})
+    d.post("/v1/link", {"peers": [p.peer()]})
+    for grace, signals in (("3", 1), ("600", 2)):
+        before = d.status()["load"]["in_flight"]   # the first run's cancelled decodes still hang there
+        out = tempfile.TemporaryFile("w+")
+        lg = spawn([sys.executable, "-m", "pd_agent.loadgen", "--agent", p.url, "--agent", d.url, f"--token={TOKEN}",
+                    "--rate", "5", "--duration", "600", "--max-prompt", "64", "--max-output", "4",
+                    "--stop-grace", grace, "--seed", grace, "--json"], stdout=out, stderr=subprocess.STDOUT, text=True)
+        wait_for("decodes stuck on the decoder", lambda: d.status()["load"]["in_flight"] >= before + 2,
+                 timeout=90)
+        for _ in range(signals):
+            lg.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+        assert lg.wait(120) == 1, "no request completed, so the exit code says so"
+        out.seek(0)
+        text = out.read()
+        s = json.loads(text[text.index("{"):])
+        assert s["completed"] == 0 and s["failed"] == s["requests"] >= 2, s
+        assert s["failed_by_reason"] == {"Cancelled": s["requests"]}, s

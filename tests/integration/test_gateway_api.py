@@ -8,12 +8,14 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import httpx
 import pytest
 
 from tests.agent_procs import next_ip
 from tests.conftest import wait_for
+from tests.procs import end, spawn
 
 pytestmark = pytest.mark.integration
 KEYS = {"team-a": "sk-team-a-123", "team-b": "sk-team-b-456"}
@@ -28,8 +30,9 @@ class GatewayProc:
         e = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
         e.update(PD_GATEWAY_AGENTS=",".join(agents), PD_GATEWAY_API_KEYS=json.dumps(KEYS), PD_MODEL_NAME=MODEL,
                  PD_AGENT_DATA_TOKEN=DATA_TOKEN, PD_LOCAL_POD_IP=self.ip, **(env or {}))
-        self.proc = subprocess.Popen([sys.executable, "-m", "pd_gateway"], env=e, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
+        self.log = tempfile.TemporaryFile("w+")
+        self.proc = spawn([sys.executable, "-m", "pd_gateway"], env=e, stdout=self.log, stderr=subprocess.STDOUT,
+                          text=True)
         wait_for("the gateway sees a linked pair", self._ready, timeout=30)
 
     def _ready(self) -> bool:
@@ -40,9 +43,9 @@ class GatewayProc:
             return False
 
     def stop(self) -> str:
-        self.proc.terminate()
-        out, _ = self.proc.communicate(timeout=20)
-        return out
+        end(self.proc)
+        self.log.seek(0)
+        return self.log.read()
 
 
 @pytest.fixture

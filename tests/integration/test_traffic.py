@@ -9,10 +9,12 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
 
+from tests.procs import spawn
 from tests.conftest import REPO, Cluster, wait_for
 from tests.integration.conftest import agent_status, events, sample, wait_phase
 
@@ -41,10 +43,12 @@ class Load:
                 "token"]).decode()
             target = ["--kubeconfig", str(cluster.kubeconfig), "--namespace", ns, "--deployment", name,
                       f"--token={token}"]
-        self.proc = subprocess.Popen(
+        # output to files, not pipes: a pipe nobody reads fills up and blocks the writer
+        self.out, self.err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        self.proc = spawn(
             [sys.executable, "-m", "pd_agent.loadgen", *target, "--rate", str(rate), "--duration", str(duration),
              "--workload", workload, "--max-prompt", "2048", "--max-output", str(max_output), "--json"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+            stdout=self.out, stderr=self.err, text=True, cwd=REPO)
         self.started = time.monotonic()
         self.duration = duration
 
@@ -54,8 +58,11 @@ class Load:
         return self.result()
 
     def result(self) -> dict:
-        out, err = self.proc.communicate(timeout=self.duration + 120)
-        assert self.proc.returncode in (0, 1), err
+        self.proc.wait(timeout=max(0.0, self.started + self.duration - time.monotonic()) + 180)
+        self.out.seek(0)
+        self.err.seek(0)
+        out, err = self.out.read(), self.err.read()
+        assert self.proc.returncode in (0, 1), err[-3000:]
         summary = json.loads(out)
         print(f"\nloadgen: {json.dumps(summary)}")
         return summary
@@ -134,7 +141,7 @@ def test_deleted_pods_drain_and_fail_no_request(cluster: Cluster, namespace: str
     drains = {}
     for pod in ("sim-small-prefill-0", "sim-small-decoder-1"):
         old_uid = cluster.get_json("pod", pod, "-n", ns)["metadata"]["uid"]
-        logs = subprocess.Popen([str(cluster.bin_dir / "kubectl"), f"--kubeconfig={cluster.kubeconfig}", "logs",
+        logs = spawn([str(cluster.bin_dir / "kubectl"), f"--kubeconfig={cluster.kubeconfig}", "logs",
                                  "-f", pod, "-n", ns], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         t0 = time.monotonic()
         cluster.kubectl("delete", "pod", pod, "-n", ns, timeout=90)   # waits until the pod is gone

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from tests.conftest import wait_for
+from tests.procs import spawn
 
 import llm_datadist_sim as llm_datadist
 from llm_datadist_sim import (
@@ -33,7 +34,7 @@ class PromptPeer:
         import os
         self.cluster_id = cluster_id
         self.port = free_port()
-        self.proc = subprocess.Popen(
+        self.proc = spawn(
             [sys.executable, "-m", "llm_datadist_sim.peer", str(cluster_id), f"127.0.0.1:{self.port}"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
         assert self.read()["ready"]
