@@ -8,6 +8,7 @@ import logging
 
 import kopf
 
+from . import faultpoint
 from .agentclient import AgentClient
 from .api import GROUP, PLURAL, VERSION
 from .builders import LABEL_DEPLOYMENT
@@ -42,7 +43,7 @@ async def startup(settings: kopf.OperatorSettings, **_) -> None:
     metrics = OperatorMetrics()
     kube = Kube()
     agents = AgentClient(metrics)
-    STATE.update(kube=kube, agents=agents, metrics=metrics, controller=Controller(kube, agents, metrics),
+    STATE.update(kube=kube, agents=agents, metrics=metrics, controller=Controller(kube, agents, metrics, after_record=faultpoint.from_env()),
                  metrics_runner=await serve(metrics))
     log.info("pd-operator started")
 

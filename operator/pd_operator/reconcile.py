@@ -23,6 +23,7 @@ import os
 import time
 
 from dataclasses import replace
+from typing import Callable
 
 from . import act, children as ch, links as lk, observe, policies, rebalance as rb, replace as rp, switch as sw_
 from .agentclient import AgentClient
@@ -51,7 +52,6 @@ TOKEN_TTL_S = 20.0
 SETTLED_POLL_S = 5.0      # a member that is linked and well is asked this often
 ACTED_DELAY_S = 0.05      # the next pass after one that acted
 SWITCH_POLL_S = 0.1       # while a switch waits on something observed (a drain)
-FAULT_POINT = "PD_OPERATOR_FAULT_POINT"   # tests: exit right after recording e.g. decoder-to-prefill:Unlink
 
 
 class TerminalError(Exception):
@@ -93,7 +93,8 @@ def verify_due(engines: list[lk.Engine], reported: dict[str, list[dict]], per: d
 
 
 class Controller:
-    def __init__(self, kube: Kube, agents: AgentClient, metrics: OperatorMetrics | None = None):
+    def __init__(self, kube: Kube, agents: AgentClient, metrics: OperatorMetrics | None = None,
+                 after_record: Callable[[list[sw_.Switch]], None] | None = None):
         self.kube = kube
         self.agents = agents
         self.metrics = metrics or agents.metrics
@@ -107,6 +108,7 @@ class Controller:
         self.wake: dict[Key, asyncio.Event] = {}
         self.tasks: dict[Key, asyncio.Task] = {}
         self.stopping = False
+        self.after_record = after_record   # called with the switches each recorded status holds
 
     # ---- fed by Kopf's watch events ------------------------------------------------------
     def on_deployment(self, etype: str | None, body: dict) -> None:
@@ -392,10 +394,8 @@ class Controller:
         if status != mem.last_status:
             await self._write_status(key, status)
             mem.last_status = status
-        point = os.environ.get(FAULT_POINT)
-        if point and any(f"{s.direction}:{s.step}" == point for s in book.switches):
-            log.error("%s reached: exiting as told", point)
-            os._exit(17)
+        if self.after_record is not None:
+            self.after_record(book.switches)
         since = self.ready_since.get(key, {})
         self._observe_phase(key, mem, status, max((since.get(p["metadata"]["name"], now) for p in live), default=now))
 

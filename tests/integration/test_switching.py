@@ -133,13 +133,17 @@ def test_operator_killed_at_every_step_of_both_directions(cluster: Cluster, flee
             operator.start(PD_OPERATOR_FAULT_POINT=f"{direction}:{step}")
             t0 = time.monotonic()
             set_prefill(cluster, ns, target)
-            assert operator.wait_exit(60) == 17, f"the operator did not stop at {direction}:{step}"
+            assert operator.wait_exit(180) == 17, f"the operator did not stop at {direction}:{step}"
             rec = pdd(cluster, ns)["status"]["switches"][0]
-            assert rec["step"] == step and f"{rec['from']}-to-{rec['to']}" == direction, rec
+            # the status it left names the step, or a later one with this one done (a step can be
+            # over when it begins: the decoders may let go of a draining prefill before Unlink)
+            assert f"{rec['from']}-to-{rec['to']}" == direction, rec
+            assert rec["step"] == step or step in rec.get("stepsMs", {}), rec
             operator.start()
-            obj = switched(cluster, ns, to, last_at, links)
+            obj = switched(cluster, ns, to, last_at, links, timeout=180)
             last_at = obj["status"]["lastSwitch"]["at"]
-            timings.append(f"{direction}@{step} {time.monotonic() - t0:.1f}s")
+            timings.append(f"{direction}@{step}" + (f" (stopped at {rec['step']})" if rec["step"] != step else "")
+                           + f" {time.monotonic() - t0:.1f}s")
             links_match_roles(cluster, ns)
     print("\nkilled at, then completed in: " + ", ".join(timings))
     s = load.stop()
@@ -166,7 +170,7 @@ def test_switching_pod_restarted_mid_switch_comes_back_in_the_right_role(cluster
     operator.stop()
     operator.start(PD_OPERATOR_FAULT_POINT="decoder-to-prefill:Unlink")
     set_prefill(cluster, ns, 3)
-    assert operator.wait_exit(60) == 17
+    assert operator.wait_exit(180) == 17
     pod = pdd(cluster, ns)["status"]["switches"][0]["pod"]
     crash_container(cluster, ns, pod)
     wait_for(f"{pod} back as a decoder", lambda: agent_status(cluster, ns, pod)["role"] == "decoder", timeout=30)
@@ -190,7 +194,7 @@ def test_switching_pod_restarted_mid_switch_comes_back_in_the_right_role(cluster
     operator.stop()
     operator.start(PD_OPERATOR_FAULT_POINT="prefill-to-decoder:Relink")
     set_prefill(cluster, ns, 2)
-    assert operator.wait_exit(60) == 17
+    assert operator.wait_exit(180) == 17
     pod2 = pdd(cluster, ns)["status"]["switches"][0]["pod"]
     assert pod2 == pod
     restarts = roles(cluster, ns)[pod][3]

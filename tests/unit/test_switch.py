@@ -150,3 +150,13 @@ def test_clamp_target_keeps_one_of_each():
     assert clamp_target(4, 4, Limits()) == 3
     assert clamp_target(0, 4, Limits(min_prefill=0)) == 1
     assert clamp_target(2, 6, Limits(min_prefill=3)) == 3
+
+
+def test_fault_point_fires_at_or_past_its_step():
+    from pd_operator.faultpoint import reached
+    s = sw("prefill", "decoder")
+    assert not reached("prefill-to-decoder:Unlink", [s])
+    # Drain and Unlink over in one pass (the decoders let go while it drained): recorded at SwitchRole
+    s2 = s.at("Unlink", T0 + 1).at("SwitchRole", T0 + 1)
+    assert reached("prefill-to-decoder:Unlink", [s2]) and reached("prefill-to-decoder:SwitchRole", [s2])
+    assert not reached("decoder-to-prefill:Unlink", [s2]) and not reached("prefill-to-decoder:Relink", [s2])
