@@ -4,8 +4,9 @@ what each decoder's agent reports, gives what to unlink and what to link.
 A link is broken only when the engine says so (LLM_NOT_YET_LINK, LLM_LINK_FAILED, a pull's
 LLM_WAIT_PROCESS_TIMEOUT), when the prefill's agent restarted since the link was made
 (boot id), or when its ip/port moved; a busy link is a link at work. A prefill that is
-leaving (terminating, or draining) gets no new links but keeps the ones it has while KV
-caches on it wait to be pulled; then it is unlinked normally, from the decoder's side."""
+leaving (terminating, or draining) gets no new links but keeps the ones it has until its agent
+refuses new work and no KV cache on it waits to be pulled; then it is unlinked normally, from
+the decoder's side."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -58,8 +59,11 @@ class Engine:
 
     @property
     def holding(self) -> bool:
-        """A leaving prefill whose links must stay: caches wait on it, or it cannot say."""
-        return self.leaving and bool(self.ip) and self.busy is not False
+        """A leaving prefill whose links must stay: caches wait on it, it cannot say, or its
+        agent has not said it refuses new work. A pod being deleted takes requests until its
+        agent gets SIGTERM and drains; unlinked before that, a request prefilled there in the
+        meantime could not be pulled (LLM_NOT_YET_LINK)."""
+        return self.leaving and bool(self.ip) and (self.busy is not False or not self.draining)
 
 
 @dataclass

@@ -97,7 +97,7 @@ def test_scaling_and_operator_restart_under_load_fail_no_request(cluster: Cluste
     ns = namespace
     cluster.apply(sample(**TRAFFIC_SPEC), ns)
     settled(cluster, ns, "4/4", 4)
-    load = Load(cluster, ns, duration=90)
+    load = Load(cluster, ns, duration=900)   # runs until stopped, after the last change
     steps = []
 
     def step(what, fn):
@@ -118,11 +118,9 @@ def test_scaling_and_operator_restart_under_load_fail_no_request(cluster: Cluste
         settled(cluster, ns, "4/4", 4)
     step("operator restart", restart)
     print("\nsteps: " + ", ".join(steps))
-    assert time.monotonic() - load.started < load.duration, "the changes outlasted the load"
-
-    s = load.result()
+    s = load.stop()
     assert s["failed"] == 0, s["failed_by_reason"]
-    assert s["completed"] >= 0.7 * 7 * load.duration, s
+    assert s["completed"] == s["requests"] >= 100, s   # traffic ran through every change
     assert force_unlinks(cluster, ns) == []
     # verify rounds ran against the serving prefills while requests flowed
     assert probes_served(cluster, ns, "sim-small-prefill-0") + probes_served(cluster, ns, "sim-small-prefill-1") >= 4

@@ -279,7 +279,7 @@ def test_a_restarted_prefill_is_relinked_by_boot_id():
 def test_a_leaving_prefill_keeps_its_links_while_caches_wait():
     from dataclasses import replace
     p0, d0 = eng("p0", "prefill", 0), eng("d0", "decoder", 1000)
-    p1 = replace(eng("p1", "prefill", 1), terminating=True, busy=True)
+    p1 = replace(eng("p1", "prefill", 1), terminating=True, draining=True, busy=True)
     reported = {"d0": [up(p0), up(p1)]}
     assert links.plan([p0, p1, d0], reported) == []           # held: caches wait on p1
     assert links.counts([p0, p1, d0], reported) == (1, 1)      # but not expected any more
@@ -288,6 +288,10 @@ def test_a_leaving_prefill_keeps_its_links_while_caches_wait():
     assert links.plan([p0, unknown, d0], reported) == []
     draining = replace(p1, terminating=False, draining=True)   # drained, not terminating: same
     assert links.plan([p0, draining, d0], reported) == []
+    # deleted, idle, but its agent still takes requests (no SIGTERM yet): held, or a request
+    # prefilled there now could not be pulled
+    taking = replace(p1, draining=False, busy=False)
+    assert links.plan([p0, taking, d0], reported) == [] and links.holding_links([p0, taking, d0], reported) == 1
     # a leaving prefill gets no new link
     [plan] = links.plan([p0, p1, d0], {"d0": [up(p0)]}) or [None]
     assert plan is None
