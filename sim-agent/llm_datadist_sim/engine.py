@@ -177,6 +177,15 @@ class _PromptServer:
                 req = recv_header(conn)
                 op = req.get("op")
                 if op == "bye":
+                    # let go first, then answer: when the decoder's unlink returns, this end is
+                    # torn down too (and a switch_role here finds no link left)
+                    delay = _faults.current().unlink_delay_ms
+                    if delay:
+                        time.sleep(delay / 1000)
+                    with self.lock:
+                        if self.conns.get(decoder_id) is conn:
+                            del self.conns[decoder_id]
+                    send_msg(conn, {"ret": C.LLM_SUCCESS.name})
                     return
                 if op == "pull":
                     self._serve_pull(conn, req)
@@ -588,21 +597,35 @@ class LLMDataDist:
             self._server.drop(ids)
             return _overall(rets), rets
         rets = []
+        deadline = time.monotonic() + timeout / 1000
         with self._link_mutex:
             for c in clusters:
                 link = self._links.pop(c.remote_cluster_id, None)
                 if link is None:
                     rets.append(C.LLM_NOT_YET_LINK)
                     continue
-                if not force and not link.broken:
-                    try:
-                        link.sock.settimeout(timeout / 1000)
-                        send_msg(link.sock, {"op": "bye"})
-                    except OSError:
-                        pass
+                rets.append(C.LLM_SUCCESS if force or link.broken else self._bye(link, deadline))
                 link.close()
-                rets.append(C.LLM_SUCCESS)
         return _overall(rets), rets
+
+    @staticmethod
+    def _bye(link: "_Link", deadline: float) -> C:
+        """Both ends torn down: the prompt side answers once it let go. A prompt side that is
+        gone has nothing left to release; one that does not answer in time lets go when it
+        reads the close (LLM_UNLINK_FAILED says it may still count the link meanwhile)."""
+        if not link.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            return C.LLM_UNLINK_FAILED   # a pull holds the link past the timeout
+        try:
+            link.sock.settimeout(max(0.001, deadline - time.monotonic()))
+            send_msg(link.sock, {"op": "bye"})
+            recv_header(link.sock)
+        except socket.timeout:
+            return C.LLM_UNLINK_FAILED
+        except (OSError, LinkClosed, ValueError):
+            pass
+        finally:
+            link.lock.release()
+        return C.LLM_SUCCESS
 
     def check_link_status(self, remote_cluster_id: int) -> None:
         self._check_init()

@@ -15,6 +15,7 @@ class Faults:
     refuse_links: bool = False   # the prompt side stops listening and drops its links
     link_delay_ms: int = 0       # the prompt side answers a link handshake this late
     pull_delay_ms: int = 0       # the prompt side answers a pull this late
+    unlink_delay_ms: int = 0     # the prompt side lets go of a decoder that unlinks this late (a busy host)
     pull_fail: bool = False      # the prompt side answers pulls with LLM_FAILED
 
     @classmethod

@@ -318,12 +318,12 @@ def test_wrong_cluster_id_is_link_failed(prompt, decoder):
 
 
 def test_slow_handshake_is_timeout(prompt, decoder):
-    p = prompt(0, env={"PD_SIM_FAULT_LINK_DELAY_MS": "1500"})
+    p = prompt(0, env={"PD_SIM_FAULT_LINK_DELAY_MS": "60000"})
     d = decoder()
-    t0 = time.monotonic()
     ret, rets = d.link_clusters([p.info()], 300)
     assert rets == [LLMStatusCode.LLM_TIMEOUT]
-    assert time.monotonic() - t0 < 1.4  # bounded by the link timeout, not the peer
+    # bounded by the link timeout, not the peer: the peer has not even answered the handshake
+    assert p.cmd(op="incoming")["incoming"] == []
 
 
 def test_refused_links_then_recovered(prompt, decoder):
@@ -372,7 +372,6 @@ def test_switch_with_links_then_unlink(prompt, decoder):
     assert ei.value.status_code is LLMStatusCode.LLM_EXIST_LINK
     ret, rets = d.unlink_clusters([p.info()], 2000)
     assert ret is LLMStatusCode.LLM_SUCCESS
-    time.sleep(0.1)
     assert p.cmd(op="incoming")["incoming"] == []
     assert d.unlink_clusters([p.info()], 2000)[1] == [LLMStatusCode.LLM_NOT_YET_LINK]
     port = free_port()
@@ -413,3 +412,20 @@ def test_check_link_status_during_pull_is_link_busy(prompt, decoder):
     t.join()
     assert ei.value.status_code is LLMStatusCode.LLM_LINK_BUSY
     d.check_link_status(0)  # usable again after the pull
+
+
+def test_unlink_returns_once_the_prompt_side_let_go(prompt, decoder):
+    """A prompt side slow to tear down (a busy host) still counts the link until it does: the
+    decoder's unlink waits for it, so a switch_role there right after finds no link
+    (LLM_EXIST_LINK was the result when unlink returned first). Past the timeout, the decoder
+    says so (LLM_UNLINK_FAILED) instead of claiming both ends are gone."""
+    p = prompt(0, env={"PD_SIM_FAULT_UNLINK_DELAY_MS": "300"})
+    d = decoder()
+    assert d.link_clusters([p.info()], 2000)[0] is LLMStatusCode.LLM_SUCCESS
+    assert p.cmd(op="incoming")["incoming"] == [1000]
+    assert d.unlink_clusters([p.info()], 2000)[0] is LLMStatusCode.LLM_SUCCESS
+    assert p.cmd(op="incoming")["incoming"] == []
+    p.cmd(op="faults", set={"unlink_delay_ms": 1500})
+    assert d.link_clusters([p.info()], 2000)[0] is LLMStatusCode.LLM_SUCCESS
+    assert d.unlink_clusters([p.info()], 500)[0] is LLMStatusCode.LLM_UNLINK_FAILED
+    assert d.unlink_clusters([p.info()], 500)[1] == [LLMStatusCode.LLM_NOT_YET_LINK]   # the local end is gone
