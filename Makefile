@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 KUBECONFIG_LOCAL := $(CURDIR)/.localcluster/kubeconfig
 BIN_DIR = $(shell hack/k8s-bins/build.sh --print-dir)
 
-.PHONY: help venv k8s-bins cluster-up cluster-down test test-unit test-integration test-e2e e2e-kind images lint-workflows crd crd-check demo bench bench-sim bench-links bench-switch bench-gateway bench-rebalance bench-policy-sim clean
+.PHONY: help venv lint k8s-bins cluster-up cluster-down test test-unit test-integration test-e2e e2e-kind images lint-workflows crd crd-check demo bench bench-sim bench-links bench-switch bench-gateway bench-rebalance bench-policy-sim clean
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
@@ -21,6 +21,21 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 venv: $(STAMP) ## create .venv with the project and its test extra
+
+LINT_STAMP := $(VENV)/.lint-stamp
+$(LINT_STAMP): $(STAMP)
+	$(VENV)/bin/pip install -q -e '.[test,lint]'
+	@touch $@
+
+# the decide side (pure modules) and the contract package are type-checked
+TYPED := $(addprefix operator/pd_operator/,api.py builders.py cachedesc.py children.py conditions.py diagnosis.py \
+	faultpoint.py gateway.py kinds.py links.py members.py objmeta.py policies.py rebalance.py replace.py status.py \
+	switch.py) contract/pd_contract
+
+lint: $(LINT_STAMP) ## ruff over everything, mypy over the pure modules and the contract package
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy $(TYPED)
+	@echo "[lint] clean"
 
 BENCH_STAMP := $(VENV)/.bench-stamp
 $(BENCH_STAMP): $(STAMP)
@@ -39,8 +54,8 @@ cluster-down: venv ## stop the local cluster and remove its state (idempotent)
 test: venv k8s-bins lint-workflows images ## every test: unit, integration on the local cluster, e2e from the images
 	$(PY) -m pytest tests -v -p no:cacheprovider
 
-test-unit: venv ## unit tests only
-	$(PY) -m pytest tests/unit -q
+test-unit: venv ## unit tests only (seconds; no control plane)
+	$(PY) -m pytest tests/unit -q -p no:cacheprovider
 
 test-integration: venv k8s-bins ## integration tests only
 	$(PY) -m pytest tests/integration -v

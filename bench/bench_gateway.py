@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx  # noqa: E402
-
 from common import cpu_seconds  # noqa: E402
+
 from tests.agent_procs import TOKEN, AgentProc, next_ip  # noqa: E402
 
 KEY = "sk-bench"
@@ -141,7 +141,8 @@ async def main_async(args) -> None:
         d.stop()
     print(f"per request ({OUTPUT_TOKENS}-token streamed completion, {args.requests} sequential requests each):")
     for name, xs in (("direct to the agents", direct), ("through the gateway", via)):
-        print(f"  {name:22s} p50 {pct(xs, 0.5):6.2f} ms  p99 {pct(xs, 0.99):6.2f} ms  mean {statistics.mean(xs):6.2f} ms")
+        print(f"  {name:22s} p50 {pct(xs, 0.5):6.2f} ms  p99 {pct(xs, 0.99):6.2f} ms  "
+              f"mean {statistics.mean(xs):6.2f} ms")
     print(f"  added by the gateway   p50 {pct(via, 0.5) - pct(direct, 0.5):6.2f} ms  "
           f"p99 {pct(via, 0.99) - pct(direct, 0.99):6.2f} ms")
     print(f"throughput: {done / span:.1f} requests/s through the gateway pinned to one core "

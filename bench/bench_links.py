@@ -16,7 +16,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import yaml  # noqa: E402
-
 from common import REPO, Bench, cpu_seconds, metrics, pod_ready  # noqa: E402
 
 SIZES = [(2, 2), (8, 8), (16, 16), (32, 32), (64, 64)]

@@ -16,8 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fleetsim import FleetSim, summarize  # noqa: E402
 import scenarios as sc  # noqa: E402
+from fleetsim import FleetSim, summarize  # noqa: E402
 
 from pd_agent import traces  # noqa: E402
 from pd_agent.timing import TimingModel  # noqa: E402

@@ -23,7 +23,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import yaml  # noqa: E402
-
 from common import REPO, Bench  # noqa: E402
 
 GOAL_CONTROL_S = 0.5
@@ -62,8 +61,9 @@ def main() -> None:
         for i in range(2 * args.switches):
             target, to, links = (3, "prefill", "3/3") if i % 2 == 0 else (2, "decoder", "4/4")
             t0 = time.monotonic()
-            bench.custom.patch_namespaced_custom_object("pdoperator.io", "v1alpha1", ns, "pddeployments",
-                                                        "sim-small", {"spec": {"rebalance": {"manual": {"prefill": target}}}})
+            bench.custom.patch_namespaced_custom_object(
+                "pdoperator.io", "v1alpha1", ns, "pddeployments", "sim-small",
+                {"spec": {"rebalance": {"manual": {"prefill": target}}}})
             st = wait(bench, ns, lambda st: (st.get("lastSwitch") or {}).get("at", "") > (last_at or "")
                       and st["lastSwitch"]["to"] == to and st.get("phase") == "Ready"
                       and st.get("linksSummary") == links, 120)

@@ -8,7 +8,7 @@ It models what the simulated serving (pd_agent.inference) does, with the same ti
 - decode: continuous batching of up to max_batch requests; each step costs
   TimingModel.decode_step_ms of the running contexts and gives every running request a token;
   the KV pull costs kv_transfer_ms before the request joins the decoder's queue.
-- routing as pd-gateway routes (pd_gateway.fleet): engine loads as of the last refresh (every
+- routing as pd-gateway routes (pd_contract.routing): engine loads as of the last refresh (every
   second), the prefill with the least queued prompt tokens, then the decoder with the least
   running + queued, ties broken at random; draining engines are not chosen.
 - switching as the operator does it: the policy is evaluated every pass (Manual, Schedule) or

@@ -59,7 +59,7 @@ class Cluster:
         self.kubectl("apply", *ns, "-f", "-", input=text)
 
     def api(self):
-        from kubernetes import client, config
+        from kubernetes import config
         return config.new_client_from_config(config_file=str(self.kubeconfig))
 
 

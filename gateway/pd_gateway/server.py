@@ -1,7 +1,7 @@
 """pd-gateway: one Base URL, one API key and one model id in front of a PDDeployment.
 
 OpenAI (`GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions`) and Anthropic
-(`POST /v1/messages`) wire formats, streamed (SSE) and not, over P-D routing (fleet.py).
+(`POST /v1/messages`) wire formats, streamed (SSE) and not, over P-D routing (pd_contract.routing).
 Every error is the API's own error object, so a client always has something to read.
 Open endpoints: /healthz, /metrics, /stats (recent TTFT/TBT percentiles)."""
 from __future__ import annotations
@@ -14,15 +14,16 @@ import os
 import random
 import time
 from dataclasses import dataclass
-from typing import Callable
 
 import httpx
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
+from pd_contract.names import AGENT_PORT
+from pd_contract.routing import Attempt, EngineError, Fleet, Unavailable, fixed_finder, generate, pod_finder
+
 from . import wire
-from .fleet import AGENT_PORT, Attempt, EngineError, Fleet, Unavailable, generate
 from .keys import Keys, RateLimits, from_env, from_secret
 from .metrics import GatewayMetrics
 
@@ -54,36 +55,6 @@ class Config:
                    rpm=json.loads(env.get("PD_GATEWAY_RPM") or "{}"),
                    agents=[u for u in env.get("PD_GATEWAY_AGENTS", "").split(",") if u] or None,
                    max_output_tokens=int(env.get("PD_GATEWAY_MAX_OUTPUT_TOKENS", MAX_OUTPUT_TOKENS)))
-
-
-def pod_finder(namespace: str, deployment: str, kubeconfig: str | None = None) -> Callable[[], list[dict]]:
-    """() -> the deployment's engine pods (name, ip, role label, leaving), listed afresh each call."""
-    from kubernetes import client, config
-    if kubeconfig:
-        api = client.CoreV1Api(config.new_client_from_config(config_file=kubeconfig))
-    else:
-        try:
-            config.load_incluster_config()
-        except config.ConfigException:
-            config.load_kube_config()
-        api = client.CoreV1Api()
-
-    def find() -> list[dict]:
-        pods = api.list_namespaced_pod(namespace, label_selector=f"pdoperator.io/deployment={deployment}",
-                                       _request_timeout=5).items
-        return [{"name": p.metadata.name, "ip": p.status.pod_ip, "label": (p.metadata.labels or {}).get(
-            "pdoperator.io/role", ""), "leaving": p.metadata.deletion_timestamp is not None} for p in pods]
-    return find
-
-
-def fixed_finder(urls: list[str]) -> Callable[[], list[dict]]:
-    def find() -> list[dict]:
-        out = []
-        for u in urls:
-            host = httpx.URL(u).host
-            out.append({"name": host, "ip": host, "label": ""})
-        return out
-    return find
 
 
 class Gateway:

@@ -245,7 +245,8 @@ class LocalCluster:
                 "--bind-address=127.0.0.1", f"--secure-port={ports['scheduler']}",
                 "--leader-elect=false", "--v=1",
             ])
-            log(f"starting the local node agent ({nodes} nodes, pods {'as processes' if runtime == 'process' else 'from their images under Docker'})")
+            how = "as processes" if runtime == "process" else "from their images under Docker"
+            log(f"starting the local node agent ({nodes} nodes, pods {how})")
             spawn("node-agent", [
                 sys.executable, "-m", "pd_localcluster", f"--root={self.paths.root}", "node-agent",
                 f"--nodes={nodes}", f"--runtime={runtime}",

@@ -29,10 +29,17 @@ from aiohttp import web
 from .kubeapi import ApiError, KubeApi
 from .pki import node_ip
 from .podspec import (
-    ConfigError, ContainerState, UnknownImage, backoff_seconds, pod_phase,
-    referenced_objects, resolve_env, should_restart,
+    ConfigError,
+    ContainerState,
+    UnknownImage,
+    backoff_seconds,
+    pod_phase,
+    referenced_objects,
+    resolve_env,
+    should_restart,
 )
-from .runtime import Running, Runtime, make as make_runtime
+from .runtime import Running, Runtime
+from .runtime import make as make_runtime
 
 log = logging.getLogger("node-agent")
 K8S_VERSION = os.environ.get("PD_K8S_VERSION", "v1.36.3")

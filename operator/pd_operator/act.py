@@ -8,7 +8,8 @@ import logging
 import secrets
 import time
 
-from pd_agent.models import Peer
+from pd_contract.agent_api import Peer
+from pd_contract.names import LINKED_CODES
 
 from . import children as ch
 from . import links as lk
@@ -69,7 +70,7 @@ async def execute(body: dict, agents: AgentClient, events: Events, metrics: Oper
             for e in batch:
                 code = res.rets.get(e.pod, "LLM_FAILED")
                 metrics.link_ops.labels("link", code).inc()
-                if code in ("LLM_SUCCESS", "LLM_ALREADY_LINK"):
+                if code in LINKED_CODES:
                     mem.succeed(d.pod, e.cluster_id)
                     ok.append(e.pod)
                 else:

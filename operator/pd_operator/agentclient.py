@@ -13,9 +13,17 @@ import time
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from pd_agent.models import (
-    AgentStatus, DrainRequest, DrainResult, LinkRequest, LinkResult, Peer, SwitchRoleRequest, UnlinkRequest,
-    VerifyRequest, VerifyResult,
+from pd_contract.agent_api import (
+    AgentStatus,
+    DrainRequest,
+    DrainResult,
+    LinkRequest,
+    LinkResult,
+    Peer,
+    SwitchRoleRequest,
+    UnlinkRequest,
+    VerifyRequest,
+    VerifyResult,
 )
 
 from .metrics import OperatorMetrics

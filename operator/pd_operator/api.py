@@ -52,7 +52,8 @@ class KvCache(Model):
         ("self.attention != 'MLA' || has(self.latentDim)",
          "spec.model.kvCache.latentDim is required when attention is MLA", ".latentDim"),
     ))
-    attention: Literal["GQA", "MLA"] = Field(default="GQA", description="GQA: K and V per layer; MLA: one latent per layer")
+    attention: Literal["GQA", "MLA"] = Field(default="GQA",
+                                             description="GQA: K and V per layer; MLA: one latent per layer")
     num_layers: int = Field(ge=1, le=1024)
     num_kv_heads: int = Field(default=8, ge=1, le=1024)
     head_dim: int = Field(default=128, ge=1, le=4096)
@@ -144,8 +145,8 @@ class Rebalance(Model):
     min_prefill: int = Field(default=1, ge=0, le=1024)
     min_decoder: int = Field(default=1, ge=0, le=1024)
     cooldown_seconds: int = Field(default=60, ge=0, le=86400)
-    drain_timeout_seconds: int | None = Field(default=None, ge=0, le=3600,
-                                              description="drain timeout of a switch (default spec.drainTimeoutSeconds)")
+    drain_timeout_seconds: int | None = Field(
+        default=None, ge=0, le=3600, description="drain timeout of a switch (default spec.drainTimeoutSeconds)")
     method: Literal["Switch", "Replace"] = Field(
         default="Switch", description="Switch: move roles between running engines (switch_role). Replace: move one "
                                       "replica between the groups (a new pod starts, then one of the other group "
@@ -223,11 +224,13 @@ class PDDeploymentSpec(Model):
          "spec.rebalance.minPrefill + spec.rebalance.minDecoder must not exceed the engines "
          "(spec.replicas, or spec.prefill.replicas + spec.decoder.replicas)", ".rebalance"),
         ("!has(self.rebalance) || !has(self.rebalance.manual) || self.rebalance.manual.prefill <= "
-         "(has(self.replicas) ? self.replicas : self.prefill.replicas + self.decoder.replicas) - self.rebalance.minDecoder",
+         "(has(self.replicas) ? self.replicas : self.prefill.replicas + self.decoder.replicas)"
+         " - self.rebalance.minDecoder",
          "spec.rebalance.manual.prefill must leave spec.rebalance.minDecoder decoders "
          "(at most the engines - minDecoder)", ".rebalance"),
         ("!has(self.rebalance) || !has(self.rebalance.schedule) || self.rebalance.schedule.all(e, "
-         "e.prefill <= (has(self.replicas) ? self.replicas : self.prefill.replicas + self.decoder.replicas) - self.rebalance.minDecoder)",
+         "e.prefill <= (has(self.replicas) ? self.replicas : self.prefill.replicas + self.decoder.replicas)"
+         " - self.rebalance.minDecoder)",
          "every spec.rebalance.schedule[].prefill must leave spec.rebalance.minDecoder decoders", ".rebalance"),
         ("!has(self.prefill.clusterIdBase) || !has(self.decoder.clusterIdBase) || "
          "self.prefill.clusterIdBase + (has(self.replicas) ? self.replicas : self.prefill.replicas) <= "

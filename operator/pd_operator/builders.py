@@ -8,19 +8,24 @@ from __future__ import annotations
 import hashlib
 import json
 
-from .api import GROUP, KIND, VERSION, PDDeploymentSpec
-from .cachedesc import DerivedCache, derive
+from pd_contract.names import (  # noqa: F401 (re-exported: the operator's modules take names from here)
+    AGENT_PORT,
+    ANNOTATION_ROLE,
+    LABEL_DEPLOYMENT,
+    LABEL_GROUP,
+    LABEL_ROLE,
+    POD_INDEX_LABEL,
+)
 
-FIELD_MANAGER = "pd-operator"
-LABEL_DEPLOYMENT = "pdoperator.io/deployment"
-LABEL_GROUP = "pdoperator.io/group"
-LABEL_ROLE = "pdoperator.io/role"
-# The role a pod's engine starts in (prefill | decoder): the pod template sets the group's home
-# role, the switcher changes it on the pod at its switch_role step, and the container reads it
-# at every start through the downward API, so a restarted container keeps its switched role.
-ANNOTATION_ROLE = "pdoperator.io/assigned-role"
-POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
-AGENT_PORT = 8080
+from .api import PDDeploymentSpec
+from .cachedesc import DerivedCache, derive
+from .gateway import gateway_objects, network_policy
+from .objmeta import common_labels, harden, object_meta, owner_reference
+
+# ANNOTATION_ROLE: the role a pod's engine starts in (prefill | decoder): the pod template sets
+# the group's home role, the switcher changes it on the pod at its switch_role step, and the
+# container reads it at every start through the downward API, so a restarted container keeps
+# its switched role.
 GROUPS = ("prefill", "decoder")
 ENGINE_ROLE = {"prefill": "prompt", "decoder": "decoder"}  # LLM_DATADIST_ROLE per home group
 DEFAULT_BASE = {"prefill": 0, "decoder": 1000}
@@ -53,22 +58,8 @@ def cluster_id(spec: PDDeploymentSpec, group: str, index: int) -> int:
     return cluster_id_base(spec, group) + index
 
 
-def common_labels(name: str) -> dict[str, str]:
-    return {"app.kubernetes.io/name": "pd-engine", "app.kubernetes.io/instance": name,
-            "app.kubernetes.io/managed-by": "pd-operator", LABEL_DEPLOYMENT: name}
-
-
 def selector_labels(name: str, group: str) -> dict[str, str]:
     return {LABEL_DEPLOYMENT: name, LABEL_GROUP: group}
-
-
-def owner_reference(name: str, uid: str) -> dict:
-    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": name, "uid": uid,
-            "controller": True, "blockOwnerDeletion": True}
-
-
-def _meta(name: str, namespace: str, owner: dict, labels: dict | None = None) -> dict:
-    return {"name": name, "namespace": namespace, "labels": labels or {}, "ownerReferences": [owner]}
 
 
 def config_data(spec: PDDeploymentSpec, derived: DerivedCache) -> dict[str, str]:
@@ -82,7 +73,7 @@ def config_data(spec: PDDeploymentSpec, derived: DerivedCache) -> dict[str, str]
 
 def config_map(name: str, namespace: str, spec: PDDeploymentSpec, owner: dict) -> dict:
     return {"apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": _meta(config_map_name(name), namespace, owner, common_labels(name)),
+            "metadata": object_meta(config_map_name(name), namespace, owner, common_labels(name)),
             "data": config_data(spec, derive(spec.model.kv_cache))}
 
 
@@ -93,7 +84,7 @@ def config_hash(spec: PDDeploymentSpec) -> str:
 
 def _env(name: str, spec: PDDeploymentSpec, group: str) -> list[dict]:
     field = lambda path: {"valueFrom": {"fieldRef": {"fieldPath": path}}}  # noqa: E731
-    env = [
+    env: list[dict] = [
         {"name": "POD_NAME", **field("metadata.name")},
         {"name": "POD_NAMESPACE", **field("metadata.namespace")},
         {"name": "LLM_DATADIST_ROLE", **field(f"metadata.annotations['{ANNOTATION_ROLE}']")},
@@ -163,25 +154,6 @@ def _ascend_volumes(spec: PDDeploymentSpec) -> tuple[list[dict], list[dict]]:
     return volumes, mounts
 
 
-RUN_AS = 10001   # the images' user
-
-
-def harden(pod_spec: dict, container: dict, non_root: bool = True) -> None:
-    """Every pod the project creates: no privilege escalation, no capabilities, the
-    RuntimeDefault seccomp profile, a read-only root filesystem with an emptyDir on /tmp, and
-    (where the workload allows it) a non-root user. Ascend engines are the exception to the
-    last: the NPU driver's device nodes belong to its own user and group (HwHiAiUser), which
-    the image's user must match, so `backend: llm-datadist` keeps the image's user."""
-    sc = {"seccompProfile": {"type": "RuntimeDefault"}}
-    if non_root:
-        sc.update(runAsNonRoot=True, runAsUser=RUN_AS, runAsGroup=RUN_AS)
-    pod_spec["securityContext"] = sc
-    container["securityContext"] = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                                    "capabilities": {"drop": ["ALL"]}}
-    pod_spec.setdefault("volumes", []).append({"name": "tmp", "emptyDir": {}})
-    container.setdefault("volumeMounts", []).append({"name": "tmp", "mountPath": "/tmp"})
-
-
 def statefulset(name: str, namespace: str, spec: PDDeploymentSpec, group: str, owner: dict,
                 decided: dict | None = None) -> dict:
     g = spec.prefill if group == "prefill" else spec.decoder
@@ -213,7 +185,7 @@ def statefulset(name: str, namespace: str, spec: PDDeploymentSpec, group: str, o
         pod_spec["tolerations"] = g.tolerations
     return {
         "apiVersion": "apps/v1", "kind": "StatefulSet",
-        "metadata": _meta(sts_name(name, group), namespace, owner, labels),
+        "metadata": object_meta(sts_name(name, group), namespace, owner, labels),
         "spec": {
             "replicas": spec.group_sizes(decided)[group],
             "serviceName": sts_name(name, group),
@@ -232,7 +204,7 @@ def statefulset(name: str, namespace: str, spec: PDDeploymentSpec, group: str, o
 def headless_service(name: str, namespace: str, spec: PDDeploymentSpec, group: str, owner: dict) -> dict:
     return {
         "apiVersion": "v1", "kind": "Service",
-        "metadata": _meta(sts_name(name, group), namespace, owner,
+        "metadata": object_meta(sts_name(name, group), namespace, owner,
                           {**common_labels(name), **selector_labels(name, group)}),
         "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
                  "selector": selector_labels(name, group),
@@ -245,7 +217,7 @@ def role_service(name: str, namespace: str, role: str, owner: dict) -> dict:
     """Routes by *current* role, so traffic follows a live switch with no restart."""
     return {
         "apiVersion": "v1", "kind": "Service",
-        "metadata": _meta(role_service_name(name, role), namespace, owner, common_labels(name)),
+        "metadata": object_meta(role_service_name(name, role), namespace, owner, common_labels(name)),
         "spec": {"selector": {LABEL_DEPLOYMENT: name, LABEL_ROLE: role},
                  "ports": [{"name": "http", "port": AGENT_PORT, "targetPort": "http"}]},
     }
@@ -253,7 +225,7 @@ def role_service(name: str, namespace: str, role: str, owner: dict) -> dict:
 
 def token_secret(name: str, namespace: str, token: str, owner: dict, secret_name: str | None = None) -> dict:
     return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-            "metadata": _meta(secret_name or token_secret_name(name), namespace, owner, common_labels(name)),
+            "metadata": object_meta(secret_name or token_secret_name(name), namespace, owner, common_labels(name)),
             "stringData": {"token": token}}
 
 
@@ -270,6 +242,5 @@ def desired_children(name: str, namespace: str, uid: str, spec: PDDeploymentSpec
         out.append(role_service(name, namespace, role, owner))
     for group in GROUPS:
         out.append(statefulset(name, namespace, spec, group, owner, decided))
-    from .gateway import gateway_objects, network_policy  # (it builds on the helpers above)
     out.append(network_policy(name, namespace, spec, owner))
     return out + gateway_objects(name, namespace, spec, owner)

@@ -15,7 +15,7 @@ def get(conditions: list[dict] | None, ctype: str) -> dict | None:
 
 def is_true(conditions: list[dict] | None, ctype: str) -> bool:
     c = get(conditions, ctype)
-    return bool(c) and c.get("status") == "True"
+    return c is not None and c.get("status") == "True"
 
 
 def set_condition(conditions: list[dict] | None, ctype: str, status: bool | str, reason: str,

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 
-from .api import PDDeploymentSpec
-from .builders import AGENT_PORT, LABEL_DEPLOYMENT, _meta, common_labels, harden
+from pd_contract.names import AGENT_PORT, GATEWAY_PORT, LABEL_DEPLOYMENT, LABEL_GATEWAY
 
-LABEL_GATEWAY = "pdoperator.io/gateway"   # on gateway pods (not the engines' deployment label)
-GATEWAY_PORT = 8000
+from .api import PDDeploymentSpec
+from .objmeta import common_labels, harden, object_meta
+
+# LABEL_GATEWAY is on gateway pods (not the engines' deployment label)
+__all__ = ["GATEWAY_PORT", "LABEL_GATEWAY", "gateway_objects", "network_policy"]
 OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "pd-operator"}
 
 
@@ -42,13 +44,14 @@ def gateway_objects(name: str, namespace: str, spec: PDDeploymentSpec, owner: di
     n = gateway_name(name)
     labels = {**common_labels(name), "app.kubernetes.io/component": "gateway"}
     pod_labels = {"app.kubernetes.io/name": "pd-gateway", "app.kubernetes.io/instance": name, LABEL_GATEWAY: name}
-    sa = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(n, namespace, owner, labels)}
-    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(n, namespace, owner, labels),
+    sa = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": object_meta(n, namespace, owner, labels)}
+    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+            "metadata": object_meta(n, namespace, owner, labels),
             "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
                       {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"],
                        "resourceNames": [gw.api_keys_secret]}]}
     binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-               "metadata": _meta(n, namespace, owner, labels),
+               "metadata": object_meta(n, namespace, owner, labels),
                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": n},
                "subjects": [{"kind": "ServiceAccount", "name": n, "namespace": namespace}]}
     env = [
@@ -70,11 +73,11 @@ def gateway_objects(name: str, namespace: str, spec: PDDeploymentSpec, owner: di
                 "enableServiceLinks": False}
     harden(pod_spec, container)
     deployment = {
-        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(n, namespace, owner, labels),
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": object_meta(n, namespace, owner, labels),
         "spec": {"replicas": gw.replicas, "selector": {"matchLabels": {LABEL_GATEWAY: name}},
                  "template": {"metadata": {"labels": pod_labels}, "spec": pod_spec}},
     }
-    service = {"apiVersion": "v1", "kind": "Service", "metadata": _meta(n, namespace, owner, labels),
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": object_meta(n, namespace, owner, labels),
                "spec": {"selector": {LABEL_GATEWAY: name},
                         "ports": [{"name": "http", "port": GATEWAY_PORT, "targetPort": "http"}]}}
     return [sa, role, binding, deployment, service]
@@ -86,7 +89,7 @@ def network_policy(name: str, namespace: str, spec: PDDeploymentSpec, owner: dic
                   {"namespaceSelector": {}, "podSelector": {"matchLabels": OPERATOR_POD_LABELS}}]
     return {
         "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-        "metadata": _meta(f"{name}-engines", namespace, owner, common_labels(name)),
+        "metadata": object_meta(f"{name}-engines", namespace, owner, common_labels(name)),
         "spec": {"podSelector": {"matchLabels": {LABEL_DEPLOYMENT: name}}, "policyTypes": ["Ingress"],
                  "ingress": [
                      {"from": agent_from, "ports": [{"protocol": "TCP", "port": AGENT_PORT}]},

@@ -1,5 +1,6 @@
 """Kopf is the event source, nothing more: every watch event on a PDDeployment, its pods or
-its children (StatefulSets, Services, ConfigMaps, the gateway's objects, the NetworkPolicy) lands in the controller's caches and wakes
+its children (StatefulSets, Services, ConfigMaps, the gateway's objects, the NetworkPolicy)
+lands in the controller's caches and wakes
 that deployment's one reconcile (reconcile.py). No handler applies anything, so there is
 one reconciler, and no finalizer: owner references clean up after a deleted PDDeployment."""
 from __future__ import annotations
@@ -8,7 +9,7 @@ import logging
 
 import kopf
 
-from . import faultpoint
+from . import faultpoint, kinds
 from .agentclient import AgentClient
 from .api import GROUP, PLURAL, VERSION
 from .builders import LABEL_DEPLOYMENT
@@ -18,10 +19,7 @@ from .reconcile import Controller
 
 log = logging.getLogger("pd_operator")
 STATE: dict = {}
-WATCHED_CHILDREN = (("apps", "v1", "statefulsets"), ("", "v1", "services"), ("", "v1", "configmaps"),
-                    ("apps", "v1", "deployments"), ("", "v1", "serviceaccounts"),
-                    ("rbac.authorization.k8s.io", "v1", "roles"), ("rbac.authorization.k8s.io", "v1", "rolebindings"),
-                    ("networking.k8s.io", "v1", "networkpolicies"))
+WATCHED_CHILDREN = tuple((k.group, k.version, k.plural) for k in kinds.CHILDREN)
 
 
 def _controller() -> Controller | None:
@@ -43,7 +41,8 @@ async def startup(settings: kopf.OperatorSettings, **_) -> None:
     metrics = OperatorMetrics()
     kube = Kube()
     agents = AgentClient(metrics)
-    STATE.update(kube=kube, agents=agents, metrics=metrics, controller=Controller(kube, agents, metrics, after_record=faultpoint.from_env()),
+    controller = Controller(kube, agents, metrics, after_record=faultpoint.from_env())
+    STATE.update(kube=kube, agents=agents, metrics=metrics, controller=controller,
                  metrics_runner=await serve(metrics))
     log.info("pd-operator started")
 

@@ -8,9 +8,12 @@ import ssl
 from typing import Any
 
 import httpx
-from kubernetes import client as k8s_client, config as k8s_config
+from kubernetes import client as k8s_client
+from kubernetes import config as k8s_config
 
-from .builders import FIELD_MANAGER
+from .kinds import BY_KIND
+
+FIELD_MANAGER = "pd-operator"   # the one field manager of every apply
 
 
 class KubeError(Exception):
@@ -33,17 +36,11 @@ def _configuration() -> k8s_client.Configuration:
     return cfg
 
 
-_PLURALS = {"ConfigMap": "configmaps", "Service": "services", "Secret": "secrets", "Pod": "pods",
-            "StatefulSet": "statefulsets", "PDDeployment": "pddeployments", "Event": "events",
-            "Deployment": "deployments", "ServiceAccount": "serviceaccounts", "Role": "roles",
-            "RoleBinding": "rolebindings", "NetworkPolicy": "networkpolicies"}
-
-
 def object_path(api_version: str, kind: str, namespace: str | None, name: str | None = None) -> str:
     base = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
     ns = f"/namespaces/{namespace}" if namespace else ""
     tail = f"/{name}" if name else ""
-    return f"{base}{ns}/{_PLURALS[kind]}{tail}"
+    return f"{base}{ns}/{BY_KIND[kind].plural}{tail}"
 
 
 class Kube:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from pd_agent.models import BROKEN_CODES
+from pd_contract.names import BROKEN_CODES
 
 MAX_PER_CALL = 16  # link_clusters takes at most 16 clusters per call
 

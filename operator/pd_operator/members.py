@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 
-from pd_agent.models import AgentStatus
+from pd_contract.agent_api import AgentStatus
 
 from .api import PDDeploymentSpec
-from .builders import ANNOTATION_ROLE, AGENT_PORT, GROUPS, LABEL_GROUP, LABEL_ROLE, POD_INDEX_LABEL, cluster_id
+from .builders import AGENT_PORT, ANNOTATION_ROLE, GROUPS, LABEL_GROUP, LABEL_ROLE, POD_INDEX_LABEL, cluster_id
 from .links import Engine
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from pd_agent.models import AgentStatus
+from pd_contract.agent_api import AgentStatus
 
 from .agentclient import AgentCallError, AgentClient
 from .backoff import Backoff

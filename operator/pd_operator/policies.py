@@ -26,7 +26,7 @@ import datetime as dt
 from dataclasses import dataclass, field
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from .api import PDDeploymentSpec
+from .api import PDDeploymentSpec, Rebalance
 from .switch import Limits, clamp_target
 
 HEADROOM = 0.8   # SLO: "has headroom" means under 80% of its target
@@ -73,14 +73,23 @@ def _bounded(want: int, total: int, limits: Limits, v: Verdict) -> Verdict:
     return Verdict(got, v.reason, v.message, v.numbers)
 
 
+def _rb(spec: PDDeploymentSpec) -> Rebalance:
+    """The rebalance settings; the policies are evaluated only where they are set."""
+    assert spec.rebalance is not None, "a policy is evaluated only with spec.rebalance set"
+    return spec.rebalance
+
+
 def manual(spec: PDDeploymentSpec, total: int, limits: Limits) -> Verdict:
-    want = spec.rebalance.manual.prefill
+    m = _rb(spec).manual
+    assert m is not None, "admission requires manual with policy Manual"
+    want = m.prefill
     return _bounded(want, total, limits, Verdict(want, "Manual", f"manual.prefill is {want}"))
 
 
 def schedule(spec: PDDeploymentSpec, total: int, limits: Limits, now: float) -> Verdict:
     from cronsim import CronSim, CronSimError
-    rb = spec.rebalance
+    rb = _rb(spec)
+    entries = rb.schedule or []
     try:
         tz = ZoneInfo(rb.time_zone)
     except (ZoneInfoNotFoundError, ValueError):
@@ -90,7 +99,7 @@ def schedule(spec: PDDeploymentSpec, total: int, limits: Limits, now: float) -> 
     # one later than now does not: a pass half a second before the minute is not at the minute
     local = dt.datetime.fromtimestamp(now, tz)
     latest: tuple[dt.datetime, int, int] | None = None
-    for i, entry in enumerate(rb.schedule or []):
+    for i, entry in enumerate(entries):
         try:
             it = CronSim(entry.cron, local + dt.timedelta(seconds=1), reverse=True)
             fired = next(it)
@@ -104,7 +113,7 @@ def schedule(spec: PDDeploymentSpec, total: int, limits: Limits, now: float) -> 
     if latest is None:
         return Verdict(None, "InvalidSchedule", "spec.rebalance.schedule is empty")
     fired, i, want = latest
-    return _bounded(want, total, limits, Verdict(want, "Schedule", f"schedule[{i}] ({rb.schedule[i].cron}, "
+    return _bounded(want, total, limits, Verdict(want, "Schedule", f"schedule[{i}] ({entries[i].cron}, "
                                                                     f"{rb.time_zone}) fired at {fired.isoformat()}",
                                                  {"entry": i}))
 
@@ -117,8 +126,8 @@ def _fresh(sig: Signals, max_age: float) -> Verdict | None:
 
 
 def load(spec: PDDeploymentSpec, sig: Signals, current: int, total: int, limits: Limits) -> Verdict:
-    th = spec.rebalance.load
-    stale = _fresh(sig, spec.rebalance.signal_max_age_seconds)
+    th = _rb(spec).load
+    stale = _fresh(sig, _rb(spec).signal_max_age_seconds)
     if stale:
         return stale
     if not sig.prefills or not sig.decoders:
@@ -170,8 +179,9 @@ def _step(sig: Signals, current: int, total: int, direction: int) -> int:
 
 
 def slo(spec: PDDeploymentSpec, sig: Signals, current: int, total: int, limits: Limits) -> Verdict:
-    t = spec.rebalance.targets
-    stale = _fresh(sig, spec.rebalance.signal_max_age_seconds)
+    t = _rb(spec).targets
+    assert t is not None, "admission requires targets with policy SLO"
+    stale = _fresh(sig, _rb(spec).signal_max_age_seconds)
     if stale:
         return stale
     if sig.ttft_p90_ms is None or sig.tbt_p90_ms is None:
@@ -206,7 +216,7 @@ def _decode_queueing(spec: PDDeploymentSpec, sig: Signals) -> str | None:
     prefills not pressed), said in words; None if the prefills are the wait or signals lack."""
     if not sig.prefills or not sig.decoders:
         return None
-    th = spec.rebalance.load
+    th = _rb(spec).load
     waiting = sum(d.waiting for d in sig.decoders) / len(sig.decoders)
     d_busy = sum((d.running + d.waiting) / max(1, d.max_batch) for d in sig.decoders) / len(sig.decoders)
     p_busy = sum(p.busy for p in sig.prefills) / len(sig.prefills)
@@ -218,7 +228,7 @@ def _decode_queueing(spec: PDDeploymentSpec, sig: Signals) -> str | None:
 
 
 def _prefill_queueing(spec: PDDeploymentSpec, sig: Signals) -> bool:
-    th = spec.rebalance.load
+    th = _rb(spec).load
     p_busy = sum(p.busy for p in sig.prefills) / len(sig.prefills)
     p_queue = sum(p.queue for p in sig.prefills) / len(sig.prefills)
     return p_busy >= th.prefill_busy_high or p_queue >= 1
@@ -226,7 +236,7 @@ def _prefill_queueing(spec: PDDeploymentSpec, sig: Signals) -> bool:
 
 def evaluate(spec: PDDeploymentSpec, sig: Signals, current: int, limits: Limits, now: float) -> Verdict:
     total = spec.total
-    policy = spec.rebalance.policy
+    policy = _rb(spec).policy
     if policy == "Manual":
         return manual(spec, total, limits)
     if policy == "Schedule":

@@ -58,6 +58,7 @@ def decide_target(spec: PDDeploymentSpec, book: Book, sig: policies.Signals, cur
     evaluationIntervalSeconds); record the target and the decision in the book. Returns the
     verdict of this evaluation (None: not due) and whether the target changed."""
     rb = spec.rebalance
+    assert rb is not None, "decided only with spec.rebalance set"
     periodic = rb.policy in ("Load", "SLO")
     if periodic and wall < book.next_evaluation:
         return None, False
@@ -134,7 +135,8 @@ def view(sw: Switch, pod: dict | None, e: lk.Engine | None, mesh_engines: list[l
                     for link in ls if link["cluster_id"] == e.cluster_id)
     if sw.to == "prefill":
         holders = [d for d, ps in want.items() if any(p.pod == e.pod for p in ps)]
-        serving_decoders = [x for x in mesh_engines if x.role == "decoder" and x.serving and x.cache_desc == m.cache_desc]
+        serving_decoders = [x for x in mesh_engines
+                            if x.role == "decoder" and x.serving and x.cache_desc == m.cache_desc]
         relinked = m.serving and len(holders) == len(serving_decoders) and all(
             any(link["cluster_id"] == e.cluster_id and not lk.broken(link, m) for link in reported.get(d, []))
             for d in holders)
@@ -158,7 +160,7 @@ def candidates(engines: list[lk.Engine], switches: list[Switch], refused: set[st
         if e.terminating:
             continue
         sw = by_pod.get(e.pod)
-        role = sw.to if sw else (e.engine_role if e.agent_ok else e.label)
+        role = sw.to if sw else ((e.engine_role if e.agent_ok else None) or e.label)
         available = (sw is None and e.ready and e.agent_ok and not e.leaving and e.label == e.engine_role)
         out.append(Candidate(pod=e.pod, uid=e.uid, group=e.group, role=role, available=available,
                              switchable=bool(e.switchable) and e.pod not in refused, in_flight=e.in_flight))

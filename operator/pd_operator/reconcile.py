@@ -21,28 +21,30 @@ import base64
 import logging
 import os
 import time
-
 from dataclasses import replace
 from typing import Callable
 
-from . import act, children as ch, links as lk, observe, policies, rebalance as rb, replace as rp, switch as sw_
+from . import act, kinds, observe, policies
+from . import children as ch
+from . import links as lk
+from . import rebalance as rb
+from . import replace as rp
+from . import switch as sw_
 from .agentclient import AgentClient
 from .api import GROUP, KIND, VERSION, PDDeploymentSpec, parse_spec
-from .builders import LABEL_DEPLOYMENT, desired_children, owner_reference, token_secret_name
+from .builders import LABEL_DEPLOYMENT, desired_children, token_secret_name
 from .conditions import set_condition
 from .diagnosis import Diagnosis
 from .events import Events
 from .kube import Kube, KubeError
 from .members import Problem, member_of, pod_ready, with_report
 from .metrics import OperatorMetrics
+from .objmeta import owner_reference
 from .state import Memory
 from .status import Observed, build_status
 
 log = logging.getLogger("pd_operator.reconcile")
 Key = tuple[str, str]
-CHILD_KINDS = {"StatefulSet": "apps/v1", "Service": "v1", "ConfigMap": "v1", "Deployment": "apps/v1",
-               "ServiceAccount": "v1", "Role": "rbac.authorization.k8s.io/v1",
-               "RoleBinding": "rbac.authorization.k8s.io/v1", "NetworkPolicy": "networking.k8s.io/v1"}
 RESYNC_S = 5.0            # a Ready deployment is looked at again after this, events or not
 NOT_READY_RESYNC_S = 1.0
 # caches are checked against a fresh list this often
@@ -208,10 +210,10 @@ class Controller:
         selector = f"{LABEL_DEPLOYMENT}={name}"
         pods = {p["metadata"]["name"]: p for p in await self.kube.list("v1", "Pod", ns, selector)}
         kids = {}
-        for kind, api_version in CHILD_KINDS.items():
-            for obj in await self.kube.list(api_version, kind, ns, selector):
-                obj.setdefault("kind", kind)
-                kids[(kind, obj["metadata"]["name"])] = obj
+        for k in kinds.CHILDREN:
+            for obj in await self.kube.list(k.api_version, k.kind, ns, selector):
+                obj.setdefault("kind", k.kind)
+                kids[(k.kind, obj["metadata"]["name"])] = obj
         for cache, fresh in ((self.pods.setdefault(key, {}), pods), (self.children.setdefault(key, {}), kids)):
             for k, (_, cached_at) in list(cache.items()):
                 if k not in fresh and cached_at < t0:

@@ -14,6 +14,7 @@ from .cachedesc import derive
 from .diagnosis import Diagnosis, proxy_warning, verify_failure
 from .links import Engine
 from .members import Problem, pod_index, pod_ready
+from .switch import Decision
 
 POD_PROBLEMS = {
     "ErrImagePull": "ImagePullError", "ImagePullBackOff": "ImagePullError", "InvalidImageName": "ImagePullError",
@@ -54,7 +55,7 @@ class Observed:
     per_decoder: dict[str, tuple[int, int, list[dict]]] | None = None  # links.per_decoder, if computed already
     switches: list = field(default_factory=list)        # switch.Switch in flight
     last_switch: dict | None = None                     # status.lastSwitch
-    decision: object | None = None                      # switch.Decision of this pass (None: no rebalance)
+    decision: Decision | None = None                    # this pass's switch decision (None: no rebalance)
     cooldown_until: str | None = None
     last_decision: dict | None = None                   # status.lastDecision
     selector: str | None = None                         # the engine pods' label selector (scale subresource)
@@ -98,7 +99,7 @@ def _members(obs: Observed, per: dict[str, tuple[int, int, list[dict]]],
         problem = pod_problem(p)
         err = obs.agent_errors.get(e.pod)
         if err or problem:
-            row["lastError"] = err[1] if err else problem.message
+            row["lastError"] = err[1] if err else problem.message if problem else ""
         out.append({k: v for k, v in row.items() if v is not None})
     return out
 
@@ -204,8 +205,8 @@ def build_status(spec: PDDeploymentSpec, obs: Observed, previous: dict | None) -
     elif phase == "Ready":
         conds = cond.set_condition(conds, "Ready", True, "Ready", "links up and KV path verified", gen)
     else:
-        first = not_ok[0] if not_ok else {"reason": phase, "message": ""}
-        conds = cond.set_condition(conds, "Ready", False, first["reason"], first["message"], gen)
+        why = not_ok[0] if not_ok else {"reason": phase, "message": ""}
+        conds = cond.set_condition(conds, "Ready", False, why["reason"], why["message"], gen)
 
     # Rebalancing: True while a switch is in flight; otherwise why no switch is started
     if obs.switches:
@@ -251,7 +252,7 @@ def build_status(spec: PDDeploymentSpec, obs: Observed, previous: dict | None) -
     if obs.selector:
         out["selector"] = obs.selector
     if obs.decision is not None:
-        rb = {"targetPrefill": obs.decision.target, "groupSizes": obs.group_sizes}
+        rb: dict[str, object] = {"targetPrefill": obs.decision.target, "groupSizes": obs.group_sizes}
         if obs.cooldown_until:
             rb["cooldownUntil"] = obs.cooldown_until
         rb = {k: v for k, v in rb.items() if v is not None}

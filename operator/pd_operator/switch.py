@@ -251,7 +251,8 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Decision:
-    reason: str   # Switching | AtTarget | SwitchInFlight | Cooldown | WaitingForFleet | MinCount | NoCandidate | NoPolicy
+    # Switching | AtTarget | SwitchInFlight | Cooldown | WaitingForFleet | MinCount | NoCandidate | NoPolicy
+    reason: str
     message: str
     start: Switch | None = None
     target: int | None = None
@@ -280,7 +281,7 @@ def choose(members: list[Candidate], switches: list[Switch], target: int | None,
     current = prefill_count(members)
     if target is None:
         return Decision("NoPolicy", "no rebalancing policy sets a prefill count", current=current)
-    base = dict(target=target, current=current)
+    base: dict = dict(target=target, current=current)
     if current == target:
         return Decision("AtTarget", f"{current} pods in the prefill role, as wanted", **base)
     if len(switches) >= limits.max_in_flight:

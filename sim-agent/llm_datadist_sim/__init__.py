@@ -7,8 +7,16 @@ from .engine import Cache, KvCacheManager, LLMDataDist, memory_scale
 from .faults import Faults
 from .status import LLMException, LLMStatusCode
 from .types import (
-    BlocksCacheKey, CacheDesc, CacheKey, DataType, LLMClusterInfo, LLMConfig, LlmConfig, LLMRole,
-    Placement, dtype_size,
+    BlocksCacheKey,
+    CacheDesc,
+    CacheKey,
+    DataType,
+    LLMClusterInfo,
+    LLMConfig,
+    LlmConfig,
+    LLMRole,
+    Placement,
+    dtype_size,
 )
 
 SIMULATED = True  # lets callers tell the simulator from the real module

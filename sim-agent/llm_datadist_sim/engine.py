@@ -17,9 +17,10 @@ import uuid
 from typing import Iterable
 
 from . import faults as _faults
-from .status import LLMException, LLMStatusCode as C, raise_if
+from .status import LLMException, raise_if
+from .status import LLMStatusCode as C
 from .types import BlocksCacheKey, CacheDesc, CacheKey, LLMClusterInfo, LLMRole
-from .wire import MAGIC, LinkClosed, discard, recv_exact_into, recv_header, send_msg
+from .wire import MAGIC, LinkClosed, recv_exact_into, recv_header, send_msg
 
 MAX_CLUSTERS_PER_CALL = 16
 _engine_lock = threading.Lock()

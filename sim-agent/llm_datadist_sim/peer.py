@@ -7,8 +7,16 @@ import os
 import sys
 
 import llm_datadist_sim as llm_datadist
-from llm_datadist_sim import (BlocksCacheKey, CacheDesc, CacheKey, DataType, LLMConfig, LLMDataDist,
-                              LLMException, LLMRole)
+from llm_datadist_sim import (
+    BlocksCacheKey,
+    CacheDesc,
+    CacheKey,
+    DataType,
+    LLMConfig,
+    LLMDataDist,
+    LLMException,
+    LLMRole,
+)
 
 
 def reply(**kw):

@@ -17,11 +17,22 @@ from typing import Any, Awaitable, Callable
 
 import httpx
 
-from .identity import Identity, proxy_environment
-from .models import (
-    BROKEN_CODES, AgentStatus, DrainResult, LinkRequest, LinkResult, LinkState, Load, NotifyRequest, Peer, ProbeResponse,
-    UnlinkRequest, VerifyResult,
+from pd_contract.agent_api import (
+    AgentStatus,
+    DrainResult,
+    LinkRequest,
+    LinkResult,
+    LinkState,
+    Load,
+    NotifyRequest,
+    Peer,
+    ProbeResponse,
+    UnlinkRequest,
+    VerifyResult,
 )
+from pd_contract.names import BROKEN_CODES, LINKED_CODES
+
+from .identity import Identity, proxy_environment
 
 PROBE_TTL_S = 60
 PROBE_SEQ = 128
@@ -162,7 +173,7 @@ class AgentCore:
             for peer, code in zip(req.peers, rets):
                 name = _code_name(code)
                 result[peer.name] = name
-                if name in ("LLM_SUCCESS", "LLM_ALREADY_LINK"):
+                if name in LINKED_CODES:
                     self.peers[peer.cluster_id] = peer
                     self.link_since.setdefault(peer.cluster_id, time.time())
                     self.link_codes[peer.cluster_id] = "LLM_SUCCESS"
@@ -170,7 +181,7 @@ class AgentCore:
                 self.last_error = f"link_clusters: {_code_name(ret)} {result}"
             if self.notifier:
                 for p in req.peers:
-                    if result[p.name] in ("LLM_SUCCESS", "LLM_ALREADY_LINK"):
+                    if result[p.name] in LINKED_CODES:
                         self.notifier.linked(p.agent_url, True)
             return LinkResult(ret=_code_name(ret), rets=result,
                               duration_ms=(time.perf_counter() - t0) * 1000)
@@ -435,7 +446,8 @@ class AgentCore:
             pod=self.id.pod, role=self.role, cluster_id=self.id.cluster_id, boot_id=self.boot_id,
             backend=self.id.backend, initialized=self.initialized, ip=self.id.ip, port=self.id.port,
             model_id=self.id.model_id, links=self.link_states(), incoming=incoming, load=load,
-            draining=self.draining, terminating=self.terminating, switchable=self.id.switchable, proxy_env=proxy_environment(), memory_scale=scale,
+            draining=self.draining, terminating=self.terminating, switchable=self.id.switchable,
+            proxy_env=proxy_environment(), memory_scale=scale,
             cache_desc=self.id.cache_desc, last_error=self.last_error,
         )
 

@@ -8,11 +8,12 @@ import collections
 import time
 from dataclasses import dataclass, field
 
-from .core import BROKEN_CODES, AgentCore, AgentError, _code_name
-from .metrics import AgentMetrics
-from .models import DecodeRequest, DecodeResponse, Load, PrefillRequest, PrefillResponse
-from .timing import TimingModel
+from pd_contract.agent_api import DecodeRequest, DecodeResponse, Load, PrefillRequest, PrefillResponse
+from pd_contract.names import BROKEN_CODES
 
+from .core import AgentCore, AgentError, _code_name
+from .metrics import AgentMetrics
+from .timing import TimingModel
 
 BUSY_WINDOW_S = 10.0   # the prefill busy fraction covers this window
 LATENCY_WINDOW_S = 30.0   # TTFT/TBT percentiles cover the requests finished in this window, so a
@@ -114,7 +115,8 @@ class Inference:
         capacity = int(getattr(mgr, "capacity_bytes", 0) or 0)
         return Load(queue_depth=queue, queued_prompt_tokens=queued_tokens, running=running,
                     decode_queue=len(self.decode_wait), max_batch=self.max_batch,
-                    prefill_busy=round(min(1.0, busy / BUSY_WINDOW_S), 3), kv_capacity_bytes=capacity, in_flight=self.in_flight, pending_kv=pending,
+                    prefill_busy=round(min(1.0, busy / BUSY_WINDOW_S), 3), kv_capacity_bytes=capacity,
+                    in_flight=self.in_flight, pending_kv=pending,
                     completed=self.completed, failed=self.failed, ttft_p90_ms=_p90(self._ttft, now),
                     tbt_p90_ms=_p90(self._tbt, now))
 

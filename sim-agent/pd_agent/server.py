@@ -19,14 +19,23 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
+from pd_contract.agent_api import (
+    DecodeRequest,
+    DrainRequest,
+    FaultsRequest,
+    LinkRequest,
+    NotifyRequest,
+    PrefillRequest,
+    ProbeRequest,
+    SwitchRoleRequest,
+    UnlinkRequest,
+    VerifyRequest,
+)
+
 from .core import AgentCore, AgentError
 from .identity import ConfigError, Identity, import_backend
 from .inference import Inference
 from .metrics import AgentMetrics
-from .models import (
-    DecodeRequest, DrainRequest, FaultsRequest, LinkRequest, NotifyRequest, PrefillRequest, ProbeRequest,
-    SwitchRoleRequest, UnlinkRequest, VerifyRequest,
-)
 from .notify import Notifier
 
 log = logging.getLogger("pd_agent")
@@ -102,7 +111,7 @@ async def _body(request: web.Request, model: type[BaseModel]) -> BaseModel:
         data = json.loads(raw) if raw.strip() else {}
     except ValueError as e:
         raise web.HTTPBadRequest(text=json.dumps({"code": "BadRequest", "message": f"body is not JSON: {e}"}),
-                                 content_type="application/json")
+                                 content_type="application/json") from None
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -111,7 +120,7 @@ async def _body(request: web.Request, model: type[BaseModel]) -> BaseModel:
         raise web.HTTPBadRequest(
             text=json.dumps({"code": "BadRequest", "field": field,
                              "message": f"{field}: {first['msg']}", "errors": json.loads(e.json())}),
-            content_type="application/json")
+            content_type="application/json") from None
 
 
 def _json(model: BaseModel, status: int = 200) -> web.Response:
@@ -326,5 +335,5 @@ def main(argv: list[str] | None = None) -> None:
     try:
         identity = Identity.from_env()
     except ConfigError as e:
-        raise SystemExit(f"pd_agent: bad configuration: {e}")
+        raise SystemExit(f"pd_agent: bad configuration: {e}") from None
     asyncio.run(_serve(identity, args.host, args.port or identity.agent_port))

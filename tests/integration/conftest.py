@@ -2,12 +2,10 @@
 process (``python -m pd_operator``) watching the test's namespace."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest

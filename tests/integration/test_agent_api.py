@@ -8,10 +8,9 @@ import subprocess
 import time
 
 import httpx
-import pytest
 from aiohttp import web
 
-from tests.agent_procs import TOKEN, AgentProc, next_ip
+from tests.agent_procs import TOKEN, next_ip
 from tests.conftest import wait_for
 
 

@@ -80,7 +80,8 @@ def test_gateway_objects_and_openai_client(cluster: Cluster, served):
         c.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}])
     curl = subprocess.run(["curl", "-s", "--noproxy", "*", f"{url}/v1/chat/completions", "-H",
                            f"Authorization: Bearer {KEY}", "-H", "Content-Type: application/json", "-d",
-                           json.dumps({"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]})],
+                           json.dumps({"model": model, "max_tokens": 2,
+                                       "messages": [{"role": "user", "content": "x"}]})],
                           capture_output=True, text=True, timeout=30)
     assert json.loads(curl.stdout)["usage"]["completion_tokens"] == 2
     logs = cluster.kubectl("logs", gateway_pod(cluster, ns)["metadata"]["name"], "-n", ns).stdout

@@ -1,8 +1,6 @@
 """Operator-driven links, KV-path verification and failure diagnosis, end to end."""
 from __future__ import annotations
 
-
-
 import pytest
 
 from tests.conftest import Cluster, wait_for

@@ -105,8 +105,8 @@ def test_restart_mid_reconcile_converges_without_duplicates(cluster: Cluster, na
         if m["group"] == "decoder":
             assert m["links"] == {"expected": 2, "up": 2} and "failingLinks" not in m
             assert sorted(l["cluster_id"] for l in agent_status(cluster, ns, m["pod"])["links"]) == [0, 1]
-    managers = {f["manager"] for f in cluster.get_json("statefulset", "sim-small-prefill", "-n", ns, "--show-managed-fields")
-                ["metadata"]["managedFields"] if f["operation"] == "Apply"}
+    sts = cluster.get_json("statefulset", "sim-small-prefill", "-n", ns, "--show-managed-fields")
+    managers = {f["manager"] for f in sts["metadata"]["managedFields"] if f["operation"] == "Apply"}
     assert managers == {"pd-operator"}
 
 

@@ -60,9 +60,9 @@ def test_no_ghost_after_a_watch_gap(cluster: Cluster, namespace: str, operator, 
     """The operator's connection to the API server is cut while a pod is deleted, and the API
     server restarts meanwhile (its watch cache starts over): the operator's watches cannot
     resume, they list again, and no DELETED ever comes for that pod."""
-    from pd_localcluster.cluster import LocalCluster
     from urllib.parse import urlparse
 
+    from pd_localcluster.cluster import LocalCluster
     from tests.netproxy import TcpProxy
     ns = namespace
     kc = yaml.safe_load(cluster.kubeconfig.read_text())
@@ -148,8 +148,8 @@ def test_bad_members_are_reported_and_the_rest_converges(cluster: Cluster, names
     stops = []
     try:
         for name, behaviour in (("sim-small-prefill-8", "garbage"), ("sim-small-prefill-9", "slow")):
-            cluster.apply(stray_pod(cluster, ns, name, {"pdoperator.io/group": "prefill", "apps.kubernetes.io/pod-index":
-                                           name[-1]}, env={"PD_AGENT_PORT": "18080"}, probe_port=8080), ns)
+            labels = {"pdoperator.io/group": "prefill", "apps.kubernetes.io/pod-index": name[-1]}
+            cluster.apply(stray_pod(cluster, ns, name, labels, env={"PD_AGENT_PORT": "18080"}, probe_port=8080), ns)
             ip = wait_for(f"{name} address", lambda: cluster.get_json("pod", name, "-n", ns)["status"].get("podIP"))
             stops.append(_fake_agent(ip, behaviour))
 

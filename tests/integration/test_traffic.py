@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from tests.procs import spawn
 from tests.conftest import REPO, Cluster, wait_for
 from tests.integration.conftest import agent_status, events, sample, wait_phase
+from tests.procs import spawn
 
 pytestmark = pytest.mark.integration
 

@@ -474,11 +474,12 @@ def test_members_that_cannot_be_read_are_problems_not_exceptions():
     assert isinstance(member_of(odd, spec), Problem) and "router" in member_of(odd, spec).message
     s = build_status(spec, Observed(generation=1, pods=[no_index, odd], engines=[],
                                     problems=[member_of(no_index, spec), member_of(odd, spec)]), None)
-    assert {m["pod"]: m["lastError"][:10] for m in s["members"]} == {"x-router-0": "unknown pd", "x-stray": "no apps.ku"}
+    assert {m["pod"]: m["lastError"][:10] for m in s["members"]} == {"x-router-0": "unknown pd",
+                                                                     "x-stray": "no apps.ku"}
 
 
 def test_identity_comes_from_the_agents_report():
-    from pd_agent.models import AgentStatus
+    from pd_contract.agent_api import AgentStatus
     spec = parse_spec(SPEC)
     e = member_of(pod("x-prefill-1", "prefill", 1, ip="127.1.0.5"), spec)
     rep = AgentStatus(pod="x-prefill-1", role="prompt", cluster_id=4242, boot_id="z", backend="sim", initialized=True,

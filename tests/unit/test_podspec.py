@@ -6,8 +6,17 @@ import base64
 import pytest
 
 from pd_localcluster.podspec import (
-    ConfigError, ContainerState, UnknownImage, backoff_seconds, command_line, expand, pod_phase,
-    referenced_objects, repository, resolve_env, should_restart,
+    ConfigError,
+    ContainerState,
+    UnknownImage,
+    backoff_seconds,
+    command_line,
+    expand,
+    pod_phase,
+    referenced_objects,
+    repository,
+    resolve_env,
+    should_restart,
 )
 
 
@@ -116,10 +125,11 @@ def test_unsupported_value_from_is_a_config_error():
 def test_docker_args_carry_the_pods_security_context_volumes_and_limits():
     from pathlib import Path
 
+    import yaml
+
     from pd_localcluster.runtime import docker_args
     from pd_operator import builders
     from pd_operator.api import parse_spec
-    import yaml
     from tests.conftest import REPO
     doc = yaml.safe_load((REPO / "examples" / "sim-small.yaml").read_text())
     doc["spec"]["decoder"]["resources"] = {"limits": {"memory": "512Mi", "cpu": "500m"}}

@@ -11,14 +11,20 @@ import time
 
 import pytest
 
+from llm_datadist_sim import (
+    BlocksCacheKey,
+    CacheDesc,
+    CacheKey,
+    DataType,
+    LLMClusterInfo,
+    LLMConfig,
+    LLMDataDist,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+)
 from tests.conftest import wait_for
 from tests.procs import spawn
-
-import llm_datadist_sim as llm_datadist
-from llm_datadist_sim import (
-    BlocksCacheKey, CacheDesc, CacheKey, DataType, LLMClusterInfo, LLMConfig, LLMDataDist,
-    LLMException, LLMRole, LLMStatusCode,
-)
 
 DESC = {"num_tensors": 4, "shape": [2, 32, 2, 16], "data_type": "DT_FLOAT16"}
 

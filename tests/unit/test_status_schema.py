@@ -12,7 +12,9 @@ from dataclasses import replace
 import pytest
 import yaml
 
-from pd_operator import crdgen, rebalance as rb, switch as sw
+from pd_operator import crdgen
+from pd_operator import rebalance as rb
+from pd_operator import switch as sw
 from pd_operator.api import parse_spec
 from pd_operator.diagnosis import Diagnosis
 from pd_operator.members import Problem, member_of

@@ -2,7 +2,17 @@
 from dataclasses import replace
 
 from pd_operator.switch import (
-    ABORT, Book, Candidate, Intent, Limits, Switch, View, advance, choose, clamp_target, planning_role,
+    ABORT,
+    Book,
+    Candidate,
+    Intent,
+    Limits,
+    Switch,
+    View,
+    advance,
+    choose,
+    clamp_target,
+    planning_role,
 )
 
 T0 = 1_800_000_000.0

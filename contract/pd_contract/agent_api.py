@@ -1,4 +1,5 @@
-"""JSON bodies of the agent API, shared by the agent and the operator's client."""
+"""JSON bodies of the agent API (HTTP on port 8080 under /v1/), shared by the agent, the
+operator's client and kubectl pdd."""
 from __future__ import annotations
 
 from typing import Literal
@@ -6,9 +7,6 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 Role = Literal["prompt", "decoder"]
-# A link is broken only when the engine says so: LLM_LINK_BUSY (a pull is running on it) and
-# LLM_PROCESSING_LINK (it is being made) are a healthy link at work.
-BROKEN_CODES = frozenset({"LLM_NOT_YET_LINK", "LLM_LINK_FAILED", "LLM_WAIT_PROCESS_TIMEOUT"})
 
 
 class _Body(BaseModel):

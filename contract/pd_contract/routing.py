@@ -1,4 +1,5 @@
-"""The engines and how a request goes through them.
+"""P-D routing, shared by pd-gateway and the load generator: the engines and how a request
+goes through them.
 
 The fleet is the deployment's pods (listed through the API, so pods that come and go are
 followed) and what each agent reports (`/v1/status`, with the data-scope token). A request
@@ -19,13 +20,14 @@ from typing import AsyncIterator, Callable
 
 import httpx
 
-log = logging.getLogger("pd_gateway.fleet")
+from .names import AGENT_PORT, LABEL_DEPLOYMENT, LABEL_ROLE, SWITCHING
+
+log = logging.getLogger("pd_routing")
 # a decoder that sends no token for this long has failed the request (a hung or stopped peer
 # must not hold a client forever)
 TOKEN_GAP_TIMEOUT_S = 120.0
 RETRYABLE = frozenset({"DRAINING", "ROLE_CHANGED", "ConnectError", "ConnectTimeout", "RemoteProtocolError",
                        "ReadError", "NoLinkedPair"})
-AGENT_PORT = 8080
 
 
 class Unavailable(Exception):
@@ -75,7 +77,7 @@ class Fleet:
         if self.error:
             log.info("listing pods works again")
             self.error = ""
-        pods = [p for p in pods if p.get("ip") and not p.get("leaving") and p.get("label") != "switching"]
+        pods = [p for p in pods if p.get("ip") and not p.get("leaving") and p.get("label") != SWITCHING]
 
         async def one(p: dict) -> dict | None:
             url = f"http://{p['ip']}:{AGENT_PORT}"
@@ -216,3 +218,42 @@ async def generate(fleet: Fleet, req_id: int, prompt_tokens: int, output_tokens:
                 raise EngineError(d["name"], type(e).__name__, str(e)) from e
             refuse(type(e).__name__, d["url"])
             await wait()
+
+
+# ---- where the engines are ----------------------------------------------------------------
+
+def pod_finder(namespace: str, deployment: str, kubeconfig: str | None = None) -> Callable[[], list[dict]]:
+    """() -> the deployment's engine pods (name, ip, role label, leaving), listed afresh each call."""
+    from kubernetes import client, config
+    if kubeconfig:
+        api = client.CoreV1Api(config.new_client_from_config(config_file=kubeconfig))
+    else:
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            config.load_kube_config()
+        api = client.CoreV1Api()
+
+    def find() -> list[dict]:
+        pods = api.list_namespaced_pod(namespace, label_selector=f"{LABEL_DEPLOYMENT}={deployment}",
+                                       _request_timeout=5).items
+        out = []
+        for p in pods:
+            meta, st = p.metadata, p.status
+            if meta is None:
+                continue
+            out.append({"name": meta.name, "ip": st.pod_ip if st else None,
+                        "label": (meta.labels or {}).get(LABEL_ROLE, ""),
+                        "leaving": meta.deletion_timestamp is not None})
+        return out
+    return find
+
+
+def fixed_finder(urls: list[str]) -> Callable[[], list[dict]]:
+    def find() -> list[dict]:
+        out = []
+        for u in urls:
+            host = httpx.URL(u).host
+            out.append({"name": host, "ip": host, "label": ""})
+        return out
+    return find

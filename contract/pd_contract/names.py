@@ -1,0 +1,26 @@
+"""Names other processes and users rely on (DESIGN.md §7): keep them stable."""
+from __future__ import annotations
+
+GROUP = "pdoperator.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+# pod labels: the first two are immutable (StatefulSet selectors), the role follows switches
+LABEL_DEPLOYMENT = f"{GROUP}/deployment"
+LABEL_GROUP = f"{GROUP}/group"
+LABEL_ROLE = f"{GROUP}/role"
+LABEL_GATEWAY = f"{GROUP}/gateway"
+# the role an engine starts in, read at every container start (survives restarts mid-switch)
+ANNOTATION_ROLE = f"{GROUP}/assigned-role"
+POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
+SWITCHING = "switching"      # the role label while a pod is out of both role Services
+
+AGENT_PORT = 8080            # the agent's HTTP API
+GATEWAY_PORT = 8000          # pd-gateway
+DATADIST_PORT = 26000        # LLM-DataDist's listen port (the default of spec.datadist.port)
+
+# link_clusters answers: the link is up
+LINKED_CODES = frozenset({"LLM_SUCCESS", "LLM_ALREADY_LINK"})
+# A link is broken only when the engine says so: LLM_LINK_BUSY (a pull is running on it) and
+# LLM_PROCESSING_LINK (it is being made) are a healthy link at work.
+BROKEN_CODES = frozenset({"LLM_NOT_YET_LINK", "LLM_LINK_FAILED", "LLM_WAIT_PROCESS_TIMEOUT"})

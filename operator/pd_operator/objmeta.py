@@ -1,0 +1,39 @@
+"""Helpers every builder shares (pure): labels, owner references, object metadata, and the
+hardening every pod the project creates gets."""
+from __future__ import annotations
+
+from pd_contract.names import LABEL_DEPLOYMENT
+
+from .api import GROUP, KIND, VERSION
+
+RUN_AS = 10001   # the images' user
+
+
+def common_labels(name: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "pd-engine", "app.kubernetes.io/instance": name,
+            "app.kubernetes.io/managed-by": "pd-operator", LABEL_DEPLOYMENT: name}
+
+
+def owner_reference(name: str, uid: str) -> dict:
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": name, "uid": uid,
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def object_meta(name: str, namespace: str, owner: dict, labels: dict | None = None) -> dict:
+    return {"name": name, "namespace": namespace, "labels": labels or {}, "ownerReferences": [owner]}
+
+
+def harden(pod_spec: dict, container: dict, non_root: bool = True) -> None:
+    """Every pod the project creates: no privilege escalation, no capabilities, the
+    RuntimeDefault seccomp profile, a read-only root filesystem with an emptyDir on /tmp, and
+    (where the workload allows it) a non-root user. Ascend engines are the exception to the
+    last: the NPU driver's device nodes belong to its own user and group (HwHiAiUser), which
+    the image's user must match, so `backend: llm-datadist` keeps the image's user."""
+    sc: dict = {"seccompProfile": {"type": "RuntimeDefault"}}
+    if non_root:
+        sc.update(runAsNonRoot=True, runAsUser=RUN_AS, runAsGroup=RUN_AS)
+    pod_spec["securityContext"] = sc
+    container["securityContext"] = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                    "capabilities": {"drop": ["ALL"]}}
+    pod_spec.setdefault("volumes", []).append({"name": "tmp", "emptyDir": {}})
+    container.setdefault("volumeMounts", []).append({"name": "tmp", "mountPath": "/tmp"})
