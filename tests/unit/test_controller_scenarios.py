@@ -1,0 +1,338 @@
+"""Controller scenarios: the real Controller's passes against a fake API server and fake
+agents (controller_fakes.py), with the order of every call recorded. Each runs in
+milliseconds, so an ordering bug (acting before recording, a lost switch step after a
+restart, a requeue that never comes) shows here before it costs a cluster run."""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pd_operator import reconcile as rc
+from pd_operator.reconcile import ACTED_DELAY_S, Controller, TerminalError, error_policy
+from tests.unit.controller_fakes import Agent, FakeAgents, FakeKube, Log, pod
+
+REPO = Path(__file__).resolve().parents[2]
+SPEC = yaml.safe_load((REPO / "examples" / "sim-small.yaml").read_text())["spec"]
+KEY = ("ns", "x")
+MANUAL = {"policy": "Manual", "manual": {"prefill": 2}, "cooldownSeconds": 0, "drainTimeoutSeconds": 30}
+
+
+class World:
+    """One PDDeployment `ns/x`, the fake API server, the fake agents and a Controller."""
+
+    def __init__(self, spec: dict | None = None, status: dict | None = None):
+        self.log = Log()
+        self.kube = FakeKube(self.log)
+        self.agents = FakeAgents(self.log)
+        self.body = {"apiVersion": "pdoperator.io/v1alpha1", "kind": "PDDeployment",
+                     "metadata": {"name": "x", "namespace": "ns", "uid": "uid-x", "generation": 1},
+                     "spec": spec or copy.deepcopy(SPEC), **({"status": status} if status else {})}
+        self.kube.objects[("PDDeployment", "ns", "x")] = self.body
+        self.ctl = self.controller()
+
+    def controller(self, **kw) -> Controller:
+        """A fresh Controller (as after an operator restart) that sees the stored objects."""
+        ctl = Controller(self.kube, self.agents, self.agents.metrics, **kw)
+        ctl.stopping = True   # no worker task: the test runs the passes
+        self.kube.controller = ctl
+        ctl.on_deployment("ADDED", copy.deepcopy(self.kube.objects[("PDDeployment", "ns", "x")]))
+        for (kind, _, _), obj in list(self.kube.objects.items()):
+            if kind == "Pod":
+                ctl.on_pod("ADDED", copy.deepcopy(obj))
+        self.ctl = ctl
+        return ctl
+
+    def add_pods(self, prefill: int = 2, decoder: int = 2, initialized: bool = True) -> None:
+        for group, n, base, role in (("prefill", prefill, 0, "prompt"), ("decoder", decoder, 1000, "decoder")):
+            for i in range(n):
+                name = f"x-{group}-{i}"
+                ip = f"127.9.{base // 1000}.{i + 1}"
+                p = pod(name, group, i, ip)
+                self.kube.objects[("Pod", "ns", name)] = p
+                self.agents.agents[f"http://{ip}:8080"] = Agent(name, role, base + i, ip, initialized=initialized)
+                self.ctl.on_pod("ADDED", copy.deepcopy(p))
+
+    def agent(self, pod_name: str) -> Agent:
+        return next(a for a in self.agents.agents.values() if a.pod == pod_name)
+
+    @property
+    def status(self) -> dict:
+        return self.kube.objects[("PDDeployment", "ns", "x")].get("status", {})
+
+    def condition(self, ctype: str) -> dict:
+        return next((c for c in self.status.get("conditions", []) if c["type"] == ctype), {})
+
+    async def step(self) -> float | None:
+        return await self.ctl.reconcile(KEY)
+
+    async def settle(self, passes: int = 30) -> float | None:
+        """Passes until one does not act (it asks for a later look, not an immediate one)."""
+        for _ in range(passes):
+            delay = await self.step()
+            if delay != ACTED_DELAY_S and not self.status.get("switches"):
+                return delay
+        raise AssertionError(f"not settled in {passes} passes; last calls {[c[:2] for c in self.log[-12:]]}")
+
+    def patch_spec(self, **rebalance) -> None:
+        obj = self.kube.objects[("PDDeployment", "ns", "x")]
+        obj["spec"]["rebalance"] = {**obj["spec"].get("rebalance", {}), **rebalance}
+        obj["metadata"]["generation"] += 1
+        self.ctl.on_deployment("MODIFIED", copy.deepcopy(obj))
+
+
+async def ready_world(spec: dict | None = None) -> World:
+    w = World(spec)
+    w.add_pods()
+    await w.settle()
+    assert w.status["phase"] == "Ready", w.status
+    return w
+
+
+# ---- a fresh deployment ------------------------------------------------------------------------
+
+async def test_first_pass_applies_children_creates_tokens_and_records_pending():
+    w = World()
+    delay = await w.step()
+    assert delay == ACTED_DELAY_S
+    applied = [c[1] for c in w.log if c[0] == "apply"]
+    assert applied[:5] == ["ConfigMap", "Service", "Service", "Service", "Service"]
+    assert applied.count("StatefulSet") == 2 and "NetworkPolicy" in applied
+    assert ("create", "Secret", "x-agent-token") in w.log and ("create", "Secret", "x-agent-data-token") in w.log
+    # the status is recorded before anything is applied
+    assert w.log.kinds()[0] == "status" and w.status["phase"] == "Pending"
+    assert any(c[0] == "event" and c[1] == "Created" for c in w.log)
+
+
+async def test_first_links_of_a_fresh_deployment_then_verified_ready():
+    w = World()
+    w.add_pods()
+    await w.settle()
+    links = [c for c in w.log if c[0] == "agent.link"]
+    assert sorted(c[1] for c in links) == ["x-decoder-0", "x-decoder-1"], "each decoder links once, to both"
+    assert not any(c[0] == "agent.link" and c[1].startswith("x-prefill") for c in w.log), "prefills never dial"
+    assert set(w.agent("x-decoder-0").links) == {0, 1} and set(w.agent("x-decoder-1").links) == {0, 1}
+    assert w.log.count("agent.verify") >= 2
+    assert w.status["linksSummary"] == "4/4" and w.condition("KVPathVerified")["status"] == "True"
+    assert w.status["observedGeneration"] == 1
+
+
+async def test_an_uninitialised_engine_is_initialised_before_it_is_linked():
+    w = World()
+    w.add_pods(initialized=False)
+    await w.settle()
+    assert w.log.count("agent.init") == 4
+    first_link = next(i for i, c in enumerate(w.log) if c[0] == "agent.link")
+    assert all(i < first_link for i, c in enumerate(w.log) if c[0] == "agent.init")
+    assert w.status["phase"] == "Ready"
+
+
+# ---- steady state: quiet, and requeues ---------------------------------------------------------
+
+async def test_a_settled_pass_writes_nothing_and_requeues_later():
+    w = await ready_world()
+    before = len(w.log)
+    delay = await w.step()
+    assert [c for c in w.log[before:] if c[0] in ("status", "apply", "agent.link", "event")] == []
+    assert 0.5 <= delay <= rc.RESYNC_S
+
+
+async def test_requeue_delays_follow_what_the_pass_did():
+    w = World()
+    assert await w.step() == ACTED_DELAY_S                  # applied children: look again at once
+    delay = await w.settle()                                 # no pods yet: Pending, look again soon
+    assert w.status["phase"] == "Pending" and delay <= rc.NOT_READY_RESYNC_S
+    assert error_policy(TerminalError("X", "y"), 1) is None  # terminal: wait for a spec change
+    assert [error_policy(RuntimeError(), n) for n in (1, 2, 3, 10)] == [0.5, 1.0, 2.0, 30.0]
+
+
+# ---- repair -----------------------------------------------------------------------------------
+
+async def test_a_broken_link_is_dropped_by_force_and_made_again():
+    w = await ready_world()
+    d0 = w.agent("x-decoder-0")
+    d0.links[1] = {**d0.links[1], "code": "LLM_WAIT_PROCESS_TIMEOUT", "healthy": False}
+    w.ctl.memory[KEY].dirty.add("x-decoder-0")   # its pod changed: asked next pass
+    before = len(w.log)
+    await w.settle()
+    calls = [c for c in w.log[before:] if c[0].startswith("agent.") and c[1] == "x-decoder-0"]
+    assert ("agent.force_unlink", "x-decoder-0") in calls and ("agent.link", "x-decoder-0") in calls
+    assert calls.index(("agent.force_unlink", "x-decoder-0")) < calls.index(("agent.link", "x-decoder-0"))
+    assert d0.links[1]["healthy"] and w.status["linksSummary"] == "4/4"
+
+
+async def test_drift_is_repaired_with_an_event():
+    w = await ready_world()
+    sts = w.kube.objects[("StatefulSet", "ns", "x-prefill")]
+    sts["spec"]["replicas"] = 7     # changed outside the operator
+    stored = w.kube._store(sts)
+    w.ctl.on_child("MODIFIED", copy.deepcopy(stored))
+    before = len(w.log)
+    await w.settle()
+    assert ("apply", "StatefulSet", "x-prefill") in w.log[before:]
+    assert w.kube.objects[("StatefulSet", "ns", "x-prefill")]["spec"]["replicas"] == 2
+    assert any(c[0] == "event" and c[1] == "DriftRepaired" for c in w.log[before:])
+
+
+async def test_a_failed_link_is_reported_retried_after_backoff_and_recovers():
+    w = World()
+    w.add_pods()
+    w.agents.link_codes[(1000, 1)] = "LLM_LINK_FAILED"
+    await w.settle()
+    assert w.status["phase"] == "Degraded" and w.condition("LinksReady")["reason"] == "EndpointUnreachable"
+    assert "x-prefill-1" in w.condition("LinksReady")["message"]
+    assert any(c[0] == "event" and c[1] == "EndpointUnreachable" for c in w.log)
+    tries = sum(1 for c in w.log if c == ("agent.link", "x-decoder-0"))
+    await w.step()
+    assert sum(1 for c in w.log if c == ("agent.link", "x-decoder-0")) == tries, "not retried hot"
+    del w.agents.link_codes[(1000, 1)]
+    w.ctl.memory[KEY].link_backoff.succeed(("x-decoder-0", 1))   # its backoff is over
+    await w.settle()
+    assert w.status["phase"] == "Ready" and w.status["linksSummary"] == "4/4"
+
+
+# ---- agents that do not answer as they should --------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["AgentBadReply", "AgentUnreachable"])
+async def test_an_agent_that_answers_nonsense_or_not_at_all_is_a_condition_not_a_crash(kind):
+    w = World()
+    w.add_pods()
+    w.agent("x-prefill-1").broken = kind
+    delay = await w.settle()
+    c = w.condition("AgentsReady")
+    assert c["status"] == "False" and c["reason"] == kind and "x-prefill-1" in c["message"]
+    assert w.status["phase"] == "Degraded" and delay is not None
+    # the others are linked among themselves meanwhile
+    assert set(w.agent("x-decoder-0").links) == {0}
+    asked = w.log.count("agent.status")
+    await w.step()
+    assert w.log.count("agent.status") == asked, "a failing agent is asked again only after its backoff"
+
+
+async def test_an_invalid_spec_is_terminal():
+    w = World({**SPEC, "datadist": {"port": "not-a-port"}})
+    with pytest.raises(TerminalError) as e:
+        await w.step()
+    assert e.value.diagnosis.reason == "InvalidSpec"
+
+
+async def test_an_apply_the_api_server_rejects_is_terminal_and_reported():
+    w = World()
+    w.kube.reject["StatefulSet"] = (422, "spec.template: Invalid value")
+    with pytest.raises(TerminalError):
+        await w.step()
+    assert any(c[0] == "event" and c[1] == "ApplyRejected" for c in w.log)
+    await w.ctl._record_terminal(KEY, w.ctl.memory[KEY], w.ctl.memory[KEY].blocked)
+    assert w.status["phase"] == "Degraded" and w.condition("Ready")["reason"] == "ApplyRejected"
+
+
+# ---- live switching ----------------------------------------------------------------------------
+
+def switch_steps(log: Log) -> list[str]:
+    out: list[str] = []
+    for c in log:
+        if c[0] == "status":
+            for s in c[1].get("switches", []):
+                if not out or out[-1] != s["step"]:
+                    out.append(s["step"])
+    return out
+
+
+async def test_decoder_to_prefill_walks_every_step_and_records_each_before_acting():
+    w = await ready_world({**SPEC, "rebalance": MANUAL})
+    w.patch_spec(manual={"prefill": 3})
+    start = len(w.log)
+    await w.settle()
+    log = Log(w.log[start:])
+    assert switch_steps(log) == ["Drain", "Unlink", "SwitchRole", "Relink", "Verify", "Undrain"]
+    last = w.status["lastSwitch"]
+    assert last["result"] == "Completed" and last["from"] == "decoder" and last["to"] == "prefill"
+    pod_ = last["pod"]
+    assert w.agent(pod_).role == "prompt" and not w.agent(pod_).draining
+    assert w.status["prefill"] == 3 and w.status["linksSummary"] == "3/3"
+    # each action comes after the status that recorded its step
+    first_status = {step: next(i for i, c in enumerate(log) if c[0] == "status"
+                               and any(s["step"] == step for s in c[1].get("switches", [])))
+                    for step in ("Drain", "Unlink", "SwitchRole")}
+    assert first_status["Drain"] < next(i for i, c in enumerate(log) if c == ("agent.drain", pod_))
+    assert first_status["Unlink"] < next(i for i, c in enumerate(log) if c == ("agent.unlink", pod_))
+    assert first_status["SwitchRole"] < next(i for i, c in enumerate(log) if c == ("agent.switch_role", pod_))
+    labels = [c[3]["metadata"]["labels"]["pdoperator.io/role"] for c in log
+              if c[0] == "patch" and c[2] == pod_ and "labels" in c[3]["metadata"]]
+    assert labels == ["switching", "prefill"]
+
+
+@pytest.mark.parametrize("crash_at", ["Unlink", "SwitchRole", "Relink", "Verify", "Undrain"])
+async def test_a_restarted_operator_resumes_the_switch_from_status(crash_at):
+    w = await ready_world({**SPEC, "rebalance": MANUAL})
+    seen: list[str] = []
+
+    class Crash(Exception):
+        pass
+
+    def stop_at(switches):
+        if any(s.step == crash_at for s in switches):
+            seen.append(crash_at)
+            raise Crash
+    w.controller(after_record=stop_at)
+    w.patch_spec(manual={"prefill": 3})
+    with pytest.raises(Crash):
+        await w.settle()
+    recorded = w.status["switches"][0]
+    assert recorded["step"] == crash_at
+    # a new operator: no memory, only what status recorded
+    w.controller()
+    start = len(w.log)
+    await w.settle()
+    steps = switch_steps(Log(w.log[start:]))
+    assert steps[0] == crash_at, "resumed where it was, not started again"
+    assert w.status["lastSwitch"]["result"] == "Completed" and w.status["prefill"] == 3
+    assert w.log[start:].count(("agent.drain", recorded["pod"])) == 0 or crash_at == "Drain"
+
+
+async def test_prefill_to_decoder_waits_for_pending_caches_then_completes():
+    w = await ready_world({**SPEC, "rebalance": MANUAL})
+    for p in ("x-prefill-0", "x-prefill-1"):
+        w.agent(p).pending_kv = 1
+    w.patch_spec(manual={"prefill": 1})
+    for _ in range(5):
+        await w.step()
+    assert w.status["switches"][0]["step"] == "Drain", "a cache waits: it stays a prefill, linked"
+    pod_ = w.status["switches"][0]["pod"]
+    assert w.agent(pod_).role == "prompt" and w.agent(pod_).incoming
+    w.agent(pod_).pending_kv = 0
+    await w.settle()
+    assert w.status["lastSwitch"]["result"] == "Completed" and w.agent(pod_).role == "decoder"
+    assert w.status["decoder"] == 3 and w.status["linksSummary"] == "3/3"
+
+
+async def test_drain_timeout_aborts_and_puts_the_pod_back():
+    w = await ready_world({**SPEC, "rebalance": {**MANUAL, "drainTimeoutSeconds": 0, "cooldownSeconds": 600}})
+    for d in ("x-decoder-0", "x-decoder-1"):
+        w.agent(d).in_flight = 1
+    w.patch_spec(manual={"prefill": 3})
+    await w.settle()
+    last = w.status["lastSwitch"]
+    assert last["result"] == "Aborted" and "drain timed out" in last["message"]
+    a = w.agent(last["pod"])
+    assert a.role == "decoder" and not a.draining
+    assert w.kube.objects[("Pod", "ns", last["pod"])]["metadata"]["labels"]["pdoperator.io/role"] == "decoder"
+    assert any(c[0] == "event" and c[1] == "SwitchAborted" for c in w.log)
+    assert w.condition("Rebalancing")["reason"] == "Cooldown"
+
+
+async def test_a_leaving_prefill_keeps_its_links_until_its_agent_refuses_work():
+    w = await ready_world()
+    p1 = w.kube.objects[("Pod", "ns", "x-prefill-1")]
+    p1["metadata"]["deletionTimestamp"] = "2027-01-01T00:00:00Z"
+    w.ctl.on_pod("MODIFIED", copy.deepcopy(w.kube._store(p1)))
+    for _ in range(3):
+        await w.step()
+    assert 1 in w.agent("x-decoder-0").links, "still taking requests: its links stay"
+    w.agent("x-prefill-1").draining = True      # SIGTERM reached it
+    w.ctl.memory[KEY].dirty.add("x-prefill-1")
+    await w.settle()
+    assert 1 not in w.agent("x-decoder-0").links and 1 not in w.agent("x-decoder-1").links
+    assert not any(c[0] == "agent.force_unlink" for c in w.log), "unlinked normally, not by force"
