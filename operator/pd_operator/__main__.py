@@ -9,7 +9,7 @@ import os
 
 import kopf
 
-from . import handlers  # noqa: F401  (registers the handlers)
+from . import faultpoint, handlers  # noqa: F401  (handlers: registers them)
 
 
 def main() -> None:
@@ -22,9 +22,11 @@ def main() -> None:
         logging.getLogger("pd_operator.reconcile").setLevel(logging.DEBUG)
     namespaces = [n for n in os.environ.get("PD_OPERATOR_NAMESPACES", "").split(",") if n]
     liveness = os.environ.get("PD_OPERATOR_LIVENESS", "")
+    # read once here, never in the pass: crash tests stop the operator after a recorded step
+    memo = kopf.Memo(after_record=faultpoint.from_env())
     asyncio.run(kopf.operator(
         clusterwide=not namespaces, namespaces=namespaces, standalone=True,
-        liveness_endpoint=liveness or None,
+        liveness_endpoint=liveness or None, memo=memo,
     ))
 
 

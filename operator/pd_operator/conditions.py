@@ -1,5 +1,5 @@
 """Condition helpers in the Cluster API style: set (keeping lastTransitionTime when the
-status does not change), get, and summarise."""
+status does not change), get, and summarise by declared polarity."""
 from __future__ import annotations
 
 import datetime as dt
@@ -34,3 +34,28 @@ def set_condition(conditions: list[dict] | None, ctype: str, status: bool | str,
 
 
 ORDER = ("Ready", "PodsReady", "AgentsReady", "LinksReady", "KVPathVerified", "ProxyEnvironment", "Rebalancing")
+# Ready summarises these, all of positive polarity (good when True), in this order.
+SUMMARISED = ("PodsReady", "AgentsReady", "LinksReady", "KVPathVerified")
+# Negative polarity: the condition is bad when True (a warning, not summarised into Ready).
+NEGATIVE = frozenset({"ProxyEnvironment"})
+# Informational: neither good nor bad (True while a switch runs; otherwise why none runs).
+INFORMATIONAL = frozenset({"Rebalancing"})
+
+
+def polarity(ctype: str) -> str:
+    return "negative" if ctype in NEGATIVE else "informational" if ctype in INFORMATIONAL else "positive"
+
+
+def healthy(c: dict) -> bool:
+    """Whether a condition is in its good state, by its type's polarity."""
+    p = polarity(c["type"])
+    return p == "informational" or (c["status"] == "True") == (p == "positive")
+
+
+def first_unhealthy(conditions: list[dict] | None, types: tuple[str, ...] = SUMMARISED) -> dict | None:
+    """The first of `types` (in that order) that is not in its good state."""
+    for t in types:
+        c = get(conditions, t)
+        if c is not None and not healthy(c):
+            return c
+    return None

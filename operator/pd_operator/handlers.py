@@ -1,15 +1,15 @@
 """Kopf is the event source, nothing more: every watch event on a PDDeployment, its pods or
 its children (StatefulSets, Services, ConfigMaps, the gateway's objects, the NetworkPolicy)
-lands in the controller's caches and wakes
-that deployment's one reconcile (reconcile.py). No handler applies anything, so there is
-one reconciler, and no finalizer: owner references clean up after a deleted PDDeployment."""
+lands in the controller's caches and wakes that deployment's one reconcile (reconcile.py).
+No handler applies anything, so there is one reconciler, and no finalizer: owner references
+clean up after a deleted PDDeployment."""
 from __future__ import annotations
 
 import logging
 
 import kopf
 
-from . import faultpoint, kinds
+from . import kinds
 from .agentclient import AgentClient
 from .api import GROUP, PLURAL, VERSION
 from .builders import LABEL_DEPLOYMENT
@@ -18,16 +18,14 @@ from .metrics import OperatorMetrics, serve
 from .reconcile import Controller
 
 log = logging.getLogger("pd_operator")
-STATE: dict = {}
 WATCHED_CHILDREN = tuple((k.group, k.version, k.plural) for k in kinds.CHILDREN)
 
 
-def _controller() -> Controller | None:
-    return STATE.get("controller")
-
-
 @kopf.on.startup()
-async def startup(settings: kopf.OperatorSettings, **_) -> None:
+async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
+    """The operator's state lives in Kopf's memo (each resource's memo is a shallow copy of it,
+    so every handler reaches the one Controller). `memo.after_record`, if set, is the fault
+    point hook __main__ installed."""
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
@@ -39,46 +37,44 @@ async def startup(settings: kopf.OperatorSettings, **_) -> None:
     for group, _, plural in WATCHED_CHILDREN:
         settings.watching.label_selectors[f"{group}/{plural}" if group else plural] = LABEL_DEPLOYMENT
     metrics = OperatorMetrics()
-    kube = Kube()
-    agents = AgentClient(metrics)
-    controller = Controller(kube, agents, metrics, after_record=faultpoint.from_env())
-    STATE.update(kube=kube, agents=agents, metrics=metrics, controller=controller,
-                 metrics_runner=await serve(metrics))
+    memo.kube = Kube()
+    memo.agents = AgentClient(metrics)
+    memo.controller = Controller(memo.kube, memo.agents, metrics, after_record=memo.get("after_record"))
+    memo.metrics_runner = await serve(metrics)
     log.info("pd-operator started")
 
 
 @kopf.on.cleanup()
-async def cleanup(**_) -> None:
-    c = _controller()
-    if c:
-        await c.stop()
-    if STATE.get("metrics_runner"):
-        await STATE["metrics_runner"].cleanup()
-    if STATE.get("agents"):
-        await STATE["agents"].close()
-    if STATE.get("kube"):
-        await STATE["kube"].close()
+async def cleanup(memo: kopf.Memo, **_) -> None:
+    if memo.get("controller"):
+        await memo.controller.stop()
+    if memo.get("metrics_runner"):
+        await memo.metrics_runner.cleanup()
+    if memo.get("agents"):
+        await memo.agents.close()
+    if memo.get("kube"):
+        await memo.kube.close()
     log.info("pd-operator stopped")
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
-async def deployment_event(event, **_) -> None:
-    c = _controller()
+async def deployment_event(event, memo: kopf.Memo, **_) -> None:
+    c = memo.get("controller")
     if c and event.get("object"):
         c.on_deployment(event.get("type"), event["object"])
 
 
 @kopf.on.event("", "v1", "pods", labels={LABEL_DEPLOYMENT: kopf.PRESENT})
-async def pod_event(event, **_) -> None:
-    c = _controller()
+async def pod_event(event, memo: kopf.Memo, **_) -> None:
+    c = memo.get("controller")
     if c and event.get("object"):
         c.on_pod(event.get("type"), event["object"])
 
 
 def _child_handler(group: str, version: str, plural: str) -> None:
     @kopf.on.event(group, version, plural, labels={LABEL_DEPLOYMENT: kopf.PRESENT})
-    async def child_event(event, **_) -> None:
-        c = _controller()
+    async def child_event(event, memo: kopf.Memo, **_) -> None:
+        c = memo.get("controller")
         if c and event.get("object"):
             c.on_child(event.get("type"), event["object"])
 

@@ -104,12 +104,113 @@ def _members(obs: Observed, per: dict[str, tuple[int, int, list[dict]]],
     return out
 
 
+Verdict = tuple[bool | str, str, str]   # a condition's (status, reason, message)
+
+
+def pods_ready(obs: Observed, desired_pods: int) -> Verdict:
+    live = obs.pods
+    ready = [p for p in live if pod_ready(p)]
+    problems = [d for d in (pod_problem(p) for p in live) if d]
+    strays = [p for p in obs.problems if any(x["metadata"]["name"] == p.pod for x in live)]
+    if problems:
+        return False, problems[0].reason, _listed([d.message for d in problems])
+    if len(ready) >= desired_pods and len(live) - len(strays) == desired_pods:
+        return True, "AllPodsReady", f"{len(ready) - len(strays)}/{desired_pods} pods ready"
+    waiting = sorted(p["metadata"]["name"] for p in live if not pod_ready(p))
+    return (False, "PodsNotReady", f"{len(ready)}/{desired_pods} pods ready"
+            + (f"; waiting for {', '.join(waiting[:MAX_LISTED])}" if waiting else "")
+            + (f" and {len(waiting) - MAX_LISTED} more" if len(waiting) > MAX_LISTED else ""))
+
+
+def agents_ready(obs: Observed) -> Verdict:
+    if obs.agent_errors:
+        errors = sorted(obs.agent_errors.items())
+        return False, errors[0][1][0], _listed([f"{pod}: {msg}" for pod, (_, msg) in errors])
+    return True, "AgentsReachable", "every ready pod's agent answers"
+
+
+def links_ready(obs: Observed, expected: int, up: int) -> Verdict:
+    failures = sorted(obs.link_failures.items())
+    mismatched = lk.mismatches(obs.engines)
+    if failures:
+        return False, failures[0][1][1].reason, _listed([d.message for _, (_, d) in failures])
+    if mismatched:
+        return (False, "CacheDescMismatch", _listed(
+            [f"{d.pod} and {p.pod} run different CacheDescs and are not linked" for d, p in mismatched])
+            + "; expected while a model change rolls out, otherwise check spec.model.kvCache")
+    if expected == 0:
+        return False, "NoPeers", "need at least one ready prefill and one ready decoder to link"
+    if up < expected:
+        return False, "Linking", f"{up}/{expected} links up"
+    return True, "AllLinksUp", f"{up}/{expected} links up"
+
+
+def kv_path_verified(obs: Observed, expected: int, up: int, prev: dict | None) -> Verdict | None:
+    """None: what it said stands (a failure is not forgotten while links come and go)."""
+    results = [obs.verify[d] for d in sorted(obs.verify)]
+    bad = [r for r in results if not r["ok"]]
+    if bad:
+        diags = [verify_failure(r["code"], r["decoder"], r["prefill"], r.get("message", ""), obs.model_id)
+                 for r in bad]
+        return False, diags[0].reason, _listed([d.message for d in diags])
+    if results and expected and up == expected:
+        return True, "Verified", "every decoder pulled a probe cache from a prefill and the bytes matched"
+    if not prev or prev["status"] == "True":
+        return "Unknown", "NotYetVerified", "waiting for every link to be up"
+    return None
+
+
+def proxy_environment(obs: Observed) -> Verdict:
+    """Negative polarity: True is the warning."""
+    if obs.proxy:
+        d = proxy_warning(obs.proxy)
+        return True, d.reason, d.message
+    return False, "NoProxyVariables", "no agent reports proxy variables"
+
+
+def rebalancing(obs: Observed) -> Verdict | None:
+    """True while a switch is in flight; otherwise why no switch is started (None: no policy)."""
+    if obs.switches:
+        return True, "Switching", "; ".join(f"{s.pod}: {s.from_} -> {s.to}, step {s.step}"
+                                            + (f" ({s.message})" if s.message else "") for s in obs.switches)
+    if obs.decision is not None:
+        return False, obs.decision.reason, obs.decision.message
+    return None
+
+
+def degraded(obs: Observed) -> bool:
+    """Something failed (as opposed to something still coming up)."""
+    return bool(any(pod_problem(p) for p in obs.pods) or obs.agent_errors or obs.link_failures
+                or any(not r["ok"] for r in obs.verify.values()) or obs.blocked)
+
+
+def phase_of(obs: Observed, conds: list[dict]) -> str:
+    if degraded(obs):
+        return "Degraded"
+    if obs.switches:
+        return "Switching"
+    if not cond.is_true(conds, "PodsReady"):
+        return "Pending"
+    if not (cond.is_true(conds, "LinksReady") and cond.is_true(conds, "KVPathVerified")):
+        return "Linking"
+    return "Ready"
+
+
+def ready(obs: Observed, phase: str, conds: list[dict]) -> Verdict:
+    """The summary: the first summarised condition not in its good state explains it."""
+    if obs.blocked:
+        return False, obs.blocked.reason, obs.blocked.message
+    if phase == "Ready":
+        return True, "Ready", "links up and KV path verified"
+    why = cond.first_unhealthy(conds) or {"reason": phase, "message": ""}
+    return False, why["reason"], why["message"]
+
+
 def build_status(spec: PDDeploymentSpec, obs: Observed, previous: dict | None) -> dict:
-    conds = (previous or {}).get("conditions")
+    conds: list[dict] = list((previous or {}).get("conditions") or [])
     gen = obs.generation
     desired_pods = obs.desired_pods if obs.desired_pods is not None else spec.total
     live = obs.pods
-    ready = [p for p in live if pod_ready(p)]
     per = obs.per_decoder if obs.per_decoder is not None else lk.per_decoder(obs.engines, obs.reported, obs.topology)
     expected, up = lk.totals(per)
     failures_by_decoder: dict[str, list[tuple[int, str]]] = {}
@@ -117,106 +218,19 @@ def build_status(spec: PDDeploymentSpec, obs: Observed, previous: dict | None) -
         failures_by_decoder.setdefault(dpod, []).append((cid, code))
     members = _members(obs, per, failures_by_decoder)
 
-    # PodsReady
-    problems = [d for d in (pod_problem(p) for p in live) if d]
-    strays = [p for p in obs.problems if any(x["metadata"]["name"] == p.pod for x in live)]
-    if problems:
-        conds = cond.set_condition(conds, "PodsReady", False, problems[0].reason,
-                                   _listed([d.message for d in problems]), gen)
-    elif len(ready) >= desired_pods and len(live) - len(strays) == desired_pods:
-        conds = cond.set_condition(conds, "PodsReady", True, "AllPodsReady",
-                                   f"{len(ready) - len(strays)}/{desired_pods} pods ready", gen)
-    else:
-        waiting = sorted(p["metadata"]["name"] for p in live if not pod_ready(p))
-        conds = cond.set_condition(conds, "PodsReady", False, "PodsNotReady",
-                                   f"{len(ready)}/{desired_pods} pods ready"
-                                   + (f"; waiting for {', '.join(waiting[:MAX_LISTED])}" if waiting else "")
-                                   + (f" and {len(waiting) - MAX_LISTED} more" if len(waiting) > MAX_LISTED else ""),
-                                   gen)
-    # AgentsReady
-    if obs.agent_errors:
-        first = sorted(obs.agent_errors.items())[0][1][0]
-        conds = cond.set_condition(conds, "AgentsReady", False, first, _listed(
-            [f"{pod}: {msg}" for pod, (_, msg) in sorted(obs.agent_errors.items())]), gen)
-    else:
-        conds = cond.set_condition(conds, "AgentsReady", True, "AgentsReachable", "every ready pod's agent answers",
-                                   gen)
-    # LinksReady
-    failures = sorted(obs.link_failures.items())
-    mismatched = lk.mismatches(obs.engines)
-    if failures:
-        diag = failures[0][1][1]
-        conds = cond.set_condition(conds, "LinksReady", False, diag.reason,
-                                   _listed([d.message for _, (_, d) in failures]), gen)
-    elif mismatched:
-        conds = cond.set_condition(conds, "LinksReady", False, "CacheDescMismatch", _listed(
-            [f"{d.pod} and {p.pod} run different CacheDescs and are not linked" for d, p in mismatched])
-            + "; expected while a model change rolls out, otherwise check spec.model.kvCache", gen)
-    elif expected == 0:
-        conds = cond.set_condition(conds, "LinksReady", False, "NoPeers",
-                                   "need at least one ready prefill and one ready decoder to link", gen)
-    elif up < expected:
-        conds = cond.set_condition(conds, "LinksReady", False, "Linking", f"{up}/{expected} links up", gen)
-    else:
-        conds = cond.set_condition(conds, "LinksReady", True, "AllLinksUp", f"{up}/{expected} links up", gen)
-    # KVPathVerified
+    for ctype, verdict in (("PodsReady", pods_ready(obs, desired_pods)), ("AgentsReady", agents_ready(obs)),
+                           ("LinksReady", links_ready(obs, expected, up)),
+                           ("KVPathVerified", kv_path_verified(obs, expected, up, cond.get(conds, "KVPathVerified"))),
+                           ("ProxyEnvironment", proxy_environment(obs))):
+        if verdict is not None:
+            conds = cond.set_condition(conds, ctype, *verdict, gen)
+    phase = phase_of(obs, conds)
+    conds = cond.set_condition(conds, "Ready", *ready(obs, phase, conds), gen)
+    reb = rebalancing(obs)
+    conds = cond.set_condition(conds, "Rebalancing", *reb, gen) if reb is not None \
+        else [c for c in conds if c["type"] != "Rebalancing"]
     results = [obs.verify[d] for d in sorted(obs.verify)]
-    bad = [r for r in results if not r["ok"]]
-    if bad:
-        diags = [verify_failure(r["code"], r["decoder"], r["prefill"], r.get("message", ""), obs.model_id)
-                 for r in bad]
-        conds = cond.set_condition(conds, "KVPathVerified", False, diags[0].reason,
-                                   _listed([d.message for d in diags]), gen)
-    elif results and expected and up == expected:
-        conds = cond.set_condition(conds, "KVPathVerified", True, "Verified",
-                                   "every decoder pulled a probe cache from a prefill and the bytes matched", gen)
-    else:
-        prev = cond.get(conds, "KVPathVerified")
-        if not prev or prev["status"] == "True":
-            conds = cond.set_condition(conds, "KVPathVerified", "Unknown", "NotYetVerified",
-                                       "waiting for every link to be up", gen)
-    # ProxyEnvironment
-    if obs.proxy:
-        d = proxy_warning(obs.proxy)
-        conds = cond.set_condition(conds, "ProxyEnvironment", True, d.reason, d.message, gen)
-    else:
-        conds = cond.set_condition(conds, "ProxyEnvironment", False, "NoProxyVariables",
-                                   "no agent reports proxy variables", gen)
-
-    # phase and summary
-    degraded = bool(problems or obs.agent_errors or failures or bad or obs.blocked)
-    pods_ok = cond.is_true(conds, "PodsReady")
-    links_ok = cond.is_true(conds, "LinksReady")
-    verified = cond.is_true(conds, "KVPathVerified")
-    if degraded:
-        phase = "Degraded"
-    elif obs.switches:
-        phase = "Switching"
-    elif not pods_ok:
-        phase = "Pending"
-    elif not (links_ok and verified):
-        phase = "Linking"
-    else:
-        phase = "Ready"
-    not_ok = [c for c in (conds or []) if c["type"] in ("PodsReady", "AgentsReady", "LinksReady", "KVPathVerified")
-              and c["status"] != "True"]
-    if obs.blocked:
-        conds = cond.set_condition(conds, "Ready", False, obs.blocked.reason, obs.blocked.message, gen)
-    elif phase == "Ready":
-        conds = cond.set_condition(conds, "Ready", True, "Ready", "links up and KV path verified", gen)
-    else:
-        why = not_ok[0] if not_ok else {"reason": phase, "message": ""}
-        conds = cond.set_condition(conds, "Ready", False, why["reason"], why["message"], gen)
-
-    # Rebalancing: True while a switch is in flight; otherwise why no switch is started
-    if obs.switches:
-        conds = cond.set_condition(conds, "Rebalancing", True, "Switching", "; ".join(
-            f"{s.pod}: {s.from_} -> {s.to}, step {s.step}" + (f" ({s.message})" if s.message else "")
-            for s in obs.switches), gen)
-    elif obs.decision is not None:
-        conds = cond.set_condition(conds, "Rebalancing", False, obs.decision.reason, obs.decision.message, gen)
-    else:
-        conds = [c for c in conds or [] if c["type"] != "Rebalancing"]
+    ready_pods = [p for p in live if pod_ready(p)]
 
     derived = derive(spec.model.kv_cache)
     cache = {"numTensors": derived.num_tensors, "shape": derived.shape, "dataType": derived.data_type,
@@ -225,7 +239,7 @@ def build_status(spec: PDDeploymentSpec, obs: Observed, previous: dict | None) -
         cache["blocksShape"] = derived.blocks_shape
     if spec.backend == "sim":
         cache["simMemoryScale"] = derived.sim_memory_scale()
-    ready_names = {p["metadata"]["name"] for p in ready}
+    ready_names = {p["metadata"]["name"] for p in ready_pods}
     out = {
         "phase": phase,
         "prefill": sum(1 for e in obs.engines if e.role == "prefill" and e.pod in ready_names),

@@ -538,3 +538,14 @@ def test_a_prefill_that_flaps_not_ready_keeps_its_links():
     slow_agent = replace(eng("p1", "prefill", 1), agent_ok=False)  # its agent did not answer this time
     assert links.plan([p0, slow_agent, d0], {"d0": [up(p0), up(slow_agent)]}) == []
     assert links.plan([p0, slow_agent, d0], {"d0": [up(p0)]}) == []   # but no new link until it answers
+
+
+def test_ready_summarises_by_declared_polarity():
+    ok = lambda t, s: {"type": t, "status": s}  # noqa: E731
+    conds = [ok("PodsReady", "True"), ok("AgentsReady", "True"), ok("LinksReady", "True"),
+             ok("KVPathVerified", "Unknown"), ok("ProxyEnvironment", "True"), ok("Rebalancing", "True")]
+    assert conditions.polarity("ProxyEnvironment") == "negative" and conditions.polarity("Ready") == "positive"
+    assert not conditions.healthy(conds[4]) and conditions.healthy(conds[5])   # a warning; informational
+    assert conditions.first_unhealthy(conds)["type"] == "KVPathVerified"      # Unknown is not good
+    conds[3]["status"] = "True"
+    assert conditions.first_unhealthy(conds) is None, "a proxy warning does not make the deployment unready"
