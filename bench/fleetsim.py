@@ -326,7 +326,7 @@ class FleetSim:
             cands = self._candidates()
             current = sw.prefill_count(cands)
             sig = self.signals() if rb.policy in ("Load", "SLO") else policies.Signals()
-            v, _ = decide_target(spec, self.book, sig, current, wall)
+            v, _, self.book = decide_target(spec, self.book, sig, current, wall)
             if v is not None and (not self.decisions or self.decisions[-1]["reason"] != v.reason
                                   or self.decisions[-1].get("target") != v.target):
                 self.decisions.append({"t": round(self.now, 1), "reason": v.reason, "target": v.target})

@@ -27,15 +27,11 @@ from pd_contract.agent_api import (
 )
 
 from .metrics import OperatorMetrics
+from .reports import AgentCallError
+
+__all__ = ["STATUS_TIMEOUT_S", "AgentCallError", "AgentClient"]
 
 STATUS_TIMEOUT_S = 3.0
-
-
-class AgentCallError(Exception):
-    def __init__(self, kind: str, message: str, code: str = ""):
-        super().__init__(message)
-        self.kind = kind      # AgentUnreachable | AgentUnauthorized | AgentError | AgentBadReply
-        self.code = code      # the agent's error code, if it answered
 
 
 class AgentClient:

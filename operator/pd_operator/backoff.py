@@ -36,6 +36,11 @@ class Backoff(Generic[K]):
             return None
         return max(0.05, min(t for _, t in self._state.values()) - now)
 
+    def copy(self) -> "Backoff[K]":
+        other: Backoff[K] = Backoff(self.base, self.cap, self.rng)
+        other._state = dict(self._state)
+        return other
+
     def keys(self) -> list[K]:
         return list(self._state)
 

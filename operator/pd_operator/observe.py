@@ -9,22 +9,35 @@ key includes both, so a pod that just became Ready is asked at once."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
-
-from pd_contract.agent_api import AgentStatus
 
 from .agentclient import AgentCallError, AgentClient
+from .api import PDDeploymentSpec
 from .backoff import Backoff
 from .links import Engine
-
-
-@dataclass(frozen=True)
-class Report:
-    status: AgentStatus | None = None
-    error: AgentCallError | None = None
-
+from .reports import Report
+from .state import Memory
+from .switch import Book
 
 STARTING_BACKOFF = (0.25, 2.0)
+
+
+def ask_always(spec: PDDeploymentSpec, book: Book, engines: list[Engine], wall: float) -> set[str]:
+    """Switching pods every pass; everyone when a Load or SLO evaluation is due, so it
+    decides on fresh signals rather than on reports up to decide.SETTLED_POLL_S old."""
+    pods = {s.pod for s in book.switches}
+    rb = spec.rebalance
+    if rb is not None and rb.policy in ("Load", "SLO") and wall >= book.next_evaluation:
+        pods |= {e.pod for e in engines}
+    return pods
+
+
+def to_ask(mem: Memory, engines: list[Engine], now: float, dirty: set[str],
+           always: set[str] | frozenset[str] = frozenset()) -> set[str]:
+    """Members to ask this pass: any whose pod changed, that is not settled (not linked yet,
+    leaving, never asked), or whose settled interval is over. A large deployment coming up
+    then costs a call per changing member, not one per member on every pass."""
+    return {e.pod for e in engines if e.pod in dirty or e.leaving or e.pod not in mem.reports
+            or e.pod in always or now >= mem.next_poll.get(e.pod, 0.0)}
 
 
 def backoff_key(e: Engine) -> tuple[str, bool, bool]:

@@ -53,28 +53,27 @@ def signals(engines: list[lk.Engine], reports: dict, reported_at: dict[str, floa
 
 
 def decide_target(spec: PDDeploymentSpec, book: Book, sig: policies.Signals, current: int, wall: float
-                  ) -> tuple[policies.Verdict | None, bool]:
+                  ) -> tuple[policies.Verdict | None, bool, Book]:
     """Evaluate the policy when due (Manual and Schedule every pass, Load and SLO every
-    evaluationIntervalSeconds); record the target and the decision in the book. Returns the
-    verdict of this evaluation (None: not due) and whether the target changed."""
+    evaluationIntervalSeconds). Returns the verdict of this evaluation (None: not due), whether
+    the target changed, and the book with the target and the decision recorded (a new Book:
+    the one given is not changed)."""
     rb = spec.rebalance
     assert rb is not None, "decided only with spec.rebalance set"
     periodic = rb.policy in ("Load", "SLO")
     if periodic and wall < book.next_evaluation:
-        return None, False
+        return None, False, book
     v = policies.evaluate(spec, sig, current, limits(spec, 0.0), wall)
-    if periodic:
-        book.next_evaluation = wall + rb.evaluation_interval_seconds
-    before = book.target
-    if v.target is not None:   # a verdict that holds keeps the target recorded (or none: no switching)
-        book.target = v.target
+    # a verdict that holds keeps the target recorded (or none: no switching)
+    target = v.target if v.target is not None else book.target
     record = {"policy": rb.policy, "reason": v.reason, "message": v.message, "currentPrefill": current,
-              **({"targetPrefill": book.target} if book.target is not None else {}),
+              **({"targetPrefill": target} if target is not None else {}),
               **({"numbers": {k: str(x) for k, x in v.numbers.items()}} if v.numbers else {})}
     old = {k: x for k, x in (book.decision or {}).items() if k != "at"}
-    if periodic or old != record:
-        book.decision = {**record, "at": iso(wall)}
-    return v, book.target != before
+    new = replace(book, switches=list(book.switches), target=target,
+                  next_evaluation=wall + rb.evaluation_interval_seconds if periodic else book.next_evaluation,
+                  decision={**record, "at": iso(wall)} if periodic or old != record else book.decision)
+    return v, target != book.target, new
 
 
 def condition_for(decision: Decision, verdict_reason: str | None, verdict_message: str | None) -> Decision:

@@ -6,8 +6,9 @@ repeated Events."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from .backoff import Backoff
 from .children import Applied, ChildKey
@@ -29,7 +30,6 @@ class Memory:
     boot_ids: dict[str, str] = field(default_factory=dict)
     reports: dict = field(default_factory=dict)          # pod -> last AgentStatus
     next_poll: dict[str, float] = field(default_factory=dict)  # pod -> when a settled member is asked again
-    dirty: set[str] = field(default_factory=set)         # pods whose object changed since they were asked
     verify_round: int = 0
     next_verify: float = 0.0
     verified_links: frozenset = frozenset()
@@ -54,10 +54,22 @@ class Memory:
     switch_fails: dict[str, int] = field(default_factory=dict)       # pod -> failed actions in its switch
     switch_refused: dict[str, str] = field(default_factory=dict)     # pod -> why its engine cannot switch
     switch_verified: dict[tuple[str, str], set] = field(default_factory=dict)  # (pod, boot id) -> pairs ok
-    decision_event: str | None = None     # a policy decision that changed the target, to post as an Event
     reported_at: dict[str, float] = field(default_factory=dict)   # pod -> when its agent last answered
     gateway_stats: tuple[dict, float] | None = None   # the gateway's /stats and when it was read
     limiter: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(AGENT_CONCURRENCY))
+
+    def fork(self) -> "Memory":
+        """A copy decide may change without touching this one: containers and backoffs copied,
+        the per-deployment limiter shared (it is a runtime object, not memory)."""
+        new = copy.copy(self)
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, (dict, set, list)):
+                setattr(new, f.name, copy.copy(v))
+            elif isinstance(v, Backoff):
+                setattr(new, f.name, v.copy())
+        new.book = self.book.copy() if self.book is not None else None
+        return new
 
     def due(self, decoder: str, cid: int) -> bool:
         return self.link_backoff.due((decoder, cid), time.monotonic())

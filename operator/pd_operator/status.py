@@ -206,7 +206,8 @@ def ready(obs: Observed, phase: str, conds: list[dict]) -> Verdict:
     return False, why["reason"], why["message"]
 
 
-def build_status(spec: PDDeploymentSpec, obs: Observed, previous: dict | None) -> dict:
+def build_status(spec: PDDeploymentSpec, obs: Observed, previous: dict | None, at: str | None = None) -> dict:
+    """`at`: the time a condition that flips records (the pass's clock; default now)."""
     conds: list[dict] = list((previous or {}).get("conditions") or [])
     gen = obs.generation
     desired_pods = obs.desired_pods if obs.desired_pods is not None else spec.total
@@ -223,11 +224,11 @@ def build_status(spec: PDDeploymentSpec, obs: Observed, previous: dict | None) -
                            ("KVPathVerified", kv_path_verified(obs, expected, up, cond.get(conds, "KVPathVerified"))),
                            ("ProxyEnvironment", proxy_environment(obs))):
         if verdict is not None:
-            conds = cond.set_condition(conds, ctype, *verdict, gen)
+            conds = cond.set_condition(conds, ctype, *verdict, gen, at=at)
     phase = phase_of(obs, conds)
-    conds = cond.set_condition(conds, "Ready", *ready(obs, phase, conds), gen)
+    conds = cond.set_condition(conds, "Ready", *ready(obs, phase, conds), gen, at=at)
     reb = rebalancing(obs)
-    conds = cond.set_condition(conds, "Rebalancing", *reb, gen) if reb is not None \
+    conds = cond.set_condition(conds, "Rebalancing", *reb, gen, at=at) if reb is not None \
         else [c for c in conds if c["type"] != "Rebalancing"]
     results = [obs.verify[d] for d in sorted(obs.verify)]
     ready_pods = [p for p in live if pod_ready(p)]

@@ -328,6 +328,9 @@ class Book:
     next_evaluation: float = 0.0       # Load and SLO: when to decide again
     sizes: dict | None = None          # method Replace: the groups' decided sizes
 
+    def copy(self) -> "Book":
+        return replace(self, switches=list(self.switches))
+
     @classmethod
     def from_status(cls, status: dict | None) -> "Book":
         status = status or {}

@@ -154,7 +154,7 @@ async def test_a_broken_link_is_dropped_by_force_and_made_again():
     w = await ready_world()
     d0 = w.agent("x-decoder-0")
     d0.links[1] = {**d0.links[1], "code": "LLM_WAIT_PROCESS_TIMEOUT", "healthy": False}
-    w.ctl.memory[KEY].dirty.add("x-decoder-0")   # its pod changed: asked next pass
+    w.ctl.dirty.setdefault(KEY, set()).add("x-decoder-0")   # its pod changed: asked next pass
     before = len(w.log)
     await w.settle()
     calls = [c for c in w.log[before:] if c[0].startswith("agent.") and c[1] == "x-decoder-0"]
@@ -332,7 +332,36 @@ async def test_a_leaving_prefill_keeps_its_links_until_its_agent_refuses_work():
         await w.step()
     assert 1 in w.agent("x-decoder-0").links, "still taking requests: its links stay"
     w.agent("x-prefill-1").draining = True      # SIGTERM reached it
-    w.ctl.memory[KEY].dirty.add("x-prefill-1")
+    w.ctl.dirty.setdefault(KEY, set()).add("x-prefill-1")
     await w.settle()
     assert 1 not in w.agent("x-decoder-0").links and 1 not in w.agent("x-decoder-1").links
     assert not any(c[0] == "agent.force_unlink" for c in w.log), "unlinked normally, not by force"
+
+
+# ---- the pure core ----------------------------------------------------------------------------
+
+async def test_decide_is_deterministic_and_changes_none_of_its_inputs():
+    from pd_operator.decide import decide
+    w = await ready_world({**SPEC, "rebalance": MANUAL})
+    w.patch_spec(manual={"prefill": 3})
+    await w.step()   # a switch is in flight: the richest kind of pass
+    snap = await w.ctl.observe(KEY, w.ctl.deployments[KEY])
+    mem = snap.memory
+    before = (copy.deepcopy(mem.book), dict(mem.reports), dict(mem.next_poll), dict(mem.failures),
+              mem.verified_links, copy.deepcopy(snap.body))
+    a, b = decide(snap), decide(snap)
+    for field in ("status", "to_apply", "links", "verify", "verify_after_links", "switch_intents", "started",
+                  "outcomes", "events", "decisions"):
+        assert getattr(a, field) == getattr(b, field), field
+    assert a.memory is not mem and a.memory.book is not mem.book
+    assert (mem.book, dict(mem.reports), dict(mem.next_poll), dict(mem.failures), mem.verified_links,
+            snap.body) == before, "decide changed its snapshot"
+
+
+def test_the_decide_side_imports_nothing_that_does_io():
+    import subprocess
+    import sys
+    code = ("import sys, pd_operator.decide; "
+            "print(sorted(m for m in ('httpx', 'kubernetes', 'aiohttp', 'kopf') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

@@ -115,24 +115,25 @@ def test_schedule_that_does_not_parse_freezes_with_a_reason():
 
 def test_periodic_policies_decide_on_their_interval_and_keep_the_target_between():
     book = Book()
-    v, changed = decide_target(LOAD, book, Signals(), 3, 900.0)
+    v, changed, book = decide_target(LOAD, book, Signals(), 3, 900.0)
     assert v.reason == "NoSignals" and book.target is None and not changed, "no guess before signals"
-    v, changed = decide_target(LOAD, book, sig(p_busy=0.95, d_run=1), 3, 1000.0)
+    before = book
+    v, changed, book = decide_target(LOAD, book, sig(p_busy=0.95, d_run=1), 3, 1000.0)
     assert v.target == 4 and changed and book.target == 4 and book.decision["reason"] == "PrefillBound"
-    v, changed = decide_target(LOAD, book, sig(p_busy=0.1, d_run=4, d_wait=3), 4, 1010.0)
+    assert before.target is None and before.decision["reason"] == "NoSignals", "the book given is not changed"
+    v, changed, book = decide_target(LOAD, book, sig(p_busy=0.1, d_run=4, d_wait=3), 4, 1010.0)
     assert v is None and not changed and book.target == 4, "not due before evaluationIntervalSeconds"
-    v, changed = decide_target(LOAD, book, sig(p_busy=0.6, d_run=3), 4, 1015.0)
+    v, changed, book = decide_target(LOAD, book, sig(p_busy=0.6, d_run=3), 4, 1015.0)
     assert v.reason == "Balanced" and book.target == 4 and not changed
-    v, _ = decide_target(LOAD, book, sig(age=99), 4, 1030.0)
+    v, _, book = decide_target(LOAD, book, sig(age=99), 4, 1030.0)
     assert v.reason == "SignalsStale" and book.target == 4, "a stale signal freezes the ratio"
 
 
 def test_manual_decision_is_recorded_once():
     m = spec("Manual", manual={"prefill": 2})
-    book = Book()
-    decide_target(m, book, Signals(), 3, 1.0)
+    _, _, book = decide_target(m, Book(), Signals(), 3, 1.0)
     first = dict(book.decision)
-    decide_target(m, book, Signals(), 3, 2.0)
+    _, _, book = decide_target(m, book, Signals(), 3, 2.0)
     assert book.decision == first and book.target == 2
 
 

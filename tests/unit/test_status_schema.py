@@ -129,8 +129,7 @@ def _shapes():
     # lastDecision as the policies record it
     for name, spec_d in (("Manual", manual), ("Load", load)):
         spec = parse_spec(spec_d)
-        book = sw.Book()
-        rb.decide_target(spec, book, rb.policies.Signals(), 1, T0)
+        _, _, book = rb.decide_target(spec, sw.Book(), rb.policies.Signals(), 1, T0)
         yield f"lastDecision {name}", spec_d, dict(last_decision=book.decision,
                                                     decision=sw.Decision("AtTarget", "ok", target=book.target,
                                                                          current=1))

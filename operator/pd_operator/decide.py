@@ -1,0 +1,338 @@
+"""Decide (pure): one pass's Snapshot -> its Plan.
+
+The Snapshot is what the pass observed, frozen: the resource and its spec, the cached pods and
+children, the agents' reports of this pass, the clocks, and the memory as it was read. The
+Plan is everything the pass will do, decided before any of it is done: the status to record,
+the objects to apply, link and unlink operations, verification pairs (and those to verify once
+links succeed, when they complete the mesh), switch intents, Events, metric increments, and
+the memory to keep. `decide` changes none of its inputs (it works on a fork of the memory) and
+reads no clock but the Snapshot's, so the same Snapshot gives the same Plan."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from pd_contract.names import LABEL_DEPLOYMENT
+
+from . import children as ch
+from . import links as lk
+from . import policies
+from . import rebalance as rb
+from . import replace as rp
+from . import switch as sw_
+from .api import PDDeploymentSpec
+from .builders import desired_children
+from .members import Problem, with_report
+from .reports import Report
+from .state import Memory
+from .status import Observed, build_status
+
+SETTLED_POLL_S = 5.0      # a member that is linked and well is asked this often
+
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    key: tuple[str, str]
+    body: dict
+    spec: PDDeploymentSpec
+    now: float                          # monotonic
+    wall: float                         # epoch seconds (status times, the schedule, switches)
+    pods: tuple[dict, ...]              # every engine pod, leaving ones included
+    children: dict                      # ChildKey -> observed object
+    engines: tuple[lk.Engine, ...]      # members as their pods describe them (before reports)
+    problems: tuple[Problem, ...]
+    token: str | None
+    reports: dict[str, Report]          # this pass's answers, by pod
+    gateway_stats: tuple[dict, float] | None
+    gateway_read: bool                  # the gateway was asked this pass (None then: it did not answer)
+    memory: Memory                      # as read; decide forks it
+
+    @property
+    def generation(self) -> int:
+        return self.body["metadata"].get("generation", 0)
+
+
+@dataclass(frozen=True)
+class Event:
+    type: str
+    reason: str
+    message: str
+    key: str | None = None
+
+
+@dataclass
+class Plan:
+    memory: Memory
+    status: dict
+    engines: list[lk.Engine]                     # the mesh, as the link planner saw it
+    reported: dict[str, list[dict]]
+    want: dict[str, list[lk.Engine]]
+    desired: list[dict]
+    to_apply: list[dict]
+    links: list[lk.DecoderPlan]
+    verify: list[tuple[lk.Engine, lk.Engine]]
+    verify_after_links: frozenset | None         # the link set once `links` succeed, if that completes the mesh
+    switch_intents: list[sw_.Intent]
+    switch_probes: dict[str, list[tuple[lk.Engine, lk.Engine]]]
+    started: list[sw_.Switch]
+    outcomes: list[sw_.Outcome]
+    events: list[Event] = field(default_factory=list)
+    decisions: list[tuple[str, str]] = field(default_factory=list)   # (policy, reason) evaluated
+
+    @property
+    def book(self) -> sw_.Book:
+        assert self.memory.book is not None
+        return self.memory.book
+
+
+def decide(snap: Snapshot) -> Plan:
+    spec, body, now, wall = snap.spec, snap.body, snap.now, snap.wall
+    ns, name = snap.key
+    meta = body["metadata"]
+    gen = snap.generation
+    mem = snap.memory.fork()
+    if mem.book is None:  # after a restart: the switches in flight, as recorded before their steps
+        mem.book = sw_.Book.from_status(body.get("status"))
+    book = mem.book
+    all_pods = list(snap.pods)
+    live = [p for p in all_pods if not p["metadata"].get("deletionTimestamp")]
+    events: list[Event] = []
+    obs = Observed(generation=gen, pods=live, engines=list(snap.engines), problems=list(snap.problems),
+                   model_id=spec.model.model_id, topology=spec.datadist.topology,
+                   selector=f"{LABEL_DEPLOYMENT}={name}")
+    engines = take_reports(mem, list(snap.engines), snap.reports, obs, now, events)
+    obs.engines = engines
+    if snap.gateway_read:
+        mem.gateway_stats = snap.gateway_stats
+    alive = {e.pod: e for e in engines}
+    for pod in [p for p in set(mem.reports) | set(mem.next_poll) if p not in alive]:
+        mem.reports.pop(pod, None)
+        mem.reported_at.pop(pod, None)
+        mem.next_poll.pop(pod, None)
+        mem.agent_errors.pop(pod, None)
+
+    # rebalance: switches in flight advance on what this pass observed; maybe one starts
+    steps = [(s.pod, s.step) for s in book.switches]
+    mesh, want_map, per = _mesh(engines, book, obs, spec)
+    switch_intents, started, outcomes, decisions = advance_switches(
+        spec, mem, book, all_pods, engines, obs, snap.reports, wall, now, mesh, want_map, per, events)
+    # the link planner sees switching pods by their engine's role and step: the mesh is
+    # worked out again only if a switch moved (most passes have none)
+    if [(s.pod, s.step) for s in book.switches] != steps:
+        mesh, want_map, per = _mesh(engines, book, obs, spec)
+    engines = mesh
+    obs.per_decoder = per
+    obs.switches, obs.last_switch, obs.last_decision = list(book.switches), book.last, book.decision
+    obs.cooldown_until = sw_.iso(book.cooldown_until) if book.cooldown_until else None
+    obs.group_sizes = book.sizes if spec.rebalance is not None and spec.rebalance.method == "Replace" else None
+    for e in engines:
+        if e.pod in snap.reports and snap.reports[e.pod].error is None:
+            settled = e.agent_ok and not e.leaving and (e.pod not in per or per[e.pod][0] == per[e.pod][1])
+            mem.next_poll[e.pod] = now + SETTLED_POLL_S if settled else 0.0
+
+    # children, links, verification
+    blocked = mem.blocked if mem.blocked_generation == gen else None
+    desired = desired_children(name, ns, meta["uid"], spec, book.sizes)
+    obs.desired_pods = sum(spec.group_sizes(book.sizes).values())
+    to_apply = [] if blocked else ch.to_apply(desired, snap.children, mem.applied)
+    plans = lk.plan(engines, obs.reported, spec.datadist.topology,
+                    due=lambda d, c: mem.link_backoff.due((d, c), now)) if snap.token else []
+    want = {(d, e.cluster_id) for d, es in want_map.items() for e in es}
+    # failures are reported for wanted links only; backoff also covers links still to unlink
+    reported_keys = {(d, link["cluster_id"]) for d, ls in obs.reported.items() for link in ls}
+    mem.failures = {k: v for k, v in mem.failures.items() if k in want}
+    mem.link_backoff.prune(lambda k: k in want or k in reported_keys)
+    obs.link_failures = dict(mem.failures)
+    pairs: list[tuple[lk.Engine, lk.Engine]] = []
+    if snap.token:
+        pairs, mem.verified_links = verify_due(engines, obs.reported, per, mem, now)
+    # linking that completes the mesh is followed by verification in the same pass
+    complete_after = lk.completes(engines, obs.reported, plans, spec.datadist.topology) if plans else None
+    if not want:
+        mem.verify = {}
+    obs.verify = {d: r for d, r in mem.verify.items() if d in alive}
+    obs.verified_at = mem.verified_at
+    obs.blocked = blocked
+    # observedGeneration moves only once the children of this generation were applied
+    obs.observed_generation = gen if not to_apply and not blocked else \
+        (body.get("status") or {}).get("observedGeneration")
+    status = build_status(spec, obs, body.get("status"), at=sw_.iso(wall)[:19] + "Z")
+
+    mismatched = lk.mismatches(engines)
+    if mismatched:
+        pods = sorted({e.pod for pair in mismatched for e in pair})
+        events.append(Event("Warning", "CacheDescMismatch", ", ".join(pods) + " run different CacheDescs; pairs "
+                            "across them are not linked", key=",".join(pods)))
+    by_pod = {e.pod: e for e in engines}
+    probes = {s.pod: [(by_pod[d], by_pod[p]) for d, p in rb.switch_pairs(s, engines, want_map)
+                      if d in by_pod and p in by_pod] for s in book.switches if s.step == "Verify"}
+    return Plan(memory=mem, status=status, engines=engines, reported=obs.reported, want=want_map, desired=desired,
+                to_apply=to_apply, links=plans, verify=pairs, verify_after_links=complete_after,
+                switch_intents=switch_intents if snap.token else [], switch_probes=probes, started=started,
+                outcomes=outcomes, events=events, decisions=decisions)
+
+
+def take_reports(mem: Memory, engines: list[lk.Engine], reports: dict[str, Report], obs: Observed, now: float,
+                 events: list[Event]) -> list[lk.Engine]:
+    """Merge this pass's reports (and the last good ones of members not asked) into the engines."""
+    out = []
+    for e in engines:
+        rep = reports.get(e.pod)
+        if rep is not None and rep.error is not None:
+            mem.reports.pop(e.pod, None)
+            if e.ready and not e.terminating:  # a pod that is not Ready, or leaving, may well not answer
+                mem.agent_errors[e.pod] = (rep.error.kind, str(rep.error))
+            else:
+                mem.agent_errors.pop(e.pod, None)
+        elif rep is not None and rep.status is not None:
+            s = rep.status
+            mem.agent_errors.pop(e.pod, None)
+            prev = mem.boot_ids.get(e.pod)
+            if prev and prev != s.boot_id:
+                events.append(Event("Normal", "AgentRestarted", f"{e.pod} restarted (boot id {s.boot_id[:8]}); "
+                                    f"relinking", key=f"{e.pod} restarted"))
+            mem.boot_ids[e.pod] = s.boot_id
+            mem.reports[e.pod] = s
+            mem.reported_at[e.pod] = now
+            if s.proxy_env and f"{e.pod}/{s.boot_id}" not in mem.proxy_warned:
+                mem.proxy_warned.add(f"{e.pod}/{s.boot_id}")
+                events.append(Event("Warning", "ProxyEnvironment", f"{e.pod} has {', '.join(sorted(s.proxy_env))} "
+                                    f"set; datadist links can be rerouted. Unset them or list peers in no_proxy"))
+        if e.pod in mem.agent_errors and e.ready and not e.terminating:
+            obs.agent_errors[e.pod] = mem.agent_errors[e.pod]
+        st = mem.reports.get(e.pod)
+        if st is not None:
+            e = with_report(e, st)
+            obs.boot_ids[e.pod] = st.boot_id
+            if st.role == "decoder":
+                obs.reported[e.pod] = [link.model_dump() for link in st.links]
+            if st.proxy_env:
+                obs.proxy[e.pod] = st.proxy_env
+        out.append(e)
+    return out
+
+
+def verify_due(engines: list[lk.Engine], reported: dict[str, list[dict]], per: dict[str, tuple[int, int, list]],
+               mem: Memory, now: float) -> tuple[list[tuple[lk.Engine, lk.Engine]], frozenset]:
+    """Verify when every desired link is up and either the link set changed or the interval
+    passed. Returns the pairs and the link set they verify."""
+    expected, up = lk.totals(per)
+    if not expected or up != expected:
+        return [], mem.verified_links
+    link_set = frozenset((d, l["cluster_id"]) for d, ls in reported.items() for l in ls)
+    if link_set == mem.verified_links and now < mem.next_verify:
+        return [], mem.verified_links
+    return lk.verify_pairs(engines, mem.verify_round), link_set
+
+
+def _mesh(engines: list[lk.Engine], book: sw_.Book, obs: Observed, spec: PDDeploymentSpec
+          ) -> tuple[list[lk.Engine], dict, dict]:
+    """The engines as the link planner sees them, the desired links and per-decoder counts."""
+    mesh = rb.mesh(engines, book.switches)
+    topo = spec.datadist.topology
+    return mesh, lk.desired(mesh, topo), lk.per_decoder(mesh, obs.reported, topo)
+
+
+def advance_switches(spec: PDDeploymentSpec, mem: Memory, book: sw_.Book, pods: list[dict],
+                     engines: list[lk.Engine], obs: Observed, reports: dict, wall: float, now: float,
+                     mesh: list[lk.Engine], want: dict, per: dict, events: list[Event]
+                     ) -> tuple[list[sw_.Intent], list[sw_.Switch], list[sw_.Outcome], list[tuple[str, str]]]:
+    """Advance each switch in flight, start one if the policy wants a different prefill count,
+    and repair pods whose label disagrees with their engine. Changes `mem` and `book`, which
+    are decide's own fork."""
+    pods_by_name = {p["metadata"]["name"]: p for p in pods}
+    by_pod = {e.pod: e for e in engines}
+
+    def view(s: sw_.Switch) -> sw_.View:
+        e = by_pod.get(s.pod)
+        asked = s.pod in reports and reports[s.pod].error is None
+        verified = mem.switch_verified.get((s.pod, e.boot_id or ""), set()) if e else set()
+        return rb.view(s, pods_by_name.get(s.pod), e, mesh, obs.reported, want, per, verified,
+                       mem.switch_refused.get(s.pod), asked)
+
+    intents: list[sw_.Intent] = []
+    started: list[sw_.Switch] = []
+    outcomes: list[sw_.Outcome] = []
+    kept: list[sw_.Switch] = []
+    decisions: list[tuple[str, str]] = []
+    timeout = rb.drain_timeout(spec)
+    for s in book.switches:
+        if s.step != sw_.ABORT:
+            s = replace(s, attempts=mem.switch_fails.get(s.pod, 0), message=mem.switch_errors.get(s.pod, ""))
+        new, its, out = sw_.advance(s, view(s), wall, timeout)
+        if out is not None:
+            outcomes.append(out)
+            mem.switch_errors = {k: v for k, v in mem.switch_errors.items() if k != s.pod}
+            mem.switch_fails = {k: v for k, v in mem.switch_fails.items() if k != s.pod}
+            if out.result == "Interrupted":
+                mem.switch_refused = {k: v for k, v in mem.switch_refused.items() if k != s.pod}
+            mem.switch_verified = {k: v for k, v in mem.switch_verified.items() if k[0] != s.pod}
+            book.last = out.record()
+            book.cooldown_until = wall + (spec.rebalance.cooldown_seconds if spec.rebalance else 0)
+        elif new is not None:
+            kept.append(new)
+            intents += its
+    book.switches = kept
+    obs.decision = None
+    if spec.rebalance is not None:
+        decision_event = None
+        cands = rb.candidates(engines, kept, set(mem.switch_refused))
+        current = sw_.prefill_count(cands)
+        sig = rb.signals(mesh, mem.reports, mem.reported_at, now, mem.gateway_stats) \
+            if spec.rebalance.policy in ("Load", "SLO") else policies.Signals()
+        verdict, changed, evaluated = rb.decide_target(spec, book, sig, current, wall)
+        mem.book = book = evaluated
+        if verdict is not None:
+            decisions.append((spec.rebalance.policy, verdict.reason))
+            if changed and book.target != current:
+                decision_event = f"{spec.rebalance.policy}: prefill {current} -> {book.target}: {verdict.message}"
+        last = book.decision or {}
+        lim = rb.limits(spec, book.cooldown_until)
+        total = spec.total
+        target = sw_.clamp_target(book.target, total, lim) if book.target is not None else None
+        why = f"{spec.rebalance.policy}: {last.get('message', '')}"
+        unsettled = _unsettled(spec, engines, obs, per, mem, book.sizes)
+        if spec.rebalance.method == "Replace":
+            sizes = {**spec.group_sizes(book.sizes), **({"growing": book.sizes["growing"]}
+                                                        if book.sizes and book.sizes.get("growing") else {})}
+            new_sizes, decision = rp.plan(sizes, target, lim, wall, unsettled, why)
+            if new_sizes is not None:
+                if not new_sizes.get("growing"):
+                    book.cooldown_until = wall + spec.rebalance.cooldown_seconds
+                book.sizes = new_sizes
+                decision_event = (decision_event + "; " if decision_event else "") + \
+                    f"Replace: prefill {new_sizes['prefill']}, decoder {new_sizes['decoder']}: {decision.message}"
+        else:
+            decision = sw_.choose(cands, kept, target, lim, wall, why, unsettled=unsettled)
+        decision = rb.condition_for(decision, last.get("reason"), last.get("message"))
+        if decision.start is not None:
+            s = decision.start
+            book.switches = kept = kept + [s]
+            intents += sw_.intents(s, view(s))
+            started.append(s)
+        obs.decision = decision
+        if decision_event:
+            events.append(Event("Normal", "RebalanceDecision", decision_event))
+    for s in started:
+        events.append(Event("Normal", "SwitchStarted", f"{s.pod}: {s.from_} -> {s.to} ({s.reason})",
+                            key=f"start {s.pod} {s.started}"))
+    intents += rb.repairs(engines, kept)
+    return intents, started, outcomes, decisions
+
+
+def _unsettled(spec: PDDeploymentSpec, engines: list[lk.Engine], obs: Observed, per: dict, mem: Memory,
+               decided: dict | None = None) -> str | None:
+    """Why the fleet is not steady enough to start a switch (None: it is)."""
+    from .members import pod_ready
+    want = sum(spec.group_sizes(decided).values())
+    if len(obs.pods) != want:
+        return f"{len(obs.pods)}/{want} engine pods exist"
+    waiting = sorted(p["metadata"]["name"] for p in obs.pods if not pod_ready(p))
+    if waiting:
+        return f"pods not ready: {', '.join(waiting[:5])}"
+    if obs.agent_errors:
+        return f"agents not answering: {', '.join(sorted(obs.agent_errors)[:5])}"
+    expected, up = lk.totals(per)
+    if up < expected or mem.failures:
+        return f"links {up}/{expected} up"
+    return None
