@@ -17,7 +17,7 @@ from tests import procs
 
 REPO = Path(__file__).resolve().parents[1]
 # every process the suite starts, directly or through the local cluster, inherits this
-SESSION = os.environ.setdefault(procs.SESSION_ENV, uuid.uuid4().hex)
+SESSION = os.environ[procs.SESSION_ENV] = uuid.uuid4().hex
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -25,7 +25,10 @@ def nothing_left_running():
     """Set up first, torn down last: after the local clusters are down, no process this
     session started may still run."""
     yield
-    left = procs.session_processes(SESSION)
+    # a cluster's shutdown may still be reaping what it killed: give it a few seconds
+    deadline = time.monotonic() + 10
+    while (left := procs.session_processes(SESSION)) and time.monotonic() < deadline:
+        time.sleep(0.5)
     if left:
         procs.kill_all([pid for pid, _ in left])
         pytest.fail("processes started by the suite were still running after it (now killed): "

@@ -2,8 +2,11 @@
 
 `spawn` starts a process the current test owns; the autouse fixture in tests/conftest.py
 ends every one of them when the test ends, passed or failed (SIGTERM, then SIGKILL after a
-grace). Every process the suite starts, directly or not, carries SESSION_ENV in its
-environment, so the session can check at the end that none is left running."""
+grace). Every process that inherits the suite's environment carries SESSION_ENV (operators,
+agents and load generators the tests start, the local clusters' control planes and node
+agents), so the session can check at the end that none is left running. Pods the local node
+agent runs get an environment of their own; they end with their node agent, which the check
+covers."""
 from __future__ import annotations
 
 import os

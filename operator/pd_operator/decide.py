@@ -45,6 +45,7 @@ class Snapshot:
     reports: dict[str, Report]          # this pass's answers, by pod
     gateway_stats: tuple[dict, float] | None
     gateway_read: bool                  # the gateway was asked this pass (None then: it did not answer)
+    asked: frozenset[str]               # pods whose agents were asked (no longer dirty once recorded)
     memory: Memory                      # as read; decide forks it
 
     @property
@@ -116,6 +117,8 @@ def decide(snap: Snapshot) -> Plan:
     mesh, want_map, per = _mesh(engines, book, obs, spec)
     switch_intents, started, outcomes, decisions = advance_switches(
         spec, mem, book, all_pods, engines, obs, snap.reports, wall, now, mesh, want_map, per, events)
+    book = mem.book   # the policy's evaluation recorded its target and decision in a new Book
+    assert book is not None
     # the link planner sees switching pods by their engine's role and step: the mesh is
     # worked out again only if a switch moved (most passes have none)
     if [(s.pod, s.step) for s in book.switches] != steps:

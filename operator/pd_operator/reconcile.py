@@ -254,10 +254,11 @@ class Controller:
         token = await self._token(key, mem)
         book = mem.book or sw_.Book.from_status(body.get("status"))
         reports: dict = {}
+        ask: set[str] = set()
         if token:
             dirty = self.dirty.setdefault(key, set())
             ask = to_ask(mem, engines, now, dirty, ask_always(spec, book, engines, wall))
-            dirty -= ask
+            dirty -= ask   # (given back if this pass's record fails: its reports are then lost)
             reports = await observe.gather(engines, self.agents, token, mem.agent_backoff, now, mem.limiter,
                                            only=ask)
             if any(r.error is not None and r.error.kind == "AgentUnauthorized" for r in reports.values()):
@@ -272,7 +273,7 @@ class Controller:
         return Snapshot(key=key, body=body, spec=spec, now=now, wall=wall, pods=tuple(all_pods),
                         children={k: o for k, (o, _) in self.children.get(key, {}).items()},
                         engines=tuple(engines), problems=problems, token=token, reports=reports,
-                        gateway_stats=stats, gateway_read=read, memory=mem)
+                        gateway_stats=stats, gateway_read=read, asked=frozenset(ask), memory=mem)
 
     async def _gateway_stats(self, ns: str, name: str) -> tuple[dict, float] | None:
         """The gateway's recent client-side TTFT/TBT percentiles (what the SLO policy reads where
@@ -296,7 +297,12 @@ class Controller:
         key = snap.key
         mem = plan.memory
         if plan.status != mem.last_status:
-            await self._write_status(key, plan.status)
+            try:
+                await self._write_status(key, plan.status)
+            except Exception:
+                # the decided memory (with this pass's reports) is dropped: ask those agents again
+                self.dirty.setdefault(key, set()).update(snap.asked)
+                raise
             mem.last_status = plan.status
         self.memory[key] = mem
         for policy, reason in plan.decisions:

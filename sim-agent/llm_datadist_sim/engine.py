@@ -598,14 +598,15 @@ class LLMDataDist:
             self._server.drop(ids)
             return _overall(rets), rets
         rets = []
-        deadline = time.monotonic() + timeout / 1000
         with self._link_mutex:
             for c in clusters:
                 link = self._links.pop(c.remote_cluster_id, None)
                 if link is None:
                     rets.append(C.LLM_NOT_YET_LINK)
                     continue
-                rets.append(C.LLM_SUCCESS if force or link.broken else self._bye(link, deadline))
+                # each link gets the whole timeout: one slow prompt side does not fail the others
+                rets.append(C.LLM_SUCCESS if force or link.broken
+                            else self._bye(link, time.monotonic() + timeout / 1000))
                 link.close()
         return _overall(rets), rets
 

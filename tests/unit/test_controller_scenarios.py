@@ -264,7 +264,7 @@ async def test_decoder_to_prefill_walks_every_step_and_records_each_before_actin
     assert labels == ["switching", "prefill"]
 
 
-@pytest.mark.parametrize("crash_at", ["Unlink", "SwitchRole", "Relink", "Verify", "Undrain"])
+@pytest.mark.parametrize("crash_at", ["Drain", "Unlink", "SwitchRole", "Relink", "Verify", "Undrain"])
 async def test_a_restarted_operator_resumes_the_switch_from_status(crash_at):
     w = await ready_world({**SPEC, "rebalance": MANUAL})
     seen: list[str] = []
@@ -365,3 +365,13 @@ def test_the_decide_side_imports_nothing_that_does_io():
             "print(sorted(m for m in ('httpx', 'kubernetes', 'aiohttp', 'kopf') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
+
+
+async def test_replace_applies_the_grown_group_in_the_pass_that_decided_it():
+    w = await ready_world({**SPEC, "rebalance": {**MANUAL, "method": "Replace"}})
+    w.patch_spec(manual={"prefill": 3})
+    start = len(w.log)
+    await w.step()
+    assert ("apply", "StatefulSet", "x-prefill") in w.log[start:], "applied when decided, not a resync later"
+    assert w.kube.objects[("StatefulSet", "ns", "x-prefill")]["spec"]["replicas"] == 3
+    assert w.status["rebalance"]["groupSizes"] == {"prefill": 3, "decoder": 2, "growing": "prefill"}
