@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from pd_contract.names import LABEL_ROLE
+
 from . import links as lk
 from . import policies
 from .api import PDDeploymentSpec
@@ -144,7 +146,7 @@ def view(sw: Switch, pod: dict | None, e: lk.Engine | None, mesh_engines: list[l
         relinked = m.serving and e.pod in per and up == expected
     pairs = switch_pairs(sw, mesh_engines, want)
     return View(exists=True, uid=meta.get("uid", ""), terminating=bool(meta.get("deletionTimestamp")),
-                label=labels.get("pdoperator.io/role", ""), assigned=e.assigned or e.group,
+                label=labels.get(LABEL_ROLE, ""), assigned=e.assigned or e.group,
                 agent_ok=e.agent_ok and asked, engine_role=e.engine_role if e.agent_ok else None,
                 draining=e.draining if e.agent_ok else None, in_flight=e.in_flight, pending_kv=e.pending_kv,
                 links_out=len(reported.get(e.pod, [])) if e.engine_role == "decoder" else 0,

@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pd_contract.names import AGENT_PORT
+
 PROXY_VARS = ("http_proxy", "https_proxy", "no_proxy", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY")
 DEFAULT_CACHE_DESC = {"num_tensors": 4, "shape": [4, 256, 1, 64], "data_type": "DT_FLOAT16"}
 
@@ -29,7 +31,7 @@ class Identity:
     device_id: int | None = None
     token: str | None = None             # control scope: the operator's
     data_token: str | None = None        # data scope: routers (status, prefill, decode)
-    agent_port: int = 8080
+    agent_port: int = AGENT_PORT
     drain_timeout_s: float = 60.0    # SIGTERM: how long to wait for in-flight work and pending KV
     engine_start_s: float = 0.0      # simulator: delay before the engine initialises
     switchable: bool = True          # init with llm.EnableSwitchRole (the operator sets it when rebalancing)
@@ -85,7 +87,7 @@ class Identity:
             device_id=int(env["LLM_DATADIST_DEVICE_ID"]) if env.get("LLM_DATADIST_DEVICE_ID") else None,
             token=token,
             data_token=env.get("PD_AGENT_DATA_TOKEN") or None,
-            agent_port=int(env.get("PD_AGENT_PORT", "8080")),
+            agent_port=int(env.get("PD_AGENT_PORT", str(AGENT_PORT))),
             drain_timeout_s=_float(env, "PD_DRAIN_TIMEOUT_S", 60.0),
             engine_start_s=_float(env, "PD_SIM_ENGINE_START_S", 0.0),
             switchable=env.get("PD_ENABLE_SWITCH_ROLE", "1").lower() not in ("0", "false", "no"),
