@@ -21,7 +21,7 @@ from . import replace as rp
 from . import switch as sw_
 from .api import PDDeploymentSpec
 from .builders import desired_children
-from .members import Problem, with_report
+from .members import Problem, pod_ready, with_report
 from .reports import Report
 from .state import Memory
 from .status import Observed, build_status
@@ -326,7 +326,6 @@ def advance_switches(spec: PDDeploymentSpec, mem: Memory, book: sw_.Book, pods: 
 def _unsettled(spec: PDDeploymentSpec, engines: list[lk.Engine], obs: Observed, per: dict, mem: Memory,
                decided: dict | None = None) -> str | None:
     """Why the fleet is not steady enough to start a switch (None: it is)."""
-    from .members import pod_ready
     want = sum(spec.group_sizes(decided).values())
     if len(obs.pods) != want:
         return f"{len(obs.pods)}/{want} engine pods exist"
