@@ -19,6 +19,7 @@ from pathlib import Path
 
 import yaml
 
+from .devices import DEFAULT_PER_NODE, DEFAULT_RESOURCE
 from .pki import PKI
 
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
@@ -143,8 +144,12 @@ class LocalCluster:
         return self.apiserver_ready(state)
 
     # ---- up ------------------------------------------------------------------------------
-    def up(self, bin_dir: Path, nodes: int = 3, timeout: float = 120, runtime: str = "process") -> None:
+    def up(self, bin_dir: Path, nodes: int = 3, timeout: float = 120, runtime: str = "process",
+           npus_per_node: int | None = None, npu_resource: str | None = None) -> None:
         t0 = time.monotonic()
+        if npus_per_node is None:
+            npus_per_node = int(os.environ.get("PD_LOCAL_NPUS_PER_NODE", DEFAULT_PER_NODE))
+        npu_resource = npu_resource or os.environ.get("PD_LOCAL_NPU_RESOURCE", DEFAULT_RESOURCE)
         if self.is_up():
             log(f"already up (kubeconfig: {self.paths.kubeconfig})")
             return
@@ -246,12 +251,14 @@ class LocalCluster:
                 "--leader-elect=false", "--v=1",
             ])
             how = "as processes" if runtime == "process" else "from their images under Docker"
-            log(f"starting the local node agent ({nodes} nodes, pods {how})")
+            log(f"starting the local node agent ({nodes} nodes with {npus_per_node} {npu_resource} each, "
+                f"pods {how})")
             spawn("node-agent", [
                 sys.executable, "-m", "pd_localcluster", f"--root={self.paths.root}", "node-agent",
                 f"--nodes={nodes}", f"--runtime={runtime}",
                 f"--kubelet-port={ports['kubelet']}",
                 f"--pod-ip-base={pod_ip_base(self.paths.root, nodes)}",
+                f"--npus-per-node={npus_per_node}", f"--npu-resource={npu_resource}",
             ])
             self._wait_nodes_ready(nodes, procs)
             self._wait_default_serviceaccount(procs)

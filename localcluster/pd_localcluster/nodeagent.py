@@ -3,7 +3,17 @@ Nodes on this machine, as processes or from their images under Docker (runtime.p
 
 Each pod gets its own loopback IP (127.<base+n>.x.y on node n; the base differs per
 cluster directory so two local clusters do not hand out the same addresses) which its processes find in
-``PD_LOCAL_POD_IP`` (the stand-in for a network namespace: servers bind to it). The agent
+``PD_LOCAL_POD_IP`` (the stand-in for a network namespace: servers bind to it). Likewise a
+process has no mount namespace: when a container mounts a downwardAPI volume, its files are
+kept under the pod's directory and ``PD_LOCAL_ROOT`` names a directory in which each
+mountPath resolves to them (``$PD_LOCAL_ROOT/<mountPath>``); a workload reads a mounted
+file there when the variable is set (under Docker the volume is bind-mounted, unset).
+
+The agent plays the Ascend device plugin too (devices.py): each node advertises
+``--npus-per-node`` devices of ``--npu-resource`` (default 32 ``huawei.com/Ascend910``); a
+pod that requests them gets the lowest free device ids before its containers start, in its
+``ascend.kubectl.kubernetes.io/ascend-910-configuration`` annotation (device IPs on
+loopback) and in ``ASCEND_VISIBLE_DEVICES``, and releases them when it ends. The agent
 registers the Nodes and keeps them Ready (status + Lease), resolves env, starts the
 container's command from the image table, runs readiness/liveness probes, restarts per
 restartPolicy with back-off, reports pod status, serves the kubelet's container-log
@@ -26,6 +36,7 @@ from typing import Any
 import yaml
 from aiohttp import web
 
+from . import devices as dev
 from .kubeapi import ApiError, KubeApi
 from .pki import node_ip
 from .podspec import (
@@ -33,18 +44,19 @@ from .podspec import (
     ContainerState,
     UnknownImage,
     backoff_seconds,
+    downward_api_files,
     pod_phase,
     referenced_objects,
     resolve_env,
     should_restart,
 )
-from .runtime import Running, Runtime
+from .runtime import Running, Runtime, volume_dir
 from .runtime import make as make_runtime
 
 log = logging.getLogger("node-agent")
 K8S_VERSION = os.environ.get("PD_K8S_VERSION", "v1.36.3")
-NODE_CAPACITY = {"cpu": "16", "memory": "32Gi", "pods": "110", "ephemeral-storage": "100Gi",
-                 "huawei.com/Ascend910": "16"}
+NODE_CAPACITY = {"cpu": "16", "memory": "32Gi", "pods": "110", "ephemeral-storage": "100Gi"}
+NPU_RETRY_SECONDS = 3
 
 
 def now() -> str:
@@ -56,6 +68,9 @@ def now_micro() -> str:
 
 
 class IPAllocator:
+    # third octets from devices.DEVICE_THIRD_OCTET up are the node's device IPs
+    LIMIT = dev.DEVICE_THIRD_OCTET * 254
+
     def __init__(self, node_index: int, base: int = 100):
         self.prefix = base + node_index
         self.next = 1
@@ -64,7 +79,7 @@ class IPAllocator:
     def allocate(self) -> str:
         while True:
             n = self.next
-            self.next = self.next + 1 if self.next < 254 * 254 else 1
+            self.next = self.next + 1 if self.next + 1 < self.LIMIT else 1
             ip = f"127.{self.prefix}.{n // 254}.{n % 254 + 1}"
             if ip not in self.used:
                 self.used.add(ip)
@@ -141,6 +156,8 @@ class ContainerRun:
             if not should_restart(w.restart_policy, exit_code):
                 self.cs.done = True
                 await w.report()
+                if all(c.cs.done for c in w.containers):
+                    w.release_devices()  # a finished pod holds no devices, as for the scheduler
                 return
             delay = backoff_seconds(self.cs.restart_count)
             self.cs.last_state = dict(self.cs.state)
@@ -263,7 +280,86 @@ class PodWorker:
         self._last_report: Any = None
         self._transitions: dict[str, tuple[str, str]] = {}
         self._kubeconfig: Path | None = None
+        self._volumes_ready = False  # written once before the containers start, then on changes
         self.task: asyncio.Task | None = None
+        self.npus = dev.requested(pod, agent.npu_resource)
+        self.devices: list[int] = []
+        if self.npus:
+            self._readopt_devices()
+
+    @property
+    def allocator(self) -> dev.DeviceAllocator:
+        return self.agent.devices[self.node_index]
+
+    def _readopt_devices(self) -> None:
+        """After a node-agent restart, the devices this node gave the pod stay its own. Runs
+        as the worker is made, so a relist re-adopts every pod's before any new one allocates."""
+        got = dev.parse_annotation((self.pod["metadata"].get("annotations") or {}).get(dev.ASCEND_ANNOTATION))
+        if not got or got[0] != self.host_ip or len(got[1]) != self.npus:
+            return
+        try:
+            self.allocator.restore(self.uid, got[1])
+            self.devices = got[1]
+        except ValueError as e:
+            log.warning("pod %s/%s: not re-adopting its devices: %s", self.namespace, self.name, e)
+
+    def release_devices(self) -> None:
+        if self.devices:
+            self.allocator.release(self.uid)
+            self.devices = []
+
+    async def _attach_devices(self) -> bool:
+        """Allocate the pod's NPUs and annotate the pod with them, retrying while the node
+        has too few free; False if the pod is deleted first."""
+        warned = ""
+        while not self.deleting:
+            try:
+                self.devices = self.allocator.allocate(self.uid, self.npus)
+                value = dev.annotation(self.name, self.host_ip, self.devices, self.agent.ips[self.node_index].prefix)
+                annotations = self.pod["metadata"].get("annotations") or {}
+                if dev.parse_annotation(annotations.get(dev.ASCEND_ANNOTATION)) != \
+                        dev.parse_annotation(value):
+                    pod = await self.agent.api.patch(
+                        f"/api/v1/namespaces/{self.namespace}/pods/{self.name}",
+                        {"metadata": {"uid": self.uid, "annotations": {dev.ASCEND_ANNOTATION: value}}})
+                    self._accept(pod)
+                return True
+            except (dev.NotEnoughDevices, ApiError) as e:
+                if isinstance(e, ApiError) and e.status == 404:
+                    return False
+                msg = f"allocating {self.npus} {self.agent.npu_resource}: {e}"
+                if msg != warned:
+                    await self.event("Warning", "NPUAllocationFailed", msg)
+                    warned = msg
+                await self.sleep_unless_deleted(NPU_RETRY_SECONDS)
+        return False
+
+    def _accept(self, pod: dict) -> bool:
+        """Take a newer view of the pod (a watch event may arrive after the answer to a
+        patch of ours: the older object must not undo what the patch wrote)."""
+        try:
+            if int(pod["metadata"]["resourceVersion"]) < int(self.pod["metadata"]["resourceVersion"]):
+                return False
+        except (KeyError, ValueError):
+            pass
+        self.pod = pod
+        return True
+
+    def write_volumes(self) -> None:
+        """The files of the pod's downwardAPI volumes, each replaced atomically when it changes."""
+        for v in self.pod["spec"].get("volumes") or []:
+            if "downwardAPI" not in v:
+                continue
+            d = volume_dir(self.dir, v["name"])
+            for rel, content in downward_api_files(self.pod, v, self.ip, self.host_ip).items():
+                path = d / rel
+                if path.exists() and path.read_text() == content:
+                    continue
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_name(f".{path.name}.tmp")
+                tmp.write_text(content)
+                tmp.chmod(0o644)  # readable by a container's own user under Docker
+                os.replace(tmp, path)
 
     @property
     def restart_policy(self) -> str:
@@ -281,7 +377,11 @@ class PodWorker:
         raise ValueError(f"unknown named port {port!r}")
 
     def update(self, pod: dict) -> None:
-        self.pod = pod
+        if self._accept(pod) and self._volumes_ready:
+            try:
+                self.write_volumes()
+            except (ConfigError, OSError) as e:
+                log.warning("volumes of %s/%s: %s", self.namespace, self.name, e)
         if pod["metadata"].get("deletionTimestamp") and not self.deleting:
             self.deleting = True
             self._deleted.set()
@@ -295,6 +395,21 @@ class PodWorker:
 
     async def start(self) -> None:
         await self.report()
+        if self.npus and not await self._attach_devices():
+            return
+        if self.deleting:
+            return
+        while not self.deleting:
+            try:
+                self.write_volumes()
+                break
+            except (ConfigError, OSError) as e:
+                for c in self.containers:
+                    c.cs.state = {"waiting": {"reason": "CreateContainerConfigError", "message": str(e)}}
+                await self.event("Warning", "FailedMount", f"downwardAPI volume: {e}")
+                await self.report()
+                await self.sleep_unless_deleted(3)
+        self._volumes_ready = True
         for c in self.containers:
             c.task = asyncio.create_task(c.supervise())
 
@@ -363,7 +478,11 @@ class PodWorker:
             raise ConfigError(f"requesting a service account token: {e}") from e
         if kc:
             base["KUBECONFIG"] = str(kc)
-        return resolve_env(self.pod, spec, self.ip, self.host_ip, cms, secrets, base)
+        env = resolve_env(self.pod, spec, self.ip, self.host_ip, cms, secrets, base)
+        mine = dev.split(self.pod, self.agent.npu_resource, self.devices).get(spec["name"])
+        if mine:  # the device plugin's env wins over the container's own
+            env[dev.VISIBLE_DEVICES_ENV] = ",".join(map(str, mine))
+        return env
 
     def _condition(self, ctype: str, status: bool) -> dict:
         s = "True" if status else "False"
@@ -454,15 +573,19 @@ class PodWorker:
         self.agent.forget(self)
 
     def cleanup(self) -> None:
+        self.release_devices()
         self.agent.ips[self.node_index].release(self.ip)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class NodeAgent:
     def __init__(self, root: Path, nodes: int, kubelet_port: int, pod_ip_base: int = 100,
-                 runtime: str = "process"):
+                 runtime: str = "process", npus_per_node: int = dev.DEFAULT_PER_NODE,
+                 npu_resource: str = dev.DEFAULT_RESOURCE):
         import httpx
         self.root = root
+        self.npu_resource = npu_resource
+        self.devices = [dev.DeviceAllocator(npus_per_node) for _ in range(nodes)]
         self.runtime: Runtime = make_runtime(runtime, root)
         self.node_names = [f"local-node-{i + 1}" for i in range(nodes)]
         self.kubelet_port = kubelet_port
@@ -492,8 +615,9 @@ class NodeAgent:
         ts = now()
         cond = lambda t, s, r, m: {"type": t, "status": s, "reason": r, "message": m,  # noqa: E731
                                    "lastHeartbeatTime": ts, "lastTransitionTime": self._started}
+        capacity = {**NODE_CAPACITY, self.npu_resource: str(self.devices[i].count)}
         return {
-            "capacity": NODE_CAPACITY, "allocatable": NODE_CAPACITY,
+            "capacity": capacity, "allocatable": capacity,
             "conditions": [
                 cond("MemoryPressure", "False", "KubeletHasSufficientMemory", "local node"),
                 cond("DiskPressure", "False", "KubeletHasNoDiskPressure", "local node"),
@@ -693,7 +817,8 @@ class NodeAgent:
         await self.api.close()
 
 
-def main(root: Path, nodes: int, kubelet_port: int, pod_ip_base: int = 100, runtime: str = "process") -> None:
+def main(root: Path, nodes: int, kubelet_port: int, pod_ip_base: int = 100, runtime: str = "process",
+         npus_per_node: int = dev.DEFAULT_PER_NODE, npu_resource: str = dev.DEFAULT_RESOURCE) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    asyncio.run(NodeAgent(root, nodes, kubelet_port, pod_ip_base, runtime).run())
+    asyncio.run(NodeAgent(root, nodes, kubelet_port, pod_ip_base, runtime, npus_per_node, npu_resource).run())

@@ -1,6 +1,6 @@
 """Pure helpers the node agent uses to turn a Pod into processes: the image table, env
-resolution (literal, downward API, ConfigMap/Secret refs, ``$(VAR)`` expansion), the
-command line, and the pod status built from container states."""
+resolution (literal, downward API, ConfigMap/Secret refs, ``$(VAR)`` expansion), the files
+of downwardAPI volumes, the command line, and the pod status built from container states."""
 from __future__ import annotations
 
 import base64
@@ -99,6 +99,24 @@ def field_ref(pod: dict, path: str, pod_ip: str, host_ip: str) -> str:
         d = meta.get(path.split(".")[1], {})
         return "\n".join(f'{k}="{v}"' for k, v in sorted(d.items()))
     raise ConfigError(f"unsupported fieldRef {path!r}")
+
+
+def downward_api_files(pod: dict, volume: dict, pod_ip: str = "", host_ip: str = "") -> dict[str, str]:
+    """Relative path -> content of a downwardAPI volume's files."""
+    containers = {c["name"]: c for c in pod.get("spec", {}).get("containers", [])}
+    out: dict[str, str] = {}
+    for item in (volume.get("downwardAPI") or {}).get("items") or []:
+        path = item["path"]
+        if path.startswith("/") or ".." in path.split("/"):
+            raise ConfigError(f"downwardAPI path {path!r} must be relative and stay in the volume")
+        if "fieldRef" in item:
+            out[path] = field_ref(pod, item["fieldRef"]["fieldPath"], pod_ip, host_ip)
+        elif "resourceFieldRef" in item:
+            ref = item["resourceFieldRef"]
+            out[path] = _resource_field(containers.get(ref.get("containerName", ""), {}), ref)
+        else:
+            raise ConfigError(f"downwardAPI item {path!r}: neither fieldRef nor resourceFieldRef")
+    return out
 
 
 def referenced_objects(container: dict) -> tuple[set[str], set[str]]:

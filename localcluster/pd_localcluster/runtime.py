@@ -7,7 +7,12 @@ resolved env, command/args, logs to the same files, signals for graceful stops, 
 probes. The container runtime also applies the securityContext (user, read-only root,
 capabilities, no-new-privileges; RuntimeDefault is Docker's default seccomp profile),
 emptyDir volumes (as tmpfs), memory and CPU limits, and mounts the pod's ServiceAccount
-kubeconfig read-only at the same path."""
+kubeconfig read-only at the same path.
+
+downwardAPI volumes are files the node agent keeps under ``<pod dir>/volumes/<volume>``.
+Docker bind-mounts them read-only at their mountPath; a process has no mount namespace, so
+the process runtime links ``<pod dir>/root/<mountPath>`` to them and sets PD_LOCAL_ROOT to
+``<pod dir>/root``."""
 from __future__ import annotations
 
 import asyncio
@@ -22,6 +27,23 @@ from .podspec import UnknownImage, command_line
 
 PR_SET_PDEATHSIG = 1
 LABEL = "pd.localcluster.root"
+ROOT_ENV = "PD_LOCAL_ROOT"
+
+
+def volume_dir(pod_dir: Path, volume: str) -> Path:
+    """Where the node agent writes a file-backed volume (downwardAPI) of the pod."""
+    return pod_dir / "volumes" / volume
+
+
+def file_mounts(spec: dict, pod_spec: dict, pod_dir: Path) -> list[tuple[Path, str]]:
+    """(host source, mountPath) of the container's mounts of file-backed volumes."""
+    volumes = {v["name"]: v for v in pod_spec.get("volumes") or []}
+    out = []
+    for m in spec.get("volumeMounts") or []:
+        if "downwardAPI" in volumes.get(m["name"], {}):
+            src = volume_dir(pod_dir, m["name"])
+            out.append((src / m["subPath"] if m.get("subPath") else src, m["mountPath"]))
+    return out
 
 
 def _die_with_parent() -> None:
@@ -51,8 +73,9 @@ class Runtime(Protocol):
 # ---- processes ----------------------------------------------------------------------------
 
 class _Process:
-    def __init__(self, proc: asyncio.subprocess.Process, pod_uid: str, name: str, spec: dict, cwd: Path):
-        self.proc, self.spec, self.cwd = proc, spec, cwd
+    def __init__(self, proc: asyncio.subprocess.Process, pod_uid: str, name: str, spec: dict, cwd: Path,
+                 local_root: str | None = None):
+        self.proc, self.spec, self.cwd, self.local_root = proc, spec, cwd, local_root
         self.id = f"local://{pod_uid}/{name}/{proc.pid}"
 
     async def wait(self) -> int:
@@ -76,10 +99,23 @@ class _Process:
             await p.wait()
 
     async def exec(self, command: list[str], env: dict[str, str], timeout: float) -> int:
+        if self.local_root:  # exec probes see the mounts as the container does
+            env = {**env, ROOT_ENV: self.local_root}
         p = await asyncio.create_subprocess_exec(
             *command_line({"command": command, "image": self.spec.get("image", "")}, env), env=env,
             cwd=str(self.cwd), stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
         return await asyncio.wait_for(p.wait(), timeout)
+
+
+def link_mounts(root: Path, mounts: list[tuple[Path, str]]) -> None:
+    """A process has no mount namespace: each mountPath becomes a symlink under `root`
+    (``$PD_LOCAL_ROOT``) to the volume, and the workload resolves mounted paths there."""
+    for src, mount_path in mounts:
+        link = root / mount_path.lstrip("/")
+        link.parent.mkdir(parents=True, exist_ok=True)
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(src)
 
 
 class ProcessRuntime:
@@ -87,12 +123,16 @@ class ProcessRuntime:
     name = "process"
 
     async def start(self, *, pod_uid, pod_dir, name, restart, spec, pod_spec, env, log_path) -> Running:
+        mounts = file_mounts(spec, pod_spec, pod_dir)
+        if mounts:
+            link_mounts(pod_dir / "root", mounts)
+            env = {**env, ROOT_ENV: str(pod_dir / "root")}
         argv = command_line(spec, env)
         with open(log_path, "ab") as logf:
             proc = await asyncio.create_subprocess_exec(
                 *argv, env=env, cwd=str(pod_dir), stdin=asyncio.subprocess.DEVNULL, stdout=logf,
                 stderr=asyncio.subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
-        return _Process(proc, pod_uid, name, spec, pod_dir)
+        return _Process(proc, pod_uid, name, spec, pod_dir, env.get(ROOT_ENV))
 
     async def cleanup(self) -> None:
         return None
@@ -105,7 +145,7 @@ _HOST_ONLY_ENV = ("PATH", "HOME")
 
 
 def docker_args(*, cname: str, root_label: str, spec: dict, pod_spec: dict, env: dict[str, str],
-                mounts: list[Path]) -> list[str]:
+                mounts: list[Path], pod_dir: Path | None = None) -> list[str]:
     """`docker run` arguments for one container (pure, so the mapping is unit-tested)."""
     args = ["run", "--rm", "--name", cname, "--label", f"{LABEL}={root_label}", "--network", "host",
             "--stop-signal", "SIGTERM"]
@@ -134,6 +174,9 @@ def docker_args(*, cname: str, root_label: str, spec: dict, pod_spec: dict, env:
             args += ["--tmpfs", f"{m['mountPath']}:rw,exec,mode=1777"]
         elif "hostPath" in v:
             args += ["-v", f"{v['hostPath']['path']}:{m['mountPath']}{':ro' if m.get('readOnly') else ''}"]
+    if pod_dir is not None:
+        for src, mount_path in file_mounts(spec, pod_spec, pod_dir):
+            args += ["-v", f"{src}:{mount_path}:ro"]
     for p in mounts:
         args += ["-v", f"{p}:{p}:ro"]
     limits = (spec.get("resources") or {}).get("limits") or {}
@@ -217,7 +260,7 @@ class ContainerRuntime:
         kc = env.get("KUBECONFIG")
         mounts = [Path(kc).parent] if kc else []
         args = docker_args(cname=cname, root_label=self.root_label, spec=spec, pod_spec=pod_spec, env=env,
-                           mounts=mounts)
+                           mounts=mounts, pod_dir=pod_dir)
         with open(log_path, "ab") as logf:
             proc = await asyncio.create_subprocess_exec(self.bin, *args, stdin=asyncio.subprocess.DEVNULL,
                                                         stdout=logf, stderr=asyncio.subprocess.STDOUT,

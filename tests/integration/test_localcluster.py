@@ -1,7 +1,9 @@
 """The local control plane and node agent behave like a small real cluster."""
 from __future__ import annotations
 
+import ipaddress
 import json
+import os
 import textwrap
 
 import httpx
@@ -12,6 +14,9 @@ from tests.conftest import Cluster, wait_for
 pytestmark = pytest.mark.integration
 
 AGENT_IMAGE = "example.com/pd/pd-sim-agent:dev"
+NPU = "huawei.com/Ascend910"
+NPUS_PER_NODE = os.environ.get("PD_LOCAL_NPUS_PER_NODE", "32")
+ASCEND_ANNOTATION = "ascend.kubectl.kubernetes.io/ascend-910-configuration"
 
 
 def statefulset(name: str, replicas: int) -> dict:
@@ -61,7 +66,7 @@ def test_version_and_nodes(cluster: Cluster) -> None:
     nodes = cluster.get_json("nodes")["items"]
     assert len(nodes) >= 3
     for n in nodes:
-        assert n["status"]["capacity"]["huawei.com/Ascend910"] == "16"
+        assert n["status"]["capacity"][NPU] == NPUS_PER_NODE
         assert any(c["type"] == "Ready" and c["status"] == "True" for c in n["status"]["conditions"])
 
 
@@ -239,3 +244,61 @@ def test_logs_follow_ends_with_the_container(cluster: Cluster, namespace: str) -
     out = cluster.kubectl("logs", "-f", "talker", "-n", namespace, timeout=30).stdout
     assert out.splitlines() == [f"line {i}" for i in range(5)]
     assert cluster.kubectl("logs", "talker", "-n", namespace, "--tail=2").stdout.splitlines() == ["line 3", "line 4"]
+
+
+NPU_WATCHER = textwrap.dedent("""
+    import json, os, time
+    # a mounted path resolves under PD_LOCAL_ROOT when the pod runs as a local process
+    path = os.environ.get("PD_LOCAL_ROOT", "") + "/etc/ascend/npu"
+    last = None
+    while True:
+        with open(path) as f:
+            text = f.read()
+        if text != last:
+            print(json.dumps({"visible": os.environ.get("ASCEND_VISIBLE_DEVICES"), "npu": text}), flush=True)
+            last = text
+        time.sleep(0.2)
+""")
+
+
+def test_npus_are_allocated_annotated_and_follow_a_downward_api_volume(cluster: Cluster, namespace: str) -> None:
+    cluster.apply({
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "npu"},
+        "spec": {
+            "terminationGracePeriodSeconds": 2,
+            "volumes": [{"name": "ascend", "downwardAPI": {"items": [
+                {"path": "npu", "fieldRef": {"fieldPath": f"metadata.annotations['{ASCEND_ANNOTATION}']"}}]}}],
+            "containers": [{
+                "name": "main", "image": AGENT_IMAGE, "command": ["python", "-c", NPU_WATCHER],
+                "resources": {"limits": {NPU: 2}},
+                "volumeMounts": [{"name": "ascend", "mountPath": "/etc/ascend", "readOnly": True}],
+            }],
+        },
+    }, namespace)
+    pod = wait_for("the pod to run with its NPU annotation", lambda: (
+        p if (p := cluster.get_json("pod", "npu", "-n", namespace))["status"].get("phase") == "Running"
+        and ASCEND_ANNOTATION in p["metadata"].get("annotations", {}) else None))
+    value = pod["metadata"]["annotations"][ASCEND_ANNOTATION]
+    conf = json.loads(value)
+    assert conf["pod_name"] == "npu" and conf["server_id"] == pod["status"]["hostIP"]
+    ids = [d["device_id"] for d in conf["devices"]]
+    assert len(ids) == 2 and all(isinstance(i, str) for i in ids)
+    assert ids == sorted(ids, key=int)
+    ips = [d["device_ip"] for d in conf["devices"]]
+    assert len(set(ips)) == 2 and all(ipaddress.ip_address(ip).is_loopback for ip in ips)
+    assert pod["status"]["podIP"] not in ips
+
+    node = cluster.get_json("node", pod["spec"]["nodeName"])
+    assert node["status"]["capacity"][NPU] == NPUS_PER_NODE
+    assert node["status"]["allocatable"][NPU] == NPUS_PER_NODE
+
+    def seen() -> list[dict]:
+        return [json.loads(line) for line in cluster.kubectl("logs", "npu", "-n", namespace).stdout.splitlines()]
+
+    first = wait_for("the container to print the annotation from its volume",
+                     lambda: (s[0] if (s := seen()) else None))
+    assert first == {"visible": ",".join(ids), "npu": value}
+
+    changed = json.dumps({"pod_name": "npu", "server_id": conf["server_id"], "devices": conf["devices"][:1]})
+    cluster.kubectl("annotate", "--overwrite", "pod/npu", "-n", namespace, f"{ASCEND_ANNOTATION}={changed}")
+    wait_for("the volume file to follow the annotation", lambda: seen()[-1]["npu"] == changed, timeout=10)
