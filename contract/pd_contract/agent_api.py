@@ -19,14 +19,25 @@ class _Reply(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class RankEndpoint(_Body):
+    """One tensor-parallel rank's engine: its own cluster id, device IP and datadist port."""
+    rank: int = Field(ge=0, lt=512)
+    cluster_id: int = Field(ge=0, lt=2**64)
+    ip: str = Field(min_length=1)
+    port: int = Field(ge=1, le=65535)
+
+
 class Peer(_Body):
-    """Another engine, as a decoder links it: its cluster id and datadist ip/port."""
+    """Another engine, as a decoder links it: its cluster id and datadist ip/port. A pod of
+    several tensor-parallel ranks lists them in `ranks` (cluster_id/ip/port are rank 0's): the
+    decoder's rank r links the peer's rank r."""
     name: str = Field(min_length=1, description="pod name, used to key results")
     cluster_id: int = Field(ge=0, lt=2**64)
     ip: str = Field(min_length=1)
     port: int = Field(ge=1, le=65535)
     agent_url: str | None = Field(default=None, description="the peer's agent: verify, and pull notices")
     boot_id: str | None = Field(default=None, description="the peer agent's boot id when the link was made")
+    ranks: list[RankEndpoint] | None = Field(default=None, description="a multi-rank pod's ranks, in rank order")
 
 
 class LinkRequest(_Body):
@@ -42,8 +53,9 @@ class UnlinkRequest(_Body):
 
 class LinkResult(_Reply):
     ret: str
-    rets: dict[str, str]  # peer name -> LLMStatusCode name
+    rets: dict[str, str]  # peer name -> LLMStatusCode name (a multi-rank pod: the first rank's that failed)
     duration_ms: float = 0
+    rank_rets: dict[str, list[str]] | None = None  # peer name -> code per rank (multi-rank pods)
 
 
 class SwitchRoleRequest(_Body):
@@ -52,6 +64,16 @@ class SwitchRoleRequest(_Body):
 
 class VerifyRequest(_Body):
     peer: Peer
+    ranks: list[int] | None = Field(default=None, description="multi-rank pods: the rank pairs to probe (all if unset)")
+
+
+class RankVerify(_Reply):
+    rank: int
+    ok: bool
+    code: str
+    message: str = ""
+    bytes: int = 0
+    pull_ms: float = 0
 
 
 class VerifyResult(_Reply):
@@ -62,6 +84,7 @@ class VerifyResult(_Reply):
     decoder: str
     bytes: int = 0
     pull_ms: float = 0
+    ranks: list[RankVerify] | None = None   # multi-rank pods: each rank pair probed (rank r <- rank r)
 
 
 class ProbeRequest(_Body):
@@ -138,7 +161,18 @@ class FaultsRequest(_Body):
     crash: bool = False
 
 
+class RankLinkState(_Reply):
+    rank: int
+    cluster_id: int
+    ip: str = ""
+    port: int = 0
+    code: str
+    healthy: bool = True
+
+
 class LinkState(_Reply):
+    """A link to a peer pod. Multi-rank pods: one per peer pod, with its rank links in `ranks`;
+    code/healthy are the worst rank's, cluster_id/ip/port the peer's rank 0."""
     name: str
     cluster_id: int
     ip: str = ""
@@ -147,6 +181,7 @@ class LinkState(_Reply):
     since: float = 0
     healthy: bool = True       # False only when the engine said the link is broken
     peer_boot_id: str | None = None
+    ranks: list[RankLinkState] | None = None
 
 
 class Load(_Reply):
@@ -164,6 +199,25 @@ class Load(_Reply):
     failed: int = 0
     ttft_p90_ms: float | None = None
     tbt_p90_ms: float | None = None
+
+
+class RankInfo(_Reply):
+    """One tensor-parallel rank of a pod: its engine's identity and where it listens."""
+    rank: int
+    cluster_id: int
+    device_id: int | None = None     # the physical NPU (the annotation's or hccn.conf's device id)
+    ip: str = ""                     # its device IP (or the pod IP, on the simulator without one)
+    port: int = 0
+    initialized: bool = False
+    registered: bool = False         # the rank process registered with the pod's agent
+    last_error: str = ""
+
+
+class RegisterRank(_Body):
+    """A rank process -> the pod's agent: where its own agent API listens."""
+    rank: int = Field(ge=0, lt=512)
+    url: str = Field(min_length=1)
+    boot_id: str = Field(min_length=1)
 
 
 class AgentStatus(_Reply):
@@ -186,3 +240,7 @@ class AgentStatus(_Reply):
     memory_scale: int = 1
     cache_desc: dict = {}
     last_error: str = ""
+    tensor_parallel: int = 1
+    ranks: list[RankInfo] = []       # multi-rank pods: every rank, registered or not
+    device_ips: str = ""             # where the device IPs came from: annotation, hccn.conf, list, pod-ip
+    device_error: str = ""           # DeviceIPUnknown: which rank has no device IP, and why

@@ -24,3 +24,12 @@ LINKED_CODES = frozenset({"LLM_SUCCESS", "LLM_ALREADY_LINK"})
 # A link is broken only when the engine says so: LLM_LINK_BUSY (a pull is running on it) and
 # LLM_PROCESSING_LINK (it is being made) are a healthy link at work.
 BROKEN_CODES = frozenset({"LLM_NOT_YET_LINK", "LLM_LINK_FAILED", "LLM_WAIT_PROCESS_TIMEOUT"})
+
+# Ascend NPUs: the device plugin's annotation (which devices a pod got, and their IPs), read by
+# the engine pod through a downwardAPI volume at PODINFO_DIR/PODINFO_ASCEND (it follows changes)
+ASCEND_ANNOTATION = "ascend.kubectl.kubernetes.io/ascend-910-configuration"
+NPU_RESOURCE = "huawei.com/Ascend910"     # the operator's default; its chart value npuResource
+PODINFO_DIR = "/etc/pd-podinfo"
+PODINFO_ASCEND = "ascend-910-configuration"
+HCCN_CONF = "/etc/hccn.conf"
+MAX_LINKS_PER_ENGINE = 512                # llm_datadist: links one engine holds at most

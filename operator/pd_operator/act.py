@@ -8,7 +8,7 @@ import logging
 import secrets
 import time
 
-from pd_contract.agent_api import Peer
+from pd_contract.agent_api import Peer, RankEndpoint
 from pd_contract.names import LINKED_CODES
 
 from . import children as ch
@@ -26,13 +26,17 @@ log = logging.getLogger("pd_operator.act")
 
 
 def peer_of(e: lk.Engine) -> Peer:
+    ranks = [RankEndpoint(rank=r, cluster_id=cid, ip=ip or "0.0.0.0", port=port or 1)
+             for r, (cid, ip, port) in enumerate(e.ranks)] if e.tp > 1 and e.ranks else None
     return Peer(name=e.pod, cluster_id=e.cluster_id, ip=e.ip or "", port=e.port, agent_url=e.agent_url,
-                boot_id=e.boot_id)
+                boot_id=e.boot_id, ranks=ranks)
 
 
 def _peer_of_link(link: dict) -> Peer:
+    ranks = [RankEndpoint(rank=r["rank"], cluster_id=r["cluster_id"], ip=r.get("ip") or "0.0.0.0",
+                          port=r.get("port") or 1) for r in link["ranks"]] if link.get("ranks") else None
     return Peer(name=link["name"], cluster_id=link["cluster_id"], ip=link.get("ip") or "0.0.0.0",
-                port=link.get("port") or 1)
+                port=link.get("port") or 1, ranks=ranks)
 
 
 async def ensure_token(kube: Kube, name: str, namespace: str, owner: dict) -> None:
@@ -74,7 +78,7 @@ async def execute(body: dict, agents: AgentClient, events: Events, metrics: Oper
                     mem.succeed(d.pod, e.cluster_id)
                     ok.append(e.pod)
                 else:
-                    diag = link_failure(code, d.pod, e.pod, e.ip or "", e.port, link_timeout_ms)
+                    diag = _link_failure(code, d, e, (res.rank_rets or {}).get(e.pod), link_timeout_ms)
                     mem.fail(d.pod, e.cluster_id, code, diag)
                     bad.append((code, diag))
             if ok:
@@ -87,6 +91,15 @@ async def execute(body: dict, agents: AgentClient, events: Events, metrics: Oper
         diag = Diagnosis(err.kind, f"{d.pod}: {err}")
         for cid in {e.cluster_id for e in plan.link} | {l["cluster_id"] for l in plan.unlink + plan.force_unlink}:
             mem.fail(d.pod, cid, err.code or err.kind, diag)
+
+
+def _link_failure(code: str, d: lk.Engine, e: lk.Engine, rank_codes: list[str] | None, timeout_ms: int) -> Diagnosis:
+    """The diagnosis of a failed pod link names the rank that failed, and its address."""
+    bad = next((r for r, c in enumerate(rank_codes or []) if c not in LINKED_CODES), None)
+    if bad is None or bad >= len(e.ranks):
+        return link_failure(code, d.pod, e.pod, e.ip or "", e.port, timeout_ms)
+    _, ip, port = e.ranks[bad]
+    return link_failure(code, f"{d.pod} rank {bad}", f"{e.pod} rank {bad}", ip, port, timeout_ms)
 
 
 async def verify(body: dict, agents: AgentClient, events: Events, mem: Memory,

@@ -100,7 +100,11 @@ class Group(Model):
     node_selector: dict[str, str] | None = None
     tolerations: list[dict[str, Any]] | None = None
     cluster_id_base: int | None = Field(default=None, ge=0, le=(1 << 53) - 1,
-                                        description="cluster_id of pod 0 (default prefill 0, decoder 1000)")
+                                        description="cluster_id of pod 0's rank 0 (default prefill 0, decoder "
+                                                    "1000); pod i's rank r is base + i x tensorParallel + r")
+    tensor_parallel: int | None = Field(default=None, ge=1, le=64,
+                                        description="ranks per pod, one engine and one NPU each (default "
+                                                    "spec.model.kvCache.tensorParallel)")
     env: list[EnvVar] | None = Field(default=None, max_length=128, description="extra environment for the engine")
 
 
@@ -217,6 +221,13 @@ class Sim(Model):
     faults: SimFaults | None = None
 
 
+# each group's TP and cluster id base, as CEL (the defaults of Group.tensorParallel and clusterIdBase)
+_P_TP = "(has(self.prefill.tensorParallel) ? self.prefill.tensorParallel : self.model.kvCache.tensorParallel)"
+_D_TP = "(has(self.decoder.tensorParallel) ? self.decoder.tensorParallel : self.model.kvCache.tensorParallel)"
+_P_BASE = "(has(self.prefill.clusterIdBase) ? self.prefill.clusterIdBase : 0)"
+_D_BASE = "(has(self.decoder.clusterIdBase) ? self.decoder.clusterIdBase : 1000)"
+
+
 class PDDeploymentSpec(Model):
     model_config = ConfigDict(json_schema_extra=rules(
         ("!has(self.rebalance) || self.rebalance.minPrefill + self.rebalance.minDecoder <= "
@@ -232,13 +243,19 @@ class PDDeploymentSpec(Model):
          "e.prefill <= (has(self.replicas) ? self.replicas : self.prefill.replicas + self.decoder.replicas)"
          " - self.rebalance.minDecoder)",
          "every spec.rebalance.schedule[].prefill must leave spec.rebalance.minDecoder decoders", ".rebalance"),
-        ("!has(self.prefill.clusterIdBase) || !has(self.decoder.clusterIdBase) || "
-         "self.prefill.clusterIdBase + (has(self.replicas) ? self.replicas : self.prefill.replicas) <= "
-         "self.decoder.clusterIdBase || "
-         "self.decoder.clusterIdBase + (has(self.replicas) ? self.replicas : self.decoder.replicas) <= "
-         "self.prefill.clusterIdBase",
-         "spec.prefill.clusterIdBase and spec.decoder.clusterIdBase ranges overlap: cluster_ids must be unique",
-         ".decoder"),
+        (_P_BASE + " + (has(self.replicas) ? self.replicas : self.prefill.replicas) * " + _P_TP + " <= " + _D_BASE
+         + " || " + _D_BASE + " + (has(self.replicas) ? self.replicas : self.decoder.replicas) * " + _D_TP
+         + " <= " + _P_BASE,
+         "spec.prefill.clusterIdBase and spec.decoder.clusterIdBase ranges overlap (defaults 0 and 1000; each group "
+         "takes pods x tensorParallel ids from its base, pods counted as spec.replicas if set): cluster_ids must be "
+         "unique", ".decoder"),
+        (_P_TP + " == " + _D_TP,
+         "spec.prefill.tensorParallel and spec.decoder.tensorParallel must be equal (rank r of a decoder links rank "
+         "r of each prefill)", ".decoder"),
+        ("self.model.kvCache.attention != 'GQA' || [" + _P_TP + ", " + _D_TP + "].all(t, "
+         "self.model.kvCache.numKvHeads % t == 0 || t % self.model.kvCache.numKvHeads == 0)",
+         "spec.prefill.tensorParallel and spec.decoder.tensorParallel must divide "
+         "spec.model.kvCache.numKvHeads, or be a multiple of it (GQA heads are split across ranks)", ".prefill"),
         ("!has(self.sim) || self.backend == 'sim'",
          "spec.sim applies only to backend sim", ".sim"),
     ))
@@ -277,6 +294,15 @@ class PDDeploymentSpec(Model):
         pp = min(max(1, share), self.replicas - 1)
         return {"prefill": pp, "decoder": self.replicas - pp}
 
+    def tp(self, group: str) -> int:
+        """Ranks per pod of a group: its own tensorParallel, else the model profile's."""
+        g = self.prefill if group == "prefill" else self.decoder
+        return g.tensor_parallel or self.model.kv_cache.tensor_parallel
+
+    def kv_cache_for(self, group: str) -> "KvCache":
+        """The model profile as one rank of `group` holds it (its CacheDesc follows the group's TP)."""
+        return self.model.kv_cache.model_copy(update={"tensor_parallel": self.tp(group)})
+
     @property
     def total(self) -> int:
         p, d = self.prefill.replicas, self.decoder.replicas
@@ -303,6 +329,15 @@ class PeerLink(Model):
     peer: str
     cluster_id: int
     code: str
+    rank: int | None = Field(default=None, description="multi-rank pods: the rank whose link is down")
+
+
+class RankSummary(Model):
+    """A multi-rank pod's ranks, summarised (kubectl pdd status lists each)."""
+    tensor_parallel: int
+    initialized: int = Field(description="ranks whose engine is initialised")
+    device_ips: str | None = Field(default=None, description="where the device IPs came from: annotation, "
+                                                             "hccn.conf, list, or pod-ip (simulator: port offsets)")
 
 
 def map_list(*keys: str) -> dict:
@@ -323,6 +358,7 @@ class Member(Model):
     assigned_role: str | None = Field(default=None, description="the role its engine starts in")
     links: LinkCounts | None = Field(default=None, description="decoders: links up/expected")
     failing_links: list[PeerLink] | None = Field(default=None, description="links that are down, with the code")
+    ranks: RankSummary | None = None
     last_error: str | None = Field(default=None, description="what is wrong with this member, if anything")
 
 

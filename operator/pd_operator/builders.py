@@ -11,13 +11,17 @@ import json
 from pd_contract.names import (  # noqa: F401 (re-exported: the operator's modules take names from here)
     AGENT_PORT,
     ANNOTATION_ROLE,
+    ASCEND_ANNOTATION,
     LABEL_DEPLOYMENT,
     LABEL_GROUP,
     LABEL_ROLE,
+    NPU_RESOURCE,
     POD_INDEX_LABEL,
+    PODINFO_ASCEND,
+    PODINFO_DIR,
 )
 
-from .api import PDDeploymentSpec
+from .api import Ascend, PDDeploymentSpec
 from .cachedesc import DerivedCache, derive
 from .gateway import gateway_objects, network_policy
 from .objmeta import common_labels, harden, object_meta, owner_reference
@@ -53,9 +57,40 @@ def cluster_id_base(spec: PDDeploymentSpec, group: str) -> int:
     return g.cluster_id_base if g.cluster_id_base is not None else DEFAULT_BASE[group]
 
 
-def cluster_id(spec: PDDeploymentSpec, group: str, index: int) -> int:
-    """Stable per pod and independent of its current role: group base + pod index."""
-    return cluster_id_base(spec, group) + index
+def cluster_id(spec: PDDeploymentSpec, group: str, index: int, rank: int = 0) -> int:
+    """Stable per rank and independent of the pod's current role: group base + pod index x the
+    group's TP + rank (a pod's ranks take a consecutive block; rank 0's id names the pod)."""
+    return cluster_id_base(spec, group) + index * spec.tp(group) + rank
+
+
+def npu_request(spec: PDDeploymentSpec, group: str, resource: str) -> int | None:
+    """The NPUs the group's spec asks for (limits, else requests), if it names the resource."""
+    g = spec.prefill if group == "prefill" else spec.decoder
+    for part in (g.resources.limits, g.resources.requests) if g.resources else ():
+        if part and resource in part:
+            try:
+                return int(part[resource])
+            except (TypeError, ValueError):
+                return -1
+    return None
+
+
+def npu_mismatch(spec: PDDeploymentSpec, resource: str) -> str | None:
+    """A spec whose NPU request disagrees with its TP (one NPU per rank): the field, named."""
+    for group in GROUPS:
+        n = npu_request(spec, group, resource)
+        if n is not None and n != spec.tp(group):
+            return (f"spec.{group}.resources[{resource!r}] is {n} but a {group} pod runs {spec.tp(group)} "
+                    f"tensor-parallel rank(s) (spec.{group}.tensorParallel, default "
+                    f"spec.model.kvCache.tensorParallel): one NPU per rank; set it to {spec.tp(group)} or leave it out")
+    return None
+
+
+def ranked(spec: PDDeploymentSpec, group: str, resource: str) -> bool:
+    """Pods whose engines run on NPUs (device IPs) or as several ranks: the agent resolves each
+    rank's device from the device plugin's annotation. A single-rank simulator pod without NPUs
+    keeps the pod IP and today's pod spec."""
+    return spec.backend == "llm-datadist" or spec.tp(group) > 1 or bool(npu_request(spec, group, resource))
 
 
 def selector_labels(name: str, group: str) -> dict[str, str]:
@@ -74,22 +109,22 @@ def config_data(spec: PDDeploymentSpec, derived: DerivedCache) -> dict[str, str]
 def config_map(name: str, namespace: str, spec: PDDeploymentSpec, owner: dict) -> dict:
     return {"apiVersion": "v1", "kind": "ConfigMap",
             "metadata": object_meta(config_map_name(name), namespace, owner, common_labels(name)),
-            "data": config_data(spec, derive(spec.model.kv_cache))}
+            "data": config_data(spec, derive(spec.kv_cache_for("prefill")))}
 
 
 def config_hash(spec: PDDeploymentSpec) -> str:
-    data = config_data(spec, derive(spec.model.kv_cache))
+    data = config_data(spec, derive(spec.kv_cache_for("prefill")))
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _env(name: str, spec: PDDeploymentSpec, group: str) -> list[dict]:
+def _env(name: str, spec: PDDeploymentSpec, group: str, resource: str = NPU_RESOURCE) -> list[dict]:
     field = lambda path: {"valueFrom": {"fieldRef": {"fieldPath": path}}}  # noqa: E731
     env: list[dict] = [
         {"name": "POD_NAME", **field("metadata.name")},
         {"name": "POD_NAMESPACE", **field("metadata.namespace")},
         {"name": "LLM_DATADIST_ROLE", **field(f"metadata.annotations['{ANNOTATION_ROLE}']")},
-        # cluster_id = base + pod index; the agent computes LLM_DATADIST_CLUSTER_ID from these
-        # two (the downward API cannot add) and exports it to the engine's process.
+        # cluster_id = base + pod index x TP (+ rank); the agent computes LLM_DATADIST_CLUSTER_ID
+        # from these (the downward API cannot add) and exports it to the engine's process.
         {"name": "LLM_DATADIST_CLUSTER_ID_BASE", "value": str(cluster_id_base(spec, group))},
         {"name": "LLM_DATADIST_POD_INDEX", **field(f"metadata.labels['{POD_INDEX_LABEL}']")},
         {"name": "LLM_DATADIST_IP", **field("status.podIP")},
@@ -107,12 +142,17 @@ def _env(name: str, spec: PDDeploymentSpec, group: str) -> list[dict]:
         {"name": "PD_AGENT_DATA_TOKEN", "valueFrom": {"secretKeyRef": {
             "name": f"{name}-agent-data-token", "key": "token"}}},
     ]
+    if ranked(spec, group, resource):
+        env += [{"name": "PD_TENSOR_PARALLEL", "value": str(spec.tp(group))},
+                {"name": "PD_DEVICE_ANNOTATION_FILE", "value": f"{PODINFO_DIR}/{PODINFO_ASCEND}"}]
+        if spec.backend == "llm-datadist":
+            env.append({"name": "PD_HCCN_CONF", "value": (spec.ascend or Ascend()).hccn_conf})
     env.append({"name": "PD_DRAIN_TIMEOUT_S", "value": str(spec.drain_timeout_seconds)})
     # switch_role needs llm.EnableSwitchRole at init; set it only where the spec may switch
     switching = spec.rebalance is not None and spec.rebalance.method == "Switch"
     env.append({"name": "PD_ENABLE_SWITCH_ROLE", "value": "1" if switching else "0"})
     if spec.backend == "sim":
-        scale = derive(spec.model.kv_cache).sim_memory_scale()
+        scale = derive(spec.kv_cache_for("prefill")).sim_memory_scale()
         env.append({"name": "PD_SIM_MEMORY_SCALE", "value": str(scale)})
         env += sim_env(spec)
     g = spec.prefill if group == "prefill" else spec.decoder
@@ -143,7 +183,6 @@ def _ascend_volumes(spec: PDDeploymentSpec) -> tuple[list[dict], list[dict]]:
     """Host paths the real library needs: /etc/hccn.conf (device IPs) and the driver."""
     if spec.backend != "llm-datadist":
         return [], []
-    from .api import Ascend
     a = spec.ascend or Ascend()
     paths = [(a.hccn_conf, "File"), (a.driver_path, "Directory")] + [(p, "") for p in a.extra_host_paths]
     volumes, mounts = [], []
@@ -154,24 +193,46 @@ def _ascend_volumes(spec: PDDeploymentSpec) -> tuple[list[dict], list[dict]]:
     return volumes, mounts
 
 
+def _podinfo_volume() -> tuple[dict, dict]:
+    """The device plugin's annotation as a file that follows it (a downwardAPI volume)."""
+    vol = {"name": "podinfo", "downwardAPI": {"items": [
+        {"path": PODINFO_ASCEND, "fieldRef": {"fieldPath": f"metadata.annotations['{ASCEND_ANNOTATION}']"}}]}}
+    return vol, {"name": "podinfo", "mountPath": PODINFO_DIR, "readOnly": True}
+
+
+def _resources(spec: PDDeploymentSpec, group: str, resource: str) -> dict | None:
+    """The group's resources; on the real backend, one NPU per rank unless the spec says."""
+    g = spec.prefill if group == "prefill" else spec.decoder
+    out = g.resources.model_dump(exclude_none=True) if g.resources else {}
+    if spec.backend == "llm-datadist" and npu_request(spec, group, resource) is None:
+        n = spec.tp(group)
+        out = {**out, "limits": {**out.get("limits", {}), resource: n},
+               "requests": {**out.get("requests", {}), resource: n}}
+    return out or None
+
+
 def statefulset(name: str, namespace: str, spec: PDDeploymentSpec, group: str, owner: dict,
-                decided: dict | None = None) -> dict:
+                decided: dict | None = None, resource: str = NPU_RESOURCE) -> dict:
     g = spec.prefill if group == "prefill" else spec.decoder
     labels = {**common_labels(name), **selector_labels(name, group)}
     pod_labels = {**labels, LABEL_ROLE: group}
     volumes, mounts = _ascend_volumes(spec)
+    if ranked(spec, group, resource):
+        vol, mount = _podinfo_volume()
+        volumes, mounts = volumes + [vol], mounts + [mount]
     container = {
         "name": "agent",
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
-        "env": _env(name, spec, group),
+        "env": _env(name, spec, group, resource),
         "ports": [{"name": "http", "containerPort": AGENT_PORT, "protocol": "TCP"},
                   {"name": "datadist", "containerPort": spec.datadist.port, "protocol": "TCP"}],
         "readinessProbe": {"httpGet": {"path": "/healthz", "port": "http"},
                            "periodSeconds": 2, "failureThreshold": 3, "timeoutSeconds": 2},
     }
-    if g.resources:
-        container["resources"] = g.resources.model_dump(exclude_none=True)
+    resources = _resources(spec, group, resource)
+    if resources:
+        container["resources"] = resources
     if mounts:
         container["volumeMounts"] = mounts
     pod_spec: dict = {"containers": [container], "terminationGracePeriodSeconds": termination_grace_seconds(spec),
@@ -230,7 +291,7 @@ def token_secret(name: str, namespace: str, token: str, owner: dict, secret_name
 
 
 def desired_children(name: str, namespace: str, uid: str, spec: PDDeploymentSpec,
-                     decided: dict | None = None) -> list[dict]:
+                     decided: dict | None = None, resource: str = NPU_RESOURCE) -> list[dict]:
     """Everything the operator applies for one PDDeployment, in apply order: a pure function of
     the spec and the group sizes the operator decided (method Replace), so drift repair keeps
     the decision."""
@@ -241,6 +302,6 @@ def desired_children(name: str, namespace: str, uid: str, spec: PDDeploymentSpec
     for role in GROUPS:
         out.append(role_service(name, namespace, role, owner))
     for group in GROUPS:
-        out.append(statefulset(name, namespace, spec, group, owner, decided))
+        out.append(statefulset(name, namespace, spec, group, owner, decided, resource))
     out.append(network_policy(name, namespace, spec, owner))
     return out + gateway_objects(name, namespace, spec, owner)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from pd_contract.names import LABEL_DEPLOYMENT
+from pd_contract.names import LABEL_DEPLOYMENT, NPU_RESOURCE
 
 from . import children as ch
 from . import links as lk
@@ -20,7 +20,8 @@ from . import rebalance as rb
 from . import replace as rp
 from . import switch as sw_
 from .api import PDDeploymentSpec
-from .builders import desired_children
+from .builders import desired_children, npu_mismatch
+from .diagnosis import Diagnosis
 from .members import Problem, pod_ready, with_report
 from .reports import Report
 from .state import Memory
@@ -47,6 +48,7 @@ class Snapshot:
     gateway_read: bool                  # the gateway was asked this pass (None then: it did not answer)
     asked: frozenset[str]               # pods whose agents were asked (no longer dirty once recorded)
     memory: Memory                      # as read; decide forks it
+    npu_resource: str = NPU_RESOURCE    # the extended resource that means NPUs (operator configuration)
 
     @property
     def generation(self) -> int:
@@ -135,7 +137,9 @@ def decide(snap: Snapshot) -> Plan:
 
     # children, links, verification
     blocked = mem.blocked if mem.blocked_generation == gen else None
-    desired = desired_children(name, ns, meta["uid"], spec, book.sizes)
+    if blocked is None and (mismatch := npu_mismatch(spec, snap.npu_resource)):
+        blocked = Diagnosis("NPURequestMismatch", mismatch)   # admission cannot see which resource means NPUs
+    desired = desired_children(name, ns, meta["uid"], spec, book.sizes, snap.npu_resource)
     obs.desired_pods = sum(spec.group_sizes(book.sizes).values())
     to_apply = [] if blocked else ch.to_apply(desired, snap.children, mem.applied)
     plans = lk.plan(engines, obs.reported, spec.datadist.topology,
@@ -203,6 +207,9 @@ def take_reports(mem: Memory, engines: list[lk.Engine], reports: dict[str, Repor
                                     f"set; datadist links can be rerouted. Unset them or list peers in no_proxy"))
         if e.pod in mem.agent_errors and e.ready and not e.terminating:
             obs.agent_errors[e.pod] = mem.agent_errors[e.pod]
+        dev = mem.reports[e.pod].device_error if e.pod in mem.reports else ""
+        if dev and not e.terminating:
+            obs.agent_errors[e.pod] = ("DeviceIPUnknown", f"{e.pod}: {dev}")
         st = mem.reports.get(e.pod)
         if st is not None:
             e = with_report(e, st)
@@ -211,6 +218,8 @@ def take_reports(mem: Memory, engines: list[lk.Engine], reports: dict[str, Repor
                 obs.reported[e.pod] = [link.model_dump() for link in st.links]
             if st.proxy_env:
                 obs.proxy[e.pod] = st.proxy_env
+            obs.rank_reports[e.pod] = (max(1, st.tensor_parallel), sum(1 for r in st.ranks if r.initialized)
+                                       if st.ranks else int(st.initialized), st.device_ips)
         out.append(e)
     return out
 

@@ -42,6 +42,8 @@ class Engine:
     in_flight: int = 0
     pending_kv: int = 0
     links_in: int = 0               # prompt side: decoders linked to it, as its agent reports
+    tp: int = 1                     # tensor-parallel ranks: one engine each, linked rank to rank
+    ranks: tuple[tuple[int, str, int], ...] = ()   # (cluster_id, ip, port) per rank, as its agent reports
 
     @property
     def linkable(self) -> bool:
@@ -105,15 +107,35 @@ def kept_prefills(engines: list[Engine]) -> dict[int, Engine]:
     return {e.cluster_id: e for e in engines if e.role == "prefill" and (not e.leaving or e.holding)}
 
 
-def broken(link: dict, target: Engine) -> bool:
-    """Whether a reported link to `target` must be re-made."""
-    code = link.get("code", "LLM_SUCCESS")
-    if not link.get("healthy", code not in BROKEN_CODES) or code in BROKEN_CODES:
-        return True
+def _stale(link: dict, target: Engine) -> bool:
+    """The peer moved (an address, or a rank's) or restarted since the link was made."""
     if link.get("ip") != target.ip or link.get("port") != target.port:
-        return True  # the peer moved
+        return True
+    if link.get("ranks") and target.ranks and \
+            [(r["ip"], r["port"]) for r in link["ranks"]] != [(ip, port) for _, ip, port in target.ranks]:
+        return True
     seen = link.get("peer_boot_id")
-    return bool(seen and target.boot_id and seen != target.boot_id)  # the peer restarted
+    return bool(seen and target.boot_id and seen != target.boot_id)
+
+
+def broken(link: dict, target: Engine) -> bool:
+    """Whether a reported link to `target` must be re-made (a multi-rank pod's: if any rank's is
+    broken, as the agent's worst code says)."""
+    return _engine_says_broken(link) or _stale(link, target)
+
+
+def rank_links(target: Engine) -> int:
+    """Rank links a pod link to `target` stands for (rank r links rank r)."""
+    return max(1, target.tp)
+
+
+def ranks_up(link: dict, target: Engine) -> int:
+    """Rank links up within a reported pod link."""
+    if _stale(link, target):
+        return 0
+    if link.get("ranks"):
+        return sum(1 for r in link["ranks"] if r.get("healthy", True) and r.get("code") not in BROKEN_CODES)
+    return 0 if _engine_says_broken(link) else rank_links(target)
 
 
 def compatible(d: Engine, p: Engine) -> bool:
@@ -183,7 +205,8 @@ def _engine_says_broken(link: dict) -> bool:
 
 def per_decoder(engines: list[Engine], reported: dict[str, list[dict]],
                 topology: str = "FullMesh") -> dict[str, tuple[int, int, list[dict]]]:
-    """decoder -> (expected, up, reported links that are down), over desired links."""
+    """decoder -> (expected, up, reported links that are down), over desired links, counted in
+    rank links (a pod link between TP-rank pods is TP rank links)."""
     out = {}
     for dpod, peers in desired(engines, topology).items():
         have = {l["cluster_id"]: l for l in reported.get(dpod, [])}
@@ -194,9 +217,8 @@ def per_decoder(engines: list[Engine], reported: dict[str, list[dict]],
                 continue
             if broken(link, e):
                 down.append(link)
-            else:
-                up += 1
-        out[dpod] = (len(peers), up, down)
+            up += ranks_up(link, e)
+        out[dpod] = (sum(rank_links(e) for e in peers), up, down)
     return out
 
 

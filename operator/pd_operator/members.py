@@ -53,7 +53,7 @@ def member_of(pod: dict, spec: PDDeploymentSpec) -> Engine | Problem:
     role = labels.get(LABEL_ROLE, group)
     return Engine(pod=meta["name"], group=group, role=role, label=role, uid=meta.get("uid", ""),
                   assigned=(meta.get("annotations") or {}).get(ANNOTATION_ROLE),
-                  cluster_id=cluster_id(spec, group, index), ip=ip, port=spec.datadist.port,
+                  cluster_id=cluster_id(spec, group, index), ip=ip, port=spec.datadist.port, tp=spec.tp(group),
                   ready=pod_ready(pod), agent_url=f"http://{ip}:{AGENT_PORT}" if ip else None,
                   terminating=bool(meta.get("deletionTimestamp")), starting=starting)
 
@@ -68,4 +68,5 @@ def with_report(e: Engine, s: AgentStatus) -> Engine:
                    port=s.port, cache_desc=canonical(s.cache_desc), draining=s.draining or s.terminating,
                    busy=s.load.in_flight > 0 or s.load.pending_kv > 0, in_flight=s.load.in_flight,
                    pending_kv=s.load.pending_kv, engine_role="prefill" if s.role == "prompt" else "decoder",
-                   switchable=s.switchable, links_in=len(s.incoming))
+                   switchable=s.switchable, links_in=len(s.incoming), tp=max(1, s.tensor_parallel),
+                   ranks=tuple((r.cluster_id, r.ip, r.port) for r in s.ranks))

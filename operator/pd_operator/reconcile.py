@@ -23,6 +23,8 @@ import os
 import time
 from typing import Callable
 
+from pd_contract.names import NPU_RESOURCE
+
 from . import act, kinds, observe, policies
 from . import children as ch
 from . import links as lk
@@ -80,8 +82,10 @@ def spec_changes(old: dict | None, new: dict, prefix: str = "spec") -> list[str]
 
 class Controller:
     def __init__(self, kube: Kube, agents: AgentClient, metrics: OperatorMetrics | None = None,
-                 after_record: Callable[[list[sw_.Switch]], None] | None = None):
+                 after_record: Callable[[list[sw_.Switch]], None] | None = None, npu_resource: str | None = None):
         self.kube = kube
+        # which extended resource means NPUs: the operator's configuration (chart value npuResource)
+        self.npu_resource = npu_resource or os.environ.get("PD_OPERATOR_NPU_RESOURCE") or NPU_RESOURCE
         self.agents = agents
         self.metrics = metrics or agents.metrics
         self.events = Events(kube)
@@ -273,7 +277,8 @@ class Controller:
         return Snapshot(key=key, body=body, spec=spec, now=now, wall=wall, pods=tuple(all_pods),
                         children={k: o for k, (o, _) in self.children.get(key, {}).items()},
                         engines=tuple(engines), problems=problems, token=token, reports=reports,
-                        gateway_stats=stats, gateway_read=read, asked=frozenset(ask), memory=mem)
+                        gateway_stats=stats, gateway_read=read, asked=frozenset(ask), memory=mem,
+                        npu_resource=self.npu_resource)
 
     async def _gateway_stats(self, ns: str, name: str) -> tuple[dict, float] | None:
         """The gateway's recent client-side TTFT/TBT percentiles (what the SLO policy reads where

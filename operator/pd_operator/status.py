@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pd_contract.names import MAX_LINKS_PER_ENGINE
+
 from . import conditions as cond
 from . import links as lk
 from .api import PDDeploymentSpec
@@ -61,6 +63,7 @@ class Observed:
     selector: str | None = None                         # the engine pods' label selector (scale subresource)
     desired_pods: int | None = None                     # what the StatefulSets were sized to
     group_sizes: dict | None = None                     # method Replace: status.rebalance.groupSizes
+    rank_reports: dict[str, tuple[int, int, str]] = field(default_factory=dict)  # pod -> (TP, initialised, source)
 
 
 def _listed(messages: list[str]) -> str:
@@ -90,12 +93,25 @@ def _members(obs: Observed, per: dict[str, tuple[int, int, list[dict]]],
         if e.pod in per:
             expected, up, down = per[e.pod]
             row["links"] = {"expected": expected, "up": up}
-            failing = {l["cluster_id"]: l["code"] for l in down}
+            failing: dict[tuple[int, int], str] = {}
+            for l in down:
+                bad = [r for r in l.get("ranks") or []
+                       if not r.get("healthy", True) or r.get("code") != "LLM_SUCCESS"]
+                for r in bad:
+                    failing[(l["cluster_id"], r["rank"])] = r["code"]
+                if not bad:
+                    failing[(l["cluster_id"], -1)] = l["code"]
             for cid, code in failures_by_decoder.get(e.pod, []):
-                failing.setdefault(cid, code)
+                if not any(k[0] == cid for k in failing):
+                    failing[(cid, -1)] = code
             if failing:
-                row["failingLinks"] = [{"peer": by_cid.get(cid, str(cid)), "clusterId": cid, "code": code}
-                                       for cid, code in sorted(failing.items())]
+                row["failingLinks"] = [{"peer": by_cid.get(cid, str(cid)), "clusterId": cid, "code": code,
+                                        **({"rank": rank} if rank >= 0 else {})}
+                                       for (cid, rank), code in sorted(failing.items())]
+        rep = obs.rank_reports.get(e.pod)
+        if rep is not None and (rep[0] > 1 or rep[2] not in ("", "pod-ip")):
+            row["ranks"] = {"tensorParallel": rep[0], "initialized": rep[1],
+                            **({"deviceIps": rep[2]} if rep[2] else {})}
         problem = pod_problem(p)
         err = obs.agent_errors.get(e.pod)
         if err or problem:
@@ -140,6 +156,12 @@ def links_ready(obs: Observed, expected: int, up: int) -> Verdict:
             + "; expected while a model change rolls out, otherwise check spec.model.kvCache")
     if expected == 0:
         return False, "NoPeers", "need at least one ready prefill and one ready decoder to link"
+    for role, other in (("prefill", "decoder"), ("decoder", "prefill")):
+        n = sum(1 for e in obs.engines if e.role == other and e.serving)
+        if n > MAX_LINKS_PER_ENGINE:
+            return (False, "LinkLimit", f"each {role} engine would hold {n} links (one per {other} pod's matching "
+                    f"rank); llm_datadist allows {MAX_LINKS_PER_ENGINE} per engine: fewer {other} pods, or more "
+                    f"tensor parallelism per pod")
     if up < expected:
         return False, "Linking", f"{up}/{expected} links up"
     return True, "AllLinksUp", f"{up}/{expected} links up"
@@ -150,14 +172,21 @@ def kv_path_verified(obs: Observed, expected: int, up: int, prev: dict | None) -
     results = [obs.verify[d] for d in sorted(obs.verify)]
     bad = [r for r in results if not r["ok"]]
     if bad:
-        diags = [verify_failure(r["code"], r["decoder"], r["prefill"], r.get("message", ""), obs.model_id)
-                 for r in bad]
+        diags = [verify_failure(r["code"], *_rank_pair(r), r.get("message", ""), obs.model_id) for r in bad]
         return False, diags[0].reason, _listed([d.message for d in diags])
     if results and expected and up == expected:
         return True, "Verified", "every decoder pulled a probe cache from a prefill and the bytes matched"
     if not prev or prev["status"] == "True":
         return "Unknown", "NotYetVerified", "waiting for every link to be up"
     return None
+
+
+def _rank_pair(r: dict) -> tuple[str, str]:
+    """(decoder, prefill) of a verification, naming the first rank pair that failed."""
+    bad = next((x for x in r.get("ranks") or [] if not x["ok"]), None)
+    if bad is None:
+        return r["decoder"], r["prefill"]
+    return f"{r['decoder']} rank {bad['rank']}", f"{r['prefill']} rank {bad['rank']}"
 
 
 def proxy_environment(obs: Observed) -> Verdict:
@@ -233,7 +262,7 @@ def build_status(spec: PDDeploymentSpec, obs: Observed, previous: dict | None, a
     results = [obs.verify[d] for d in sorted(obs.verify)]
     ready_pods = [p for p in live if pod_ready(p)]
 
-    derived = derive(spec.model.kv_cache)
+    derived = derive(spec.kv_cache_for("prefill"))
     cache = {"numTensors": derived.num_tensors, "shape": derived.shape, "dataType": derived.data_type,
              "bytesPerToken": derived.bytes_per_token, "cacheBytes": derived.cache_bytes}
     if derived.blocks_shape:
@@ -254,7 +283,8 @@ def build_status(spec: PDDeploymentSpec, obs: Observed, previous: dict | None, a
     }
     good = [r for r in results if r["ok"]]
     if good:
-        out["lastVerified"] = {"paths": [f"{r['decoder']} <- {r['prefill']}" for r in good],
+        pairs = lambda r: f" ({len(r['ranks'])} rank pairs)" if r.get("ranks") else ""  # noqa: E731
+        out["lastVerified"] = {"paths": [f"{r['decoder']} <- {r['prefill']}{pairs(r)}" for r in good],
                                "bytes": sum(r["bytes"] for r in good),
                                "slowestPullMs": round(max(r["pull_ms"] for r in good), 2),
                                **({"at": obs.verified_at} if obs.verified_at else {})}

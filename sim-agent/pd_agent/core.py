@@ -74,6 +74,8 @@ class AgentCore:
         self.linked_by: set[int] = set()          # prompt: decoders that told us they linked
         self.notifier = None                      # pd_agent.notify.Notifier, set by the server
         self.inference = None                     # set by pd_agent.inference when serving
+        self.device_ips = ""                      # where the device IP came from (devices.resolve)
+        self.device_error = ""
         # The host's scheduler follows the engine's role: before-hooks may refuse a switch
         # (raise AgentError), after-hooks learn the new role. (old_role, new_role) -> None.
         self.before_switch: list[Callable[[str, str], Awaitable[None]]] = []
@@ -448,7 +450,8 @@ class AgentCore:
             model_id=self.id.model_id, links=self.link_states(), incoming=incoming, load=load,
             draining=self.draining, terminating=self.terminating, switchable=self.id.switchable,
             proxy_env=proxy_environment(), memory_scale=scale,
-            cache_desc=self.id.cache_desc, last_error=self.last_error,
+            cache_desc=self.id.cache_desc, last_error=self.last_error, device_ips=self.device_ips,
+            device_error=self.device_error,
         )
 
 

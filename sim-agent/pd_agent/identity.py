@@ -52,12 +52,15 @@ class Identity:
         if role not in ("prompt", "decoder"):
             raise ConfigError(f"LLM_DATADIST_ROLE must be prompt (or prefill) or decoder, got {role!r}")
         if not env.get("LLM_DATADIST_CLUSTER_ID") and env.get("LLM_DATADIST_CLUSTER_ID_BASE"):
-            # The operator injects base + pod index (the downward API cannot add); export the
-            # sum so an inference server in this process sees LLM_DATADIST_CLUSTER_ID too.
+            # The operator injects the group's base and the pod index (the downward API cannot
+            # add): cluster_id = base + pod index x TP + rank. Export it so an inference server in
+            # this process sees LLM_DATADIST_CLUSTER_ID too.
             try:
-                total = int(env["LLM_DATADIST_CLUSTER_ID_BASE"]) + int(need("LLM_DATADIST_POD_INDEX"))
+                total = cluster_id_of(int(env["LLM_DATADIST_CLUSTER_ID_BASE"]), int(need("LLM_DATADIST_POD_INDEX")),
+                                      int(env.get("PD_TENSOR_PARALLEL") or 1), int(env.get("PD_RANK") or 0))
             except ValueError as e:
-                raise ConfigError(f"LLM_DATADIST_CLUSTER_ID_BASE/LLM_DATADIST_POD_INDEX must be integers: {e}") from e
+                raise ConfigError(f"LLM_DATADIST_CLUSTER_ID_BASE/LLM_DATADIST_POD_INDEX/PD_TENSOR_PARALLEL/PD_RANK "
+                                  f"must be integers: {e}") from e
             env["LLM_DATADIST_CLUSTER_ID"] = str(total)
             if env_is_process:
                 os.environ["LLM_DATADIST_CLUSTER_ID"] = str(total)
@@ -92,6 +95,11 @@ class Identity:
             engine_start_s=_float(env, "PD_SIM_ENGINE_START_S", 0.0),
             switchable=env.get("PD_ENABLE_SWITCH_ROLE", "1").lower() not in ("0", "false", "no"),
         )
+
+
+def cluster_id_of(base: int, pod_index: int, tp: int = 1, rank: int = 0) -> int:
+    """The cluster id convention: a group's pods take consecutive blocks of TP ids."""
+    return base + pod_index * tp + rank
 
 
 def _float(env: dict[str, str], name: str, default: float) -> float:

@@ -33,6 +33,7 @@ from pd_contract.agent_api import (
 )
 
 from .core import AgentCore, AgentError
+from .devices import DeviceError, resolve_env
 from .identity import ConfigError, Identity, import_backend
 from .inference import Inference
 from .metrics import AgentMetrics
@@ -284,21 +285,60 @@ async def _wait(ev: asyncio.Event, seconds: float) -> None:
         pass
 
 
-async def _serve(identity: Identity, host: str, port: int) -> None:
+def _device_of(core: AgentCore) -> None:
+    """A single-rank pod the operator manages: the engine listens on its NPU's device IP (the
+    simulator without one: the pod IP, as before). Raises ConfigError naming what is missing."""
+    if not os.environ.get("PD_TENSOR_PARALLEL"):
+        return
+    try:
+        devs = resolve_env()
+    except DeviceError as e:
+        core.device_error = str(e)
+        raise ConfigError(str(e)) from None
+    core.device_ips, core.device_error = devs.source, devs.error
+    if devs.error:
+        raise ConfigError(f"DeviceIPUnknown: {devs.error}")
+    d = devs.ranks[0]
+    core.id.ip, core.id.port = d.ip or core.id.ip, d.port
+    if d.device_id is not None and core.id.device_id is None:
+        core.id.device_id = 0   # the process-visible index of its one device
+
+
+async def _register(url: str, rank: int, my_url: str, boot_id: str, token: str | None, stop: asyncio.Event) -> None:
+    """A rank process tells the pod's agent where its API is, until the agent takes it."""
+    body = {"rank": rank, "url": my_url, "boot_id": boot_id}
+    async with httpx.AsyncClient(trust_env=False, timeout=5) as http:
+        while not stop.is_set():
+            try:
+                r = await http.post(url, json=body, headers={"Authorization": f"Bearer {token}"} if token else {})
+                if r.status_code == 200:
+                    return
+                log.error("registering rank %d with %s: %s %s", rank, url, r.status_code, r.text[:200])
+            except httpx.HTTPError as e:
+                log.info("registering rank %d with %s: %r; retrying", rank, url, e)
+            await _wait(stop, 0.5)
+
+
+async def _serve(identity: Identity, host: str, port: int, rank: int | None = None) -> None:
     llm = import_backend(identity.backend)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     core = AgentCore(llm, identity)
-    app = build_app(core, identity.token, data_token=identity.data_token)
+    # a rank of a multi-rank pod serves no inference here yet: the pod's agent fronts its ranks
+    app = build_app(core, identity.token, data_token=identity.data_token, serve_inference=rank is None)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
-    log.info("agent %s (%s, cluster_id %d) serving on %s:%d, datadist %s:%d, backend %s",
-             identity.pod, identity.role, identity.cluster_id, host, port, identity.ip, identity.port,
-             identity.backend)
+    if rank is not None:
+        port = runner.addresses[0][1]
+        asyncio.create_task(_register(os.environ["PD_RANK_REGISTER_URL"], rank, f"http://{host}:{port}",
+                                      core.boot_id, identity.token, stop))
+    log.info("agent %s%s (%s, cluster_id %d) serving on %s:%d, datadist %s:%d, backend %s",
+             identity.pod, f" rank {rank}" if rank is not None else "", identity.role, identity.cluster_id,
+             host, port, identity.ip, identity.port, identity.backend)
     if identity.engine_start_s > 0:
         # the simulator's stand-in for loading weights and building the engine
         log.info("engine start-up takes %.1fs", identity.engine_start_s)
@@ -307,6 +347,8 @@ async def _serve(identity: Identity, host: str, port: int) -> None:
     delay = 0.5
     while not core.initialized and not stop.is_set():
         try:
+            if rank is None:
+                _device_of(core)
             t0 = time.perf_counter()
             await core.init()
             log.info("engine initialised in %.1f ms", (time.perf_counter() - t0) * 1000)
@@ -334,6 +376,25 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would drown the log
     try:
         identity = Identity.from_env()
-    except ConfigError as e:
+        tp = int(os.environ.get("PD_TENSOR_PARALLEL") or 1)
+        rank = int(os.environ["PD_RANK"]) if os.environ.get("PD_RANK") else None
+    except (ConfigError, ValueError) as e:
         raise SystemExit(f"pd_agent: bad configuration: {e}") from None
-    asyncio.run(_serve(identity, args.host, args.port or identity.agent_port))
+    if rank is not None:
+        # a rank process: its API on a local port, registered with the pod's agent
+        _die_with_parent()
+        asyncio.run(_serve(identity, os.environ.get("PD_LOCAL_POD_IP") or "127.0.0.1", 0, rank=rank))
+    elif tp > 1:
+        from .front import serve_front
+        asyncio.run(serve_front(identity, tp, args.host, args.port or identity.agent_port))
+    else:
+        asyncio.run(_serve(identity, args.host, args.port or identity.agent_port))
+
+
+def _die_with_parent() -> None:
+    """A rank process must not outlive the pod's agent that started it."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass

@@ -1,0 +1,467 @@
+"""The pod's agent over its tensor-parallel ranks (PD_TENSOR_PARALLEL > 1).
+
+An Ascend instance runs one LLM-DataDist engine per rank, one per process (the library allows
+one engine per process). Each rank process embeds the agent core over its own engine and serves
+the agent API on a local port; it registers that URL here (POST /v1/ranks). This agent (port
+8080) fronts them, so the operator and kubectl make one call per pod:
+- link/unlink: the decoder's rank r links the peer pod's rank r (`Peer.ranks`);
+- verify: each rank pair pulls a probe, all at once; the result names a failing rank;
+- status: the pod's ranks, their device IPs, and one link per peer pod with its rank links;
+- init, drain, undrain, switch_role, faults: every rank;
+- /r/<rank>/v1/...: that rank's own API (a rank's peers reach its probe and notify there).
+
+The rank contract (see README): a rank process gets PD_RANK, PD_TENSOR_PARALLEL,
+LLM_DATADIST_CLUSTER_ID (group base + pod index x TP + rank), LLM_DATADIST_DEVICE_ID (its
+process-visible device index, the rank), PD_DEVICE_ID (the physical NPU), LLM_DATADIST_IP and
+LLM_DATADIST_PORT (its device IP and the datadist port) and PD_RANK_REGISTER_URL; `rank_env`
+computes them from the pod's environment. With PD_RANKS_EXTERNAL=1 this agent starts no rank
+processes and waits for an inference server's workers to register; otherwise (the simulator)
+it starts one `python -m pd_agent` per rank and exits if one dies, so the pod restarts whole."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+import uuid
+from dataclasses import dataclass
+
+import httpx
+from aiohttp import web
+from pydantic import BaseModel
+
+from pd_contract.agent_api import (
+    AgentStatus,
+    DrainRequest,
+    DrainResult,
+    FaultsRequest,
+    LinkRequest,
+    LinkResult,
+    LinkState,
+    Load,
+    Peer,
+    RankInfo,
+    RankLinkState,
+    RankVerify,
+    RegisterRank,
+    SwitchRoleRequest,
+    UnlinkRequest,
+    VerifyRequest,
+    VerifyResult,
+)
+from pd_contract.names import BROKEN_CODES, LINKED_CODES
+
+from .core import AgentError
+from .devices import DeviceError, Devices, resolve_env
+from .identity import Identity, cluster_id_of, proxy_environment
+from .metrics import AgentMetrics
+from .server import METRICS, _body, _error, _json, auth_middleware, error_middleware
+
+log = logging.getLogger("pd_agent.front")
+FRONT = web.AppKey("front", object)
+RANK_CALL_S = 10.0
+DEVICE_RETRY_S = 2.0
+
+
+def rank_env(env: dict[str, str], devices: Devices, rank: int, register_url: str) -> dict[str, str]:
+    """The environment of rank `rank`'s process, from the pod's (the rank contract)."""
+    d = devices.ranks[rank]
+    tp = len(devices.ranks)
+    out = dict(env)
+    base, index = env.get("LLM_DATADIST_CLUSTER_ID_BASE"), env.get("LLM_DATADIST_POD_INDEX")
+    if base and index:
+        cid = cluster_id_of(int(base), int(index), tp, rank)
+    else:
+        cid = int(env["LLM_DATADIST_CLUSTER_ID"]) + rank
+    out.update(PD_RANK=str(rank), PD_TENSOR_PARALLEL=str(tp), LLM_DATADIST_CLUSTER_ID=str(cid),
+               LLM_DATADIST_DEVICE_ID=str(rank), LLM_DATADIST_IP=d.ip or "", LLM_DATADIST_PORT=str(d.port),
+               PD_RANK_REGISTER_URL=register_url)
+    if d.device_id is not None:
+        out["PD_DEVICE_ID"] = str(d.device_id)
+    return out
+
+
+@dataclass
+class Rank:
+    rank: int
+    url: str | None = None
+    boot_id: str | None = None
+    status: AgentStatus | None = None
+    error: str = ""
+
+
+class Front:
+    def __init__(self, identity: Identity, tp: int, http: httpx.AsyncClient, env: dict[str, str] | None = None):
+        self.id = identity
+        self.tp = tp
+        self.http = http
+        self.env = dict(os.environ if env is None else env)
+        self.boot_id = uuid.uuid4().hex
+        self.ranks = {r: Rank(r) for r in range(tp)}
+        self.devices: Devices | None = None
+        self.device_error = ""
+        self.procs: dict[int, asyncio.subprocess.Process] = {}
+        self.terminating = False
+        self.failed = asyncio.Event()      # a rank process died: the pod restarts whole
+        self.external = self.env.get("PD_RANKS_EXTERNAL", "").lower() in ("1", "true", "yes")
+
+    # ---- ranks -------------------------------------------------------------------------------
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.id.token}"} if self.id.token else {}
+
+    async def call(self, r: int, method: str, path: str, body: BaseModel | dict | None = None,
+                   timeout: float = RANK_CALL_S) -> dict:
+        rk = self.ranks[r]
+        if not rk.url:
+            raise AgentError("RANK_NOT_REGISTERED", f"rank {r} has not registered with the pod's agent", 503)
+        data = body.model_dump(mode="json", exclude_none=True) if isinstance(body, BaseModel) else body
+        try:
+            resp = await self.http.request(method, f"{rk.url}{path}", json=data, headers=self._headers(),
+                                           timeout=timeout)
+        except httpx.HTTPError as e:
+            raise AgentError("RANK_UNREACHABLE", f"rank {r} ({rk.url}): {e!r}", 503) from None
+        try:
+            out = resp.json()
+        except ValueError:
+            out = {"code": "RANK_ERROR", "message": resp.text[:300]}
+        if resp.status_code >= 400:
+            raise AgentError(out.get("code", "RANK_ERROR"), f"rank {r}: {out.get('message', '')}", resp.status_code)
+        return out
+
+    async def each(self, method: str, path: str, bodies: dict[int, BaseModel | dict | None] | None = None,
+                   timeout: float = RANK_CALL_S) -> list[dict]:
+        """The same call on every rank, at once; the first failure (lowest rank) is raised."""
+        ranks = sorted(bodies) if bodies is not None else list(range(self.tp))
+        res = await asyncio.gather(*(self.call(r, method, path, bodies[r] if bodies else None, timeout)
+                                     for r in ranks), return_exceptions=True)
+        for x in res:
+            if isinstance(x, BaseException):
+                raise x
+        return res  # type: ignore[return-value]
+
+    def register(self, req: RegisterRank) -> None:
+        if req.rank >= self.tp:
+            raise AgentError("LLM_PARAM_INVALID", f"rank {req.rank} registered, but this pod has ranks "
+                                                  f"0-{self.tp - 1} (PD_TENSOR_PARALLEL={self.tp})", 400)
+        rk = self.ranks[req.rank]
+        if rk.boot_id and rk.boot_id != req.boot_id:
+            log.warning("rank %d registered again with a new boot id (it restarted)", req.rank)
+        rk.url, rk.boot_id, rk.error = req.url.rstrip("/"), req.boot_id, ""
+        log.info("rank %d registered at %s", req.rank, rk.url)
+
+    async def resolve_devices(self, stop: asyncio.Event) -> bool:
+        """Device IPs, re-read until every rank has one (the annotation may come late)."""
+        while not stop.is_set():
+            try:
+                self.devices = resolve_env(self.env)
+                self.device_error = self.devices.error
+            except DeviceError as e:
+                self.devices, self.device_error = None, str(e)
+            if self.devices is not None and self.devices.complete:
+                log.info("device IPs from %s: %s", self.devices.source,
+                         ", ".join(f"rank {d.rank} {d.ip}:{d.port}" for d in self.devices.ranks))
+                return True
+            log.warning("DeviceIPUnknown: %s; re-reading in %.0fs", self.device_error, DEVICE_RETRY_S)
+            try:
+                await asyncio.wait_for(stop.wait(), DEVICE_RETRY_S)
+            except asyncio.TimeoutError:
+                pass
+        return False
+
+    async def spawn(self, register_url: str) -> None:
+        assert self.devices is not None
+        for r in range(self.tp):
+            env = rank_env(self.env, self.devices, r, register_url)
+            self.procs[r] = await asyncio.create_subprocess_exec(sys.executable, "-m", "pd_agent", env=env)
+            asyncio.create_task(self._watch(r, self.procs[r]))
+
+    async def _watch(self, r: int, proc: asyncio.subprocess.Process) -> None:
+        code = await proc.wait()
+        if not self.terminating:
+            log.error("rank %d exited with %s: the pod's agent exits so the pod restarts whole", r, code)
+            self.ranks[r].error = f"rank process exited with {code}"
+            self.failed.set()
+
+    async def stop_ranks(self, grace: float) -> None:
+        for p in self.procs.values():
+            if p.returncode is None:
+                p.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(asyncio.gather(*(p.wait() for p in self.procs.values())), grace)
+        except asyncio.TimeoutError:
+            for p in self.procs.values():
+                if p.returncode is None:
+                    p.kill()
+
+    # ---- status ---------------------------------------------------------------------------------
+    async def refresh(self) -> None:
+        async def one(rk: Rank) -> None:
+            if not rk.url:
+                return
+            try:
+                rk.status = AgentStatus.model_validate(await self.call(rk.rank, "GET", "/v1/status", timeout=5))
+                rk.error = rk.status.last_error
+            except AgentError as e:
+                rk.status, rk.error = None, str(e)
+        await asyncio.gather(*(one(rk) for rk in self.ranks.values()))
+
+    @property
+    def initialized(self) -> bool:
+        return all(rk.status is not None and rk.status.initialized for rk in self.ranks.values())
+
+    def status(self) -> AgentStatus:
+        sts = {r: rk.status for r, rk in self.ranks.items()}
+        first = sts.get(0)
+        dev = {d.rank: d for d in self.devices.ranks} if self.devices else {}
+        infos = []
+        for r, rk in sorted(self.ranks.items()):
+            s, d = sts[r], dev.get(r)
+            infos.append(RankInfo(rank=r, cluster_id=s.cluster_id if s else cluster_id_of(self.id.cluster_id, 0, 1, r),
+                                  device_id=d.device_id if d else None, ip=(s.ip if s else (d.ip if d else "")) or "",
+                                  port=s.port if s else (d.port if d else 0), initialized=bool(s and s.initialized),
+                                  registered=rk.url is not None, last_error=rk.error))
+        load = Load()
+        for s in sts.values():
+            if s is None:
+                continue
+            for k in ("queue_depth", "running", "decode_queue", "in_flight", "pending_kv", "kv_used_bytes",
+                      "kv_capacity_bytes", "completed", "failed"):
+                setattr(load, k, getattr(load, k) + getattr(s.load, k))
+        live = [s for s in sts.values() if s is not None]
+        last_error = self.device_error or next((f"rank {r}: {rk.error}" for r, rk in sorted(self.ranks.items())
+                                                if rk.error), "")
+        return AgentStatus(
+            pod=self.id.pod, role=first.role if first else self.id.role, cluster_id=self.id.cluster_id,
+            boot_id=self.boot_id, backend=self.id.backend, initialized=self.initialized,
+            ip=infos[0].ip, port=infos[0].port, model_id=self.id.model_id, links=self._links(),
+            incoming=first.incoming if first else [], load=load,
+            draining=any(s.draining for s in live), terminating=self.terminating or any(s.terminating for s in live),
+            switchable=all(s.switchable for s in live) if live else self.id.switchable,
+            proxy_env=proxy_environment(), memory_scale=first.memory_scale if first else 1,
+            cache_desc=first.cache_desc if first else self.id.cache_desc, last_error=last_error,
+            tensor_parallel=self.tp, ranks=infos, device_ips=self.devices.source if self.devices else "",
+            device_error=self.device_error)
+
+    def _links(self) -> list[LinkState]:
+        """One link per peer pod: its rank links, the worst rank's code."""
+        by_peer: dict[str, dict[int, LinkState]] = {}
+        for r, rk in self.ranks.items():
+            for link in (rk.status.links if rk.status else []):
+                by_peer.setdefault(link.name, {})[r] = link
+        out = []
+        for name, per in sorted(by_peer.items()):
+            any_link = per.get(0) or next(iter(per.values()))
+            anchor_rank = 0 if 0 in per else min(per)
+            base_cid = any_link.cluster_id - anchor_rank
+            ranks = []
+            for r in range(self.tp):
+                link = per.get(r)
+                if link is None:
+                    ranks.append(RankLinkState(rank=r, cluster_id=base_cid + r, code="LLM_NOT_YET_LINK", healthy=False))
+                else:
+                    ranks.append(RankLinkState(rank=r, cluster_id=link.cluster_id, ip=link.ip, port=link.port,
+                                               code=link.code, healthy=link.healthy))
+            worst = next((x for x in ranks if not x.healthy or x.code in BROKEN_CODES), None) \
+                or next((x for x in ranks if x.code != "LLM_SUCCESS"), ranks[0])
+            r0 = per.get(0)
+            out.append(LinkState(name=name, cluster_id=base_cid, ip=r0.ip if r0 else "", port=r0.port if r0 else 0,
+                                 code=worst.code, healthy=all(x.healthy for x in ranks),
+                                 since=max(x.since for x in per.values()),
+                                 peer_boot_id=(r0 or any_link).peer_boot_id, ranks=ranks))
+        return out
+
+    # ---- operations -------------------------------------------------------------------------------
+    def _rank_peer(self, p: Peer, r: int) -> Peer:
+        if not p.ranks or len(p.ranks) != self.tp:
+            raise AgentError("LLM_PARAM_INVALID", f"peer {p.name} has {len(p.ranks or []) or 1} rank(s) and this "
+                                                  f"pod {self.tp}: rank-matched links need equal tensor parallelism",
+                             400)
+        ep = p.ranks[r]
+        return Peer(name=p.name, cluster_id=ep.cluster_id, ip=ep.ip, port=ep.port, boot_id=p.boot_id,
+                    agent_url=f"{p.agent_url.rstrip('/')}/r/{r}" if p.agent_url else None)
+
+    async def link(self, req: LinkRequest) -> LinkResult:
+        bodies = {r: LinkRequest(peers=[self._rank_peer(p, r) for p in req.peers], timeout_ms=req.timeout_ms)
+                  for r in range(self.tp)}
+        return self._combine(req.peers, await self.each("POST", "/v1/link", bodies,  # type: ignore[arg-type]
+                                                        timeout=req.timeout_ms / 1000 + RANK_CALL_S))
+
+    async def unlink(self, req: UnlinkRequest) -> LinkResult:
+        """Each rank drops its link to the named peer pods (found by name in the rank's own
+        links when the request does not list the peer's ranks)."""
+        await self.refresh()
+        bodies: dict[int, BaseModel | dict | None] = {}
+        for r, rk in self.ranks.items():
+            known = {l.name: l for l in (rk.status.links if rk.status else [])}
+            peers = []
+            for p in req.peers:
+                if p.ranks and len(p.ranks) == self.tp:
+                    peers.append(self._rank_peer(p, r))
+                elif p.name in known:
+                    l = known[p.name]
+                    peers.append(Peer(name=p.name, cluster_id=l.cluster_id, ip=l.ip or "0.0.0.0", port=l.port or 1))
+            if peers:
+                bodies[r] = UnlinkRequest(peers=peers, timeout_ms=req.timeout_ms, force=req.force)
+        if not bodies:
+            return LinkResult(ret="LLM_SUCCESS", rets={p.name: "LLM_NOT_YET_LINK" for p in req.peers})
+        res = await self.each("POST", "/v1/unlink", bodies, timeout=req.timeout_ms / 1000 + RANK_CALL_S)
+        return self._combine(req.peers, res, ranks=sorted(bodies), missing="LLM_NOT_YET_LINK")
+
+    def _combine(self, peers: list[Peer], results: list[dict], ranks: list[int] | None = None,
+                 missing: str = "LLM_FAILED") -> LinkResult:
+        ranks = ranks if ranks is not None else list(range(self.tp))
+        rank_rets: dict[str, list[str]] = {p.name: [missing] * self.tp for p in peers}
+        for r, res in zip(ranks, results):
+            for name, code in res.get("rets", {}).items():
+                if name in rank_rets:
+                    rank_rets[name][r] = code
+        ok = LINKED_CODES | {"LLM_NOT_YET_LINK"} if missing == "LLM_NOT_YET_LINK" else LINKED_CODES
+        rets = {n: next((c for c in codes if c not in ok), codes[0]) for n, codes in rank_rets.items()}
+        failed = next((c for c in rets.values() if c not in ok), None)
+        return LinkResult(ret=failed or "LLM_SUCCESS", rets=rets, rank_rets=rank_rets,
+                          duration_ms=max((r.get("duration_ms", 0) for r in results), default=0))
+
+    async def verify(self, req: VerifyRequest) -> VerifyResult:
+        ranks = req.ranks if req.ranks is not None else list(range(self.tp))
+        bad = [r for r in ranks if not 0 <= r < self.tp]
+        if bad:
+            raise AgentError("LLM_PARAM_INVALID", f"ranks {bad} do not exist: this pod has ranks 0-{self.tp - 1}", 400)
+        bodies = {r: VerifyRequest(peer=self._rank_peer(req.peer, r)) for r in ranks}
+
+        async def one(r: int) -> RankVerify:
+            try:
+                v = VerifyResult.model_validate(await self.call(r, "POST", "/v1/verify", bodies[r], timeout=15))
+                return RankVerify(rank=r, ok=v.ok, code=v.code, message=v.message, bytes=v.bytes, pull_ms=v.pull_ms)
+            except AgentError as e:
+                return RankVerify(rank=r, ok=False, code=e.code, message=str(e))
+        results = await asyncio.gather(*(one(r) for r in ranks))
+        failed = next((x for x in results if not x.ok), None)
+        return VerifyResult(ok=failed is None, code=failed.code if failed else "LLM_SUCCESS",
+                            message=f"rank {failed.rank}: {failed.message}" if failed else "",
+                            prefill=req.peer.name, decoder=self.id.pod, bytes=sum(x.bytes for x in results),
+                            pull_ms=max((x.pull_ms for x in results), default=0), ranks=list(results))
+
+    async def drain(self, timeout_s: float) -> DrainResult:
+        res = [DrainResult.model_validate(x) for x in await self.each(
+            "POST", "/v1/drain", {r: DrainRequest(timeout_s=timeout_s) for r in range(self.tp)},
+            timeout=timeout_s + RANK_CALL_S)]
+        return DrainResult(draining=True, in_flight=sum(x.in_flight for x in res),
+                           pending_kv=sum(x.pending_kv for x in res), drained=all(x.drained for x in res))
+
+    async def undrain(self) -> DrainResult:
+        res = [DrainResult.model_validate(x) for x in await self.each("POST", "/v1/undrain")]
+        return DrainResult(draining=False, in_flight=sum(x.in_flight for x in res),
+                           pending_kv=sum(x.pending_kv for x in res), drained=False)
+
+    async def proxy(self, request: web.Request) -> web.Response:
+        """/r/<rank>/<path>: that rank's own API (the rank checks the token)."""
+        try:
+            r = int(request.match_info["rank"])
+        except ValueError:
+            return _error(404, "NotFound", "no such rank")
+        rk = self.ranks.get(r)
+        if rk is None or not rk.url:
+            return _error(503, "RANK_NOT_REGISTERED", f"rank {r} has not registered with the pod's agent")
+        headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "x-pd-agent-token",
+                                                                              "content-type")}
+        try:
+            resp = await self.http.request(request.method, f"{rk.url}/{request.match_info['tail']}",
+                                           content=await request.read(), headers=headers, timeout=30)
+        except httpx.HTTPError as e:
+            return _error(503, "RANK_UNREACHABLE", f"rank {r}: {e!r}")
+        return web.Response(body=resp.content, status=resp.status_code,
+                            content_type=resp.headers.get("content-type", "application/json").split(";")[0])
+
+
+def build_front_app(front: Front, token: str | None, data_token: str | None = None) -> web.Application:
+    app = web.Application(middlewares=[auth_middleware(token, data_token), error_middleware], client_max_size=1 << 20)
+    app[METRICS] = AgentMetrics()
+    app[FRONT] = front
+
+    async def status_json() -> web.Response:
+        await front.refresh()
+        return _json(front.status())
+
+    def handler(model, fn):
+        async def h(request: web.Request) -> web.Response:
+            body = await _body(request, model) if model else None
+            out = await fn(body)
+            return _json(out) if out is not None else await status_json()
+        return h
+
+    async def healthz(request: web.Request) -> web.Response:
+        await front.refresh()
+        st = front.status()
+        return web.json_response({"ok": st.initialized, "role": st.role, "boot_id": st.boot_id,
+                                  "last_error": st.last_error}, status=200 if st.initialized else 503)
+
+    async def metrics(request: web.Request) -> web.Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        return web.Response(body=generate_latest(app[METRICS].registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def status(request: web.Request) -> web.Response:
+        return await status_json()
+
+    async def register(request: web.Request) -> web.Response:
+        body = await _body(request, RegisterRank)
+        front.register(body)  # type: ignore[arg-type]
+        return web.json_response({"ok": True})
+
+    async def fan(path: str, body: BaseModel | None) -> None:
+        await front.each("POST", path, {r: body for r in range(front.tp)} if body is not None else None)
+
+    async def faults_get(request: web.Request) -> web.Response:
+        return web.json_response(await front.call(0, "GET", "/v1/admin/faults"))
+
+    app.add_routes([
+        web.get("/healthz", healthz),
+        web.get("/metrics", metrics),
+        web.get("/v1/status", status),
+        web.post("/v1/ranks", register),
+        web.post("/v1/init", handler(None, lambda _: fan("/v1/init", None))),
+        web.post("/v1/link", handler(LinkRequest, front.link)),
+        web.post("/v1/unlink", handler(UnlinkRequest, front.unlink)),
+        web.post("/v1/switch_role", handler(SwitchRoleRequest, lambda b: fan("/v1/switch_role", b))),
+        web.post("/v1/verify", handler(VerifyRequest, front.verify)),
+        web.post("/v1/drain", handler(DrainRequest, lambda b: front.drain(b.timeout_s))),
+        web.post("/v1/undrain", handler(None, lambda _: front.undrain())),
+        web.post("/v1/admin/faults", handler(FaultsRequest, lambda b: fan("/v1/admin/faults", b))),
+        web.get("/v1/admin/faults", faults_get),
+        web.route("*", "/r/{rank}/{tail:.*}", front.proxy),
+    ])
+    return app
+
+
+async def serve_front(identity: Identity, tp: int, host: str, port: int) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    http = httpx.AsyncClient(trust_env=False, timeout=RANK_CALL_S)
+    front = Front(identity, tp, http)
+    app = build_front_app(front, identity.token, identity.data_token)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    log.info("pod agent %s (%s, %d ranks, cluster_ids %d-%d) serving on %s:%d", identity.pod, identity.role, tp,
+             identity.cluster_id, identity.cluster_id + tp - 1, host, port)
+    failed = asyncio.create_task(front.failed.wait())
+    if await front.resolve_devices(stop):
+        if front.external:
+            log.info("waiting for %d rank processes to register at /v1/ranks", tp)
+        else:
+            await front.spawn(f"http://{host if host != '0.0.0.0' else '127.0.0.1'}:{port}/v1/ranks")
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait({failed, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    code = 1 if front.failed.is_set() and not stop.is_set() else 0
+    front.terminating = True
+    log.info("%s: stopping %d ranks (each drains for up to %.0fs)", "a rank failed" if code else "SIGTERM",
+             len(front.procs), identity.drain_timeout_s)
+    await front.stop_ranks(identity.drain_timeout_s + 5)
+    failed.cancel()
+    stopped.cancel()
+    await runner.cleanup()
+    await http.aclose()
+    if code:
+        raise SystemExit(code)

@@ -1,0 +1,98 @@
+"""Real Ascend instances on the local cluster: one engine per tensor-parallel rank, each on the
+device IP the local device plugin wrote into the pod's annotation, rank-matched links and
+per-rank-pair KV-path verification."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import Cluster, wait_for
+from tests.integration.conftest import agent_post, agent_status, condition, pdd, sample, wait_phase
+
+pytestmark = pytest.mark.integration
+NAME = "tp4"
+ANNOTATION = "ascend.kubectl.kubernetes.io/ascend-910-configuration"
+TP = 4
+PODS = [f"{NAME}-{g}-{i}" for g in ("prefill", "decoder") for i in (0, 1)]
+
+
+def tp4() -> dict:
+    doc = sample(NAME, **{"model.kvCache.tensorParallel": TP, "datadist.verifyIntervalSeconds": 5})
+    for g in ("prefill", "decoder"):
+        doc["spec"][g]["resources"] = {"limits": {"huawei.com/Ascend910": TP}}
+    return doc
+
+
+def annotation(cluster: Cluster, ns: str, pod: str) -> dict:
+    return json.loads(cluster.get_json("pod", pod, "-n", ns)["metadata"]["annotations"][ANNOTATION])
+
+
+def test_tp4_ranks_on_device_ips_link_rank_to_rank_and_verify(cluster: Cluster, namespace: str, operator) -> None:
+    ns = namespace
+    cluster.apply(tp4(), ns)
+    obj = wait_phase(cluster, ns, "Ready", name=NAME, timeout=180,
+                     extra=lambda o: o["status"]["linksSummary"] == "16/16")
+    assert obj["status"]["links"] == {"expected": 16, "up": 16}
+    assert condition(obj, "KVPathVerified")["status"] == "True"
+
+    # 16 rank engines, each on a distinct loopback device IP from the annotation the local device plugin wrote
+    status = {p: agent_status(cluster, ns, p, NAME) for p in PODS}
+    ips = set()
+    for pod, st in status.items():
+        devices = annotation(cluster, ns, pod)["devices"]
+        assert len(devices) == TP and st["device_ips"] == "annotation", (pod, st["device_ips"])
+        assert st["tensor_parallel"] == TP and len(st["ranks"]) == TP and st["initialized"]
+        group, index = pod.rsplit("-", 2)[1], int(pod.rsplit("-", 1)[1])
+        base = 0 if group == "prefill" else 1000
+        for r, rank in enumerate(st["ranks"]):
+            assert rank["rank"] == r and rank["initialized"]
+            assert rank["cluster_id"] == base + index * TP + r
+            assert rank["ip"] == devices[r]["device_ip"] and rank["device_id"] == int(devices[r]["device_id"])
+            assert rank["ip"].startswith("127.") and rank["ip"] != cluster.get_json(
+                "pod", pod, "-n", ns)["status"]["podIP"]
+            ips.add((rank["ip"], rank["port"]))
+    assert len(ips) == 16
+
+    # decoder rank r links rank r of every prefill
+    for d in (f"{NAME}-decoder-0", f"{NAME}-decoder-1"):
+        links = {l["name"]: l for l in status[d]["links"]}
+        assert set(links) == {f"{NAME}-prefill-0", f"{NAME}-prefill-1"}
+        for p, link in links.items():
+            assert [x["cluster_id"] for x in link["ranks"]] == [x["cluster_id"] for x in status[p]["ranks"]]
+            assert [x["ip"] for x in link["ranks"]] == [x["ip"] for x in status[p]["ranks"]]
+            assert all(x["code"] == "LLM_SUCCESS" for x in link["ranks"])
+    members = {m["pod"]: m for m in obj["status"]["members"]}
+    assert members[f"{NAME}-decoder-0"]["ranks"] == {"tensorParallel": TP, "initialized": TP,
+                                                     "deviceIps": "annotation"}
+
+    # every rank pair's KV path is verified within a few verification intervals
+    seen: set[str] = set()
+
+    def all_pairs() -> bool:
+        seen.update(pdd(cluster, ns, NAME)["status"].get("lastVerified", {}).get("paths", []))
+        return {f"{NAME}-decoder-{d} <- {NAME}-prefill-{p} ({TP} rank pairs)" for d in (0, 1) for p in (0, 1)} <= seen
+    wait_for("every decoder/prefill pair verified at every rank", all_pairs, timeout=60, interval=1)
+    res = agent_post(cluster, ns, f"{NAME}-decoder-1", "/v1/verify", {"peer": {
+        "name": f"{NAME}-prefill-0", "cluster_id": 0, "ip": status[f"{NAME}-prefill-0"]["ip"], "port": 26000,
+        "agent_url": f"http://{cluster.get_json('pod', f'{NAME}-prefill-0', '-n', ns)['status']['podIP']}:8080",
+        "ranks": [{k: x[k] for k in ("rank", "cluster_id", "ip", "port")} for x in status[f"{NAME}-prefill-0"]["ranks"]]}},
+        name=NAME)
+    assert res["ok"] and [x["rank"] for x in res["ranks"]] == [0, 1, 2, 3] and all(x["ok"] for x in res["ranks"])
+
+    # a pod whose annotation lacks one rank's device: the condition names the pod and the rank; the others link
+    broken = f"{NAME}-prefill-1"
+    ann = annotation(cluster, ns, broken)
+    partial = {**ann, "devices": ann["devices"][:3]}
+    cluster.kubectl("annotate", "--overwrite", "pod", broken, "-n", ns, f"{ANNOTATION}={json.dumps(partial)}")
+    agent_post(cluster, ns, broken, "/v1/admin/faults", {"crash": True}, name=NAME)   # its container restarts
+    obj = wait_for("DeviceIPUnknown naming the pod and rank 3", lambda: (
+        o if "DeviceIPUnknown" == condition(o := pdd(cluster, ns, NAME), "AgentsReady").get("reason")
+        and broken in condition(o, "AgentsReady")["message"] and "rank 3" in condition(o, "AgentsReady")["message"]
+        else None), timeout=120)
+    assert obj["status"]["phase"] == "Degraded"
+    wait_for("the other prefill's rank links up (8 of the 8 remaining)",
+             lambda: pdd(cluster, ns, NAME)["status"]["links"] == {"expected": 8, "up": 8}, timeout=60)
+    # the device plugin writes the whole mapping: the pod's agent reads it from the volume and starts its ranks
+    cluster.kubectl("annotate", "--overwrite", "pod", broken, "-n", ns, f"{ANNOTATION}={json.dumps(ann)}")
+    wait_phase(cluster, ns, "Ready", name=NAME, timeout=120, extra=lambda o: o["status"]["linksSummary"] == "16/16")
