@@ -81,7 +81,7 @@ demo: cluster-up ## the main job: operator (Helm chart) + examples/sim-small.yam
 bench-sim: venv ## KV pull throughput over loopback and agent API latency
 	$(PY) bench/bench_sim.py
 
-bench-links: venv k8s-bins ## pods Ready -> links up + KV path verified (2P2D .. 64P64D), idle agent calls and CPU
+bench-links: venv k8s-bins ## pods Ready -> links up + KV path verified (2P2D .. 64P64D, and 4P4D at TP 8), idle agent calls and CPU
 	$(PY) bench/bench_links.py
 
 bench-switch: venv k8s-bins ## one live role switch per direction under load: control-plane cost and drain time

@@ -4,6 +4,8 @@ per-rank-pair KV-path verification."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -96,3 +98,62 @@ def test_tp4_ranks_on_device_ips_link_rank_to_rank_and_verify(cluster: Cluster, 
     # the device plugin writes the whole mapping: the pod's agent reads it from the volume and starts its ranks
     cluster.kubectl("annotate", "--overwrite", "pod", broken, "-n", ns, f"{ANNOTATION}={json.dumps(ann)}")
     wait_phase(cluster, ns, "Ready", name=NAME, timeout=120, extra=lambda o: o["status"]["linksSummary"] == "16/16")
+
+
+# ---- the pod's agent over its rank processes, without a cluster -----------------------------------
+
+def rank_peer(a, st: dict) -> dict:
+    return {"name": a.name, "cluster_id": st["cluster_id"], "ip": st["ip"], "port": st["port"], "agent_url": a.url,
+            "ranks": [{k: x[k] for k in ("rank", "cluster_id", "ip", "port")} for x in st["ranks"]]}
+
+
+def test_simulator_pod_without_annotation_runs_ranks_on_the_pod_ip_with_port_offsets(agents, tmp_path) -> None:
+    env = {"PD_TENSOR_PARALLEL": "3", "PD_HCCN_CONF": str(tmp_path / "absent"),
+           "PD_DEVICE_ANNOTATION_FILE": str(tmp_path / "absent")}
+    p, d = agents("prompt", 0, env=env), agents("decoder", 1000, env=env)
+    ps = p.status()
+    assert ps["device_ips"] == "pod-ip" and not ps["device_error"]
+    assert [(r["cluster_id"], r["ip"], r["port"]) for r in ps["ranks"]] == [(i, p.ip, 26000 + i) for i in range(3)]
+    r = d.post("/v1/link", {"peers": [rank_peer(p, ps)], "timeout_ms": 3000})
+    assert r.status_code == 200 and r.json()["rank_rets"][p.name] == ["LLM_SUCCESS"] * 3, r.text
+    v = d.post("/v1/verify", {"peer": rank_peer(p, ps)}).json()
+    assert v["ok"] and [x["rank"] for x in v["ranks"]] == [0, 1, 2] and all(x["bytes"] > 0 for x in v["ranks"])
+    assert sorted(p.status()["incoming"]) == [1000]
+    # a peer of another TP is refused, naming the reason
+    two = {**rank_peer(p, ps), "ranks": rank_peer(p, ps)["ranks"][:2]}
+    r = d.post("/v1/link", {"peers": [two]})
+    assert r.status_code == 400 and "equal tensor parallelism" in r.json()["message"]
+    # unlink by name drops every rank's link
+    r = d.post("/v1/unlink", {"peers": [{"name": p.name, "cluster_id": 0, "ip": p.ip, "port": 26000}]})
+    assert r.json()["rank_rets"][p.name] == ["LLM_SUCCESS"] * 3 and d.status()["links"] == []
+
+
+def test_hccn_conf_line_that_does_not_parse_is_reported_by_the_agent(tmp_path) -> None:
+    import httpx
+
+    from tests.agent_procs import TOKEN, next_ip
+    from tests.procs import spawn
+    conf = tmp_path / "hccn.conf"
+    conf.write_text("address_0=192.168.100.101\naddress_1 = 192.168.100.102 extra\n")
+    ip = next_ip()
+    env = {k: v for k, v in __import__("os").environ.items() if "proxy" not in k.lower()}
+    env.update(PD_LOCAL_POD_IP=ip, POD_NAME="bad-hccn", LLM_DATADIST_ROLE="prompt", LLM_DATADIST_CLUSTER_ID="0",
+               LLM_DATADIST_IP=ip, PD_AGENT_TOKEN=TOKEN, PD_TENSOR_PARALLEL="2", PD_HCCN_CONF=str(conf),
+               PD_DEVICE_ANNOTATION_FILE=str(tmp_path / "absent"), PD_BACKEND="sim")
+    proc = spawn([sys.executable, "-m", "pd_agent"], env=env, stdout=open(tmp_path / "log", "wb"),
+                 stderr=subprocess.STDOUT)
+    try:
+        with httpx.Client(base_url=f"http://{ip}:8080", trust_env=False, timeout=5,
+                          headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+            def reported():
+                try:
+                    st = http.get("/v1/status").json()
+                except httpx.HTTPError:
+                    return None
+                return st if st.get("device_error") else None
+            st = wait_for("the agent to report the bad line", reported, timeout=60)
+            assert f"{conf} line 2" in st["device_error"] and "does not parse" in st["device_error"]
+            assert not st["initialized"] and http.get("/healthz").status_code == 503
+    finally:
+        proc.terminate()
+        proc.wait(30)
