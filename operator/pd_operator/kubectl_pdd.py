@@ -8,7 +8,9 @@ kubeconfig is needed (no route to the pod network). The API server consumes the
 `Authorization` header, so the agent token travels in `X-PD-Agent-Token` and the API key in
 `x-api-key`. `verify` checks every decoder's links, pulls a probe KV cache on every decoder,
 and sends one completion through the gateway; each failure is explained in the words of
-the status conditions. Exit code 1 if anything failed."""
+the status conditions; a tensor-parallel pod's links and probe are reported per rank pair
+(rank r links and pulls from the prefill's rank r), and `status` lists its ranks. Exit code 1
+if anything failed."""
 from __future__ import annotations
 
 import argparse
@@ -20,12 +22,17 @@ import time
 
 import httpx
 
+from pd_contract.names import BROKEN_CODES
+
 from .builders import AGENT_PORT, token_secret_name
 from .diagnosis import link_failure, verify_failure
 from .gateway import GATEWAY_PORT, LABEL_GATEWAY, data_token_secret_name
 from .kube import Kube, KubeError
 
 OK, BAD = "ok ", "FAIL"
+SUB = " " * 9   # a rank's line, under its pod pair's ok/FAIL line
+DEVICE_IP_SOURCES = {"annotation": "the device plugin's annotation", "hccn.conf": "hccn.conf",
+                     "list": "the configured list", "pod-ip": "the pod IP (no device IPs: simulator)"}
 
 
 class Proxy:
@@ -102,7 +109,6 @@ async def _verify(kube: Kube, px: Proxy, obj: dict, ns: str, name: str, control:
     failures = 0
     out(f"PDDeployment {ns}/{name}: phase {status.get('phase')}, links {status.get('linksSummary')}")
     members = _members(obj)
-    by_cid = {m.get("clusterId"): m for m in members}
     decoders = [m for m in members if m["role"] == "decoder"]
     hdr = {"X-PD-Agent-Token": control or ""}
     timeout_ms = spec.get("datadist", {}).get("linkTimeoutMs", 3000)
@@ -119,42 +125,25 @@ async def _verify(kube: Kube, px: Proxy, obj: dict, ns: str, name: str, control:
             out(f"  {BAD} {m['pod']}: proxy variables set ({', '.join(sorted(st['proxy_env']))}): unset them or "
                 f"list the peers in no_proxy")
             failures += 1
-    prefill_ids = {st["cluster_id"] for st in statuses.values() if st["role"] == "prompt"}
     for d in decoders:
-        st = statuses.get(d["pod"])
-        if st is None:
+        if d["pod"] not in statuses:
             continue
-        have = {link["cluster_id"]: link for link in st.get("links", [])}
-        for cid in sorted(prefill_ids):
-            p = by_cid.get(cid, {"pod": str(cid), "ip": "?", "port": 0})
-            link = have.get(cid)
-            if link is None:
-                failures += 1
-                out(f"  {BAD} {d['pod']} -> {p['pod']}: not linked")
-            elif not link.get("healthy", True):
-                failures += 1
-                diag = link_failure(link["code"], d["pod"], p["pod"], link.get("ip", ""), link.get("port", 0),
-                                    timeout_ms)
-                out(f"  {BAD} {d['pod']} -> {p['pod']}: {link['code']} ({diag.reason}): {diag.message}")
-            else:
-                out(f"  {OK} {d['pod']} -> {p['pod']}: {link['code']}")
+        bad, lines = format_links(d["pod"], statuses, timeout_ms)
+        failures += bad
+        for line in lines:
+            out(line)
     out("\nKV path (a probe cache pulled by each decoder):")
     prefills = [m for m in members if statuses.get(m["pod"], {}).get("role") == "prompt"]
     for i, d in enumerate(decoders):
         if not prefills or d["pod"] not in statuses:
             continue
         p = prefills[i % len(prefills)]
-        peer = {"name": p["pod"], "cluster_id": p["clusterId"], "ip": p["ip"], "port": p["port"],
-                "agent_url": f"http://{p['ip']}:{AGENT_PORT}"}
-        code, r = await px.call("POST", d["pod"], AGENT_PORT, "/v1/verify", hdr, {"peer": peer})
-        if code == 200 and isinstance(r, dict) and r.get("ok"):
-            out(f"  {OK} {d['pod']} <- {p['pod']}: {r['bytes']} bytes in {r['pull_ms']:.2f} ms, bytes match")
-        else:
-            failures += 1
-            rc = r.get("code", str(code)) if isinstance(r, dict) else str(code)
-            diag = verify_failure(rc, d["pod"], p["pod"], r.get("message", "") if isinstance(r, dict) else str(r),
-                                  spec.get("model", {}).get("modelId", 0))
-            out(f"  {BAD} {d['pod']} <- {p['pod']}: {rc} ({diag.reason}): {diag.message}")
+        code, r = await px.call("POST", d["pod"], AGENT_PORT, "/v1/verify", hdr,
+                                {"peer": probe_peer(p, statuses[p["pod"]])})
+        ok, lines = format_probe(d["pod"], p["pod"], code, r, spec.get("model", {}).get("modelId", 0))
+        failures += not ok
+        for line in lines:
+            out(line)
     gw = spec.get("gateway") or {}
     out("\ngateway (one completion with the key):")
     if not gw.get("enabled"):
@@ -213,10 +202,12 @@ async def status(kube: Kube, ns: str, name: str, out=print, via: str = "auto") -
     for m in (st.get("members") or []):
         load: dict = {}
         draining = "-"
+        agent: dict | None = None
         if m.get("ip"):
             code, a = await px.call("GET", m["pod"], AGENT_PORT, "/v1/status", {"X-PD-Agent-Token": data or ""},
                                     timeout=5)
             if code == 200 and isinstance(a, dict):
+                agent = a
                 load, draining = a.get("load", {}), str(a.get("draining", False)).lower()
         links = m.get("links")
         out(f"{m['pod']:28} {m.get('group', '-'):8} {m.get('role', '-'):10} {m.get('assignedRole') or '-':9} "
@@ -226,6 +217,8 @@ async def status(kube: Kube, ns: str, name: str, out=print, via: str = "auto") -
             f"{round(load['kv_used_bytes'] / 2**20, 1) if 'kv_used_bytes' in load else '-'!s:7} {draining}")
         if m.get("lastError"):
             out(f"    {m['lastError']}")
+        for line in format_ranks(agent, m.get("ranks"), m.get("lastError") or ""):
+            out(line)
     await px.close()
     for sw in st.get("switches") or []:
         out(f"\nswitch in flight: {sw['pod']} {sw['from']} -> {sw['to']}, step {sw['step']} since "
@@ -236,6 +229,115 @@ async def status(kube: Kube, ns: str, name: str, out=print, via: str = "auto") -
         if c["type"] == "Rebalancing" or c["status"] != "True" and c["type"] != "ProxyEnvironment":
             out(f"{c['type']}: {c['status']} {c['reason']}: {c.get('message', '')}")
     return 0
+
+
+def _rank_down(r: dict) -> bool:
+    """A rank link that is down, as the operator counts it (links.ranks_up)."""
+    return not r.get("healthy", True) or r.get("code") in BROKEN_CODES
+
+
+def format_links(decoder: str, status_by_pod: dict[str, dict], timeout_ms: int = 3000) -> tuple[int, list[str]]:
+    """A decoder's links to every prefill that answered, from the agents' /v1/status bodies
+    (pod -> body): (failed pod links, lines). A line per pod link; a multi-rank link counts its
+    healthy ranks and names each failing one with its diagnosis, a line each (TP 8 at 4
+    prefills would be 32 lines per decoder otherwise)."""
+    prefills = {st["cluster_id"]: pod for pod, st in status_by_pod.items() if st.get("role") == "prompt"}
+    have = {link["cluster_id"]: link for link in status_by_pod[decoder].get("links", [])}
+    failures, lines = 0, []
+    for cid in sorted(prefills):
+        p = prefills[cid]
+        link = have.get(cid)
+        if link is None:
+            failures += 1
+            lines.append(f"  {BAD} {decoder} -> {p}: not linked")
+        elif link.get("ranks"):
+            down = [r for r in link["ranks"] if _rank_down(r)]
+            up = f"{len(link['ranks']) - len(down)}/{len(link['ranks'])} ranks up"
+            if not down:
+                lines.append(f"  {OK} {decoder} -> {p}: {link['code']}, {up}")
+                continue
+            failures += 1
+            lines.append(f"  {BAD} {decoder} -> {p}: {up}")
+            # a rank that never linked has no address in the link: the prefill's own report has it
+            eps = {r["rank"]: r for r in status_by_pod[p].get("ranks") or []}
+            for r in down:
+                ep = eps.get(r["rank"], {})
+                diag = link_failure(r["code"], f"{decoder} rank {r['rank']}", f"{p} rank {r['rank']}",
+                                    r.get("ip") or ep.get("ip", ""), r.get("port") or ep.get("port", 0), timeout_ms)
+                lines.append(f"{SUB}rank {r['rank']} {r['code']} ({diag.reason}): {diag.message}")
+        elif not link.get("healthy", True):
+            failures += 1
+            diag = link_failure(link["code"], decoder, p, link.get("ip", ""), link.get("port", 0), timeout_ms)
+            lines.append(f"  {BAD} {decoder} -> {p}: {link['code']} ({diag.reason}): {diag.message}")
+        else:
+            lines.append(f"  {OK} {decoder} -> {p}: {link['code']}")
+    return failures, lines
+
+
+def probe_peer(member: dict, agent_status: dict) -> dict:
+    """The prefill as a verify request's peer. A multi-rank decoder pairs its rank r with the
+    peer's rank r, so a multi-rank prefill lists its ranks as its agent reports them (the
+    operator's placeholders for a rank without an address, so the rank fails, not the call)."""
+    peer = {"name": member["pod"], "cluster_id": member["clusterId"], "ip": member["ip"], "port": member["port"],
+            "agent_url": f"http://{member['ip']}:{AGENT_PORT}"}
+    ranks = agent_status.get("ranks") or []
+    if agent_status.get("tensor_parallel", 1) > 1 and ranks:
+        peer["ranks"] = [{"rank": r["rank"], "cluster_id": r["cluster_id"], "ip": r.get("ip") or "0.0.0.0",
+                          "port": r.get("port") or 1} for r in sorted(ranks, key=lambda r: r["rank"])]
+    return peer
+
+
+def format_probe(decoder: str, prefill: str, code: int, r: dict | str, model_id: int) -> tuple[bool, list[str]]:
+    """A decoder's probe pull (the agent's /v1/verify answer): (ok, lines); a multi-rank pull
+    adds a line per rank pair, a failing one with its diagnosis."""
+    body = r if code == 200 and isinstance(r, dict) else {}
+    ranks = body.get("ranks") or []
+    if ranks:
+        ok = bool(body.get("ok")) and all(x["ok"] for x in ranks)
+        lines = [f"  {OK} {decoder} <- {prefill}: {len(ranks)} rank pairs, {body['bytes']} bytes in "
+                 f"{body['pull_ms']:.2f} ms, bytes match" if ok else
+                 f"  {BAD} {decoder} <- {prefill}: {sum(1 for x in ranks if x['ok'])}/{len(ranks)} rank pairs "
+                 f"pulled the probe"]
+        for x in ranks:
+            if x["ok"]:
+                lines.append(f"{SUB}rank {x['rank']}: {x['bytes']} bytes in {x['pull_ms']:.2f} ms")
+            else:
+                diag = verify_failure(x["code"], f"{decoder} rank {x['rank']}", f"{prefill} rank {x['rank']}",
+                                      x.get("message", ""), model_id)
+                lines.append(f"{SUB}rank {x['rank']} {x['code']} ({diag.reason}): {diag.message}")
+        return ok, lines
+    if body.get("ok"):
+        return True, [f"  {OK} {decoder} <- {prefill}: {body['bytes']} bytes in {body['pull_ms']:.2f} ms, bytes match"]
+    rc = r.get("code", str(code)) if isinstance(r, dict) else str(code)
+    diag = verify_failure(rc, decoder, prefill, r.get("message", "") if isinstance(r, dict) else str(r), model_id)
+    return False, [f"  {BAD} {decoder} <- {prefill}: {rc} ({diag.reason}): {diag.message}"]
+
+
+def format_ranks(agent_status: dict | None, summary: dict | None = None, last_error: str = "") -> list[str]:
+    """Lines under a pod's status row: a multi-rank pod's TP, where its device IPs came from and
+    a line per rank (only the member's rank summary when its agent did not answer); any pod's
+    device IP error unless its lastError already says it. Nothing for a healthy single-rank pod."""
+    a, summary = agent_status or {}, summary or {}
+    ranks = sorted(a.get("ranks") or [], key=lambda r: r["rank"])
+    tp = a.get("tensor_parallel") or summary.get("tensorParallel") or 1
+    lines = []
+    if ranks or tp > 1:
+        init = sum(1 for r in ranks if r.get("initialized")) if ranks else summary.get("initialized", "?")
+        src = a.get("device_ips") or summary.get("deviceIps") or ""
+        lines.append(f"    TP {tp}: {init}/{tp} ranks initialised, device IPs from "
+                     f"{DEVICE_IP_SOURCES.get(src, src or 'nowhere yet')}")
+        for r in ranks:
+            dev = r.get("device_id")
+            state = "initialised" if r.get("initialized") else \
+                "not registered" if not r.get("registered", True) else "not initialised"
+            lines.append(f"      rank {r['rank']:<3} cluster {r['cluster_id']:<8} "
+                         f"device {'-' if dev is None else dev!s:<3} "
+                         f"{(r.get('ip') or '?') + ':' + str(r.get('port') or '?'):21} {state}"
+                         + (f": {r['last_error']}" if r.get("last_error") else ""))
+    err = a.get("device_error")
+    if err and err not in last_error:
+        lines.append(f"    DeviceIPUnknown: {err}")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:
