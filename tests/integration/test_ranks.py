@@ -75,11 +75,11 @@ def test_tp4_ranks_on_device_ips_link_rank_to_rank_and_verify(cluster: Cluster, 
         seen.update(pdd(cluster, ns, NAME)["status"].get("lastVerified", {}).get("paths", []))
         return {f"{NAME}-decoder-{d} <- {NAME}-prefill-{p} ({TP} rank pairs)" for d in (0, 1) for p in (0, 1)} <= seen
     wait_for("every decoder/prefill pair verified at every rank", all_pairs, timeout=60, interval=1)
-    res = agent_post(cluster, ns, f"{NAME}-decoder-1", "/v1/verify", {"peer": {
-        "name": f"{NAME}-prefill-0", "cluster_id": 0, "ip": status[f"{NAME}-prefill-0"]["ip"], "port": 26000,
-        "agent_url": f"http://{cluster.get_json('pod', f'{NAME}-prefill-0', '-n', ns)['status']['podIP']}:8080",
-        "ranks": [{k: x[k] for k in ("rank", "cluster_id", "ip", "port")} for x in status[f"{NAME}-prefill-0"]["ranks"]]}},
-        name=NAME)
+    p0 = status[f"{NAME}-prefill-0"]
+    p0_url = f"http://{cluster.get_json('pod', f'{NAME}-prefill-0', '-n', ns)['status']['podIP']}:8080"
+    peer = {"name": f"{NAME}-prefill-0", "cluster_id": 0, "ip": p0["ip"], "port": 26000, "agent_url": p0_url,
+            "ranks": [{k: x[k] for k in ("rank", "cluster_id", "ip", "port")} for x in p0["ranks"]]}
+    res = agent_post(cluster, ns, f"{NAME}-decoder-1", "/v1/verify", {"peer": peer}, name=NAME)
     assert res["ok"] and [x["rank"] for x in res["ranks"]] == [0, 1, 2, 3] and all(x["ok"] for x in res["ranks"])
 
     # a pod whose annotation lacks one rank's device: the condition names the pod and the rank; the others link
