@@ -51,6 +51,13 @@ class Proxy:
     async def close(self) -> None:
         await self._direct.aclose()
 
+    async def pod_ip(self, pod: str) -> str:
+        """The pod's IP: where its agent listens (its engines may listen on device IPs)."""
+        if pod not in self._ips:
+            p = await self.kube.get("v1", "Pod", self.ns, pod)
+            self._ips[pod] = ((p or {}).get("status") or {}).get("podIP", "")
+        return self._ips[pod]
+
     async def call(self, method: str, pod: str, port: int, path: str, headers: dict | None = None,
                    body: dict | None = None, timeout: float = 30) -> tuple[int, dict | str]:
         if self.via != "direct":
@@ -61,12 +68,9 @@ class Proxy:
             self.out(f"      (the API server does not proxy to {pod}'s address, a loopback or link-local IP: "
                      f"calling the pods directly)")
             self.via = "direct"
-        if pod not in self._ips:
-            p = await self.kube.get("v1", "Pod", self.ns, pod)
-            self._ips[pod] = ((p or {}).get("status") or {}).get("podIP", "")
+        url = f"http://{await self.pod_ip(pod)}:{port}{path}"
         try:
-            r = await self._direct.request(method, f"http://{self._ips[pod]}:{port}{path}", headers=headers or {},
-                                           json=body, timeout=timeout)
+            r = await self._direct.request(method, url, headers=headers or {}, json=body, timeout=timeout)
         except httpx.HTTPError as e:
             return 0, f"{type(e).__name__}: {e}"
         return _decoded(r)
@@ -139,7 +143,7 @@ async def _verify(kube: Kube, px: Proxy, obj: dict, ns: str, name: str, control:
             continue
         p = prefills[i % len(prefills)]
         code, r = await px.call("POST", d["pod"], AGENT_PORT, "/v1/verify", hdr,
-                                {"peer": probe_peer(p, statuses[p["pod"]])})
+                                {"peer": probe_peer(p, statuses[p["pod"]], await px.pod_ip(p["pod"]))})
         ok, lines = format_probe(d["pod"], p["pod"], code, r, spec.get("model", {}).get("modelId", 0))
         failures += not ok
         for line in lines:
@@ -274,12 +278,13 @@ def format_links(decoder: str, status_by_pod: dict[str, dict], timeout_ms: int =
     return failures, lines
 
 
-def probe_peer(member: dict, agent_status: dict) -> dict:
-    """The prefill as a verify request's peer. A multi-rank decoder pairs its rank r with the
-    peer's rank r, so a multi-rank prefill lists its ranks as its agent reports them (the
-    operator's placeholders for a rank without an address, so the rank fails, not the call)."""
+def probe_peer(member: dict, agent_status: dict, pod_ip: str | None = None) -> dict:
+    """The prefill as a verify request's peer: its engine's address (a device IP on NPUs) and its
+    agent's (the pod IP). A multi-rank decoder pairs its rank r with the peer's rank r, so a
+    multi-rank prefill lists its ranks as its agent reports them (the operator's placeholders for a
+    rank without an address, so the rank fails, not the call)."""
     peer = {"name": member["pod"], "cluster_id": member["clusterId"], "ip": member["ip"], "port": member["port"],
-            "agent_url": f"http://{member['ip']}:{AGENT_PORT}"}
+            "agent_url": f"http://{pod_ip or member['ip']}:{AGENT_PORT}"}
     ranks = agent_status.get("ranks") or []
     if agent_status.get("tensor_parallel", 1) > 1 and ranks:
         peer["ranks"] = [{"rank": r["rank"], "cluster_id": r["cluster_id"], "ip": r.get("ip") or "0.0.0.0",

@@ -11,6 +11,7 @@ import pytest
 
 from tests.conftest import Cluster, wait_for
 from tests.integration.conftest import agent_post, agent_status, condition, pdd, sample, wait_phase
+from tests.integration.test_gateway import kubectl_pdd
 
 pytestmark = pytest.mark.integration
 NAME = "tp4"
@@ -81,6 +82,15 @@ def test_tp4_ranks_on_device_ips_link_rank_to_rank_and_verify(cluster: Cluster, 
             "ranks": [{k: x[k] for k in ("rank", "cluster_id", "ip", "port")} for x in p0["ranks"]]}
     res = agent_post(cluster, ns, f"{NAME}-decoder-1", "/v1/verify", {"peer": peer}, name=NAME)
     assert res["ok"] and [x["rank"] for x in res["ranks"]] == [0, 1, 2, 3] and all(x["ok"] for x in res["ranks"])
+
+    # kubectl pdd: link and probe per rank pair, each rank's device IP
+    r = kubectl_pdd(cluster, "verify", NAME, "-n", ns)
+    assert r.returncode == 0 and r.stdout.count("4/4 ranks up") == 4, r.stdout + r.stderr
+    assert r.stdout.count("4 rank pairs") == 2 and "bytes match" in r.stdout, r.stdout
+    r = kubectl_pdd(cluster, "status", NAME, "-n", ns)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for rank in status[f"{NAME}-prefill-1"]["ranks"]:
+        assert f"{rank['ip']}:{rank['port']}" in r.stdout, r.stdout
 
     # a pod whose annotation lacks one rank's device: the condition names the pod and the rank; the others link
     broken = f"{NAME}-prefill-1"
