@@ -84,8 +84,8 @@ bench-sim: venv ## KV pull throughput over loopback and agent API latency
 bench-links: venv k8s-bins ## pods Ready -> links up + KV path verified (2P2D .. 64P64D, and 4P4D at TP 8), idle agent calls and CPU
 	$(PY) bench/bench_links.py
 
-bench-switch: venv k8s-bins ## one live role switch per direction under load: control-plane cost and drain time
-	$(PY) bench/bench_switch.py
+bench-switch: venv k8s-bins ## one live role switch per direction under load (one engine, then an instance of 8 ranks): control-plane cost and drain time
+	$(PY) bench/bench_switch.py && $(PY) bench/bench_switch.py --tp 8 --switches 3
 
 bench-gateway: venv ## latency pd-gateway adds per request, and requests/s it routes on one core
 	$(PY) bench/bench_gateway.py

@@ -5,8 +5,10 @@ requests while the prefill count goes 2 -> 3 -> 2 again and again. For each swit
 operator's own record (status.lastSwitch) gives the drain time and the total; the
 control-plane cost is the total without the drain (unlink, switch_role, relink, KV-path
 check, undrain, and the passes between them). Goal: control-plane cost <= 0.5 s.
+`--tp 8` runs instances of 8 tensor-parallel ranks (one engine each, on the local device plugin's
+device IPs): a switch moves all 8 engines of the instance.
 
-    python bench/bench_switch.py [--switches 5] [--rate 7] [--workload code] [--max-output 32]"""
+    python bench/bench_switch.py [--switches 5] [--rate 7] [--workload code] [--max-output 32] [--tp 1]"""
 from __future__ import annotations
 
 import argparse
@@ -35,6 +37,7 @@ def main() -> None:
     ap.add_argument("--workload", default="code")
     ap.add_argument("--max-output", type=int, default=32)
     ap.add_argument("--time-scale", type=float, default=0.5, help="the simulator's time scale")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per instance")
     args = ap.parse_args()
     bench = Bench()
     ns = f"bench-switch-{uuid.uuid4().hex[:6]}"
@@ -48,8 +51,14 @@ def main() -> None:
         doc["spec"]["model"]["kvCache"]["maxSeqLen"] = 2048
         doc["spec"]["sim"] = {"timeScale": args.time_scale}
         doc["spec"]["rebalance"] = {"policy": "Manual", "manual": {"prefill": 2}, "cooldownSeconds": 0}
+        tp = args.tp
+        doc["spec"]["model"]["kvCache"]["tensorParallel"] = tp
+        if tp > 1:
+            doc["spec"]["model"]["kvCache"]["numKvHeads"] = max(tp, doc["spec"]["model"]["kvCache"]["numKvHeads"])
+            for g in ("prefill", "decoder"):
+                doc["spec"][g]["resources"] = {"limits": {"huawei.com/Ascend910": tp}}
         bench.custom.create_namespaced_custom_object("pdoperator.io", "v1alpha1", ns, "pddeployments", doc)
-        wait(bench, ns, lambda st: st.get("phase") == "Ready" and st.get("linksSummary") == "4/4", 180)
+        wait(bench, ns, lambda st: st.get("phase") == "Ready" and st.get("linksSummary") == f"{4 * tp}/{4 * tp}", 300)
         token = base64.b64decode(bench.core.read_namespaced_secret("sim-small-agent-token", ns).data["token"]).decode()
         load = subprocess.Popen(
             [sys.executable, "-m", "pd_agent.loadgen", "--kubeconfig", bench.kubeconfig, "--namespace", ns,
@@ -59,7 +68,8 @@ def main() -> None:
         time.sleep(3)
         last_at = None
         for i in range(2 * args.switches):
-            target, to, links = (3, "prefill", "3/3") if i % 2 == 0 else (2, "decoder", "4/4")
+            target, to, n = (3, "prefill", 3 * tp) if i % 2 == 0 else (2, "decoder", 4 * tp)
+            links = f"{n}/{n}"
             t0 = time.monotonic()
             bench.custom.patch_namespaced_custom_object(
                 "pdoperator.io", "v1alpha1", ns, "pddeployments", "sim-small",
@@ -88,7 +98,8 @@ def main() -> None:
         op.wait(20)
         bench.core.delete_namespace(ns)
         bench.close()
-    print(f"\nload during the switches: {args.rate} req/s {args.workload}: {summary['requests']} requests, "
+    print(f"\nTP {args.tp}; load during the switches: {args.rate} req/s {args.workload}: "
+          f"{summary['requests']} requests, "
           f"{summary['completed']} completed, {summary['failed']} failed {summary['failed_by_reason'] or ''}, "
           f"{summary['retried']} retried elsewhere {summary['refused_by_reason'] or ''}; "
           f"TTFT p90 {summary['ttft_ms']['p90']:.0f} ms")

@@ -115,6 +115,8 @@ class DrainResult(_Reply):
 class PrefillRequest(_Body):
     req_id: int = Field(ge=0, lt=2**64)
     prompt_tokens: int = Field(gt=0)
+    admitted: bool = Field(default=False, description="set by a multi-rank pod's agent for its ranks: the "
+                           "instance took the request on, so a rank finishes its part even while draining")
 
 
 class PrefillResponse(_Reply):
@@ -135,6 +137,25 @@ class DecodeRequest(_Body):
     stream: bool = Field(default=False, description="NDJSON, a line per token as it is produced")
     prefill_ms: float | None = Field(default=None, ge=0, description="the prefill's queue and compute time, "
                                      "so the decoder records the request's whole TTFT")
+    kv_pulled_ms: float | None = Field(default=None, ge=0, description="set by a multi-rank pod's agent: every "
+                                       "rank already pulled its shard (this long); do not pull again")
+    admitted: bool = Field(default=False, description="set by a multi-rank pod's agent for its ranks: the "
+                           "instance took the request on, so a rank finishes its part even while draining")
+
+
+class PullRequest(_Body):
+    """A multi-rank decoder pod's agent -> each rank: pull this request's KV shard (before the
+    decode, so the first token waits for the slowest rank's pull)."""
+    req_id: int = Field(ge=0, lt=2**64)
+    prompt_cluster_id: int = Field(ge=0, lt=2**64, description="the prefill rank this rank pulls from")
+    prompt_agent_url: str | None = None
+    prompt_tokens: int = Field(gt=0)
+    admitted: bool = Field(default=False, description="set by a multi-rank pod's agent for its ranks: the "
+                           "instance took the request on, so a rank finishes its part even while draining")
+
+
+class PullResponse(_Reply):
+    pull_ms: float
 
 
 class DecodeResponse(_Reply):
@@ -151,6 +172,8 @@ class NotifyRequest(_Body):
     decoder_cluster_id: int = Field(ge=0, lt=2**64)
     pulled: list[int] = Field(default_factory=list, description="req_ids whose KV cache was pulled")
     linked: bool | None = Field(default=None, description="True: linked to you; False: unlinked you")
+    released: list[int] = Field(default_factory=list, description="req_ids whose cache no decoder rank will "
+                                "pull from you (a decoder of smaller TP reads another rank's copy): free them")
 
 
 class FaultsRequest(_Body):
@@ -158,6 +181,9 @@ class FaultsRequest(_Body):
     link_delay_ms: int | None = Field(default=None, ge=0)
     pull_delay_ms: int | None = Field(default=None, ge=0)
     pull_fail: bool | None = None
+    refuse_switch: bool | None = Field(default=None, description="switch_role is refused (LLM_FEATURE_NOT_ENABLED)")
+    switch_crash_after_ranks: int | None = Field(default=None, ge=0, description="a multi-rank pod's agent: switch "
+                                                 "ranks one by one and crash after this many switched")
     crash: bool = False
 
 

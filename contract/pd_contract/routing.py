@@ -26,8 +26,10 @@ log = logging.getLogger("pd_routing")
 # a decoder that sends no token for this long has failed the request (a hung or stopped peer
 # must not hold a client forever)
 TOKEN_GAP_TIMEOUT_S = 120.0
-RETRYABLE = frozenset({"DRAINING", "ROLE_CHANGED", "ConnectError", "ConnectTimeout", "RemoteProtocolError",
-                       "ReadError", "NoLinkedPair"})
+# NOT_LINKED: the decoder has no (healthy) link to that prefill any more and pulled nothing, so
+# another decoder linked to it can take the request
+RETRYABLE = frozenset({"DRAINING", "ROLE_CHANGED", "NOT_LINKED", "ConnectError", "ConnectTimeout",
+                       "RemoteProtocolError", "ReadError", "NoLinkedPair"})
 
 
 class Unavailable(Exception):

@@ -111,9 +111,12 @@ def _stale(link: dict, target: Engine) -> bool:
     """The peer moved (an address, or a rank's) or restarted since the link was made."""
     if link.get("ip") != target.ip or link.get("port") != target.port:
         return True
-    if link.get("ranks") and target.ranks and \
-            [(r["ip"], r["port"]) for r in link["ranks"]] != [(ip, port) for _, ip, port in target.ranks]:
-        return True
+    if link.get("ranks") and target.ranks:
+        # each rank link against the peer rank it pairs with (by cluster id: any TP mapping)
+        at = {cid: (ip, port) for cid, ip, port in target.ranks}
+        if any(at.get(r["cluster_id"]) != (r.get("ip"), r.get("port")) for r in link["ranks"]
+               if r.get("healthy", True) and r.get("code") not in BROKEN_CODES):
+            return True
     seen = link.get("peer_boot_id")
     return bool(seen and target.boot_id and seen != target.boot_id)
 
@@ -124,18 +127,18 @@ def broken(link: dict, target: Engine) -> bool:
     return _engine_says_broken(link) or _stale(link, target)
 
 
-def rank_links(target: Engine) -> int:
-    """Rank links a pod link to `target` stands for (rank r links rank r)."""
-    return max(1, target.tp)
+def rank_links(decoder: Engine) -> int:
+    """Rank links a decoder's pod link stands for: each of its ranks links one prefill rank."""
+    return max(1, decoder.tp)
 
 
-def ranks_up(link: dict, target: Engine) -> int:
+def ranks_up(link: dict, decoder: Engine, target: Engine) -> int:
     """Rank links up within a reported pod link."""
     if _stale(link, target):
         return 0
     if link.get("ranks"):
         return sum(1 for r in link["ranks"] if r.get("healthy", True) and r.get("code") not in BROKEN_CODES)
-    return 0 if _engine_says_broken(link) else rank_links(target)
+    return 0 if _engine_says_broken(link) else rank_links(decoder)
 
 
 def compatible(d: Engine, p: Engine) -> bool:
@@ -208,7 +211,9 @@ def per_decoder(engines: list[Engine], reported: dict[str, list[dict]],
     """decoder -> (expected, up, reported links that are down), over desired links, counted in
     rank links (a pod link between TP-rank pods is TP rank links)."""
     out = {}
+    by_pod = {e.pod: e for e in engines}
     for dpod, peers in desired(engines, topology).items():
+        d = by_pod[dpod]
         have = {l["cluster_id"]: l for l in reported.get(dpod, [])}
         up, down = 0, []
         for e in peers:
@@ -217,8 +222,8 @@ def per_decoder(engines: list[Engine], reported: dict[str, list[dict]],
                 continue
             if broken(link, e):
                 down.append(link)
-            up += ranks_up(link, e)
-        out[dpod] = (sum(rank_links(e) for e in peers), up, down)
+            up += ranks_up(link, d, e)
+        out[dpod] = (rank_links(d) * len(peers), up, down)
     return out
 
 

@@ -650,6 +650,8 @@ class LLMDataDist:
         raise_if(role is self.role, C.LLM_PARAM_INVALID, f"engine is already {role.name}")
         raise_if(not self.enable_switch_role, C.LLM_FEATURE_NOT_ENABLED,
                  "switch_role needs llm.EnableSwitchRole=1 at init")
+        raise_if(_faults.current().refuse_switch, C.LLM_FEATURE_NOT_ENABLED,
+                 "switch_role refused (simulator fault refuse_switch)")
         incoming = len(self._server.conns) if self._server else 0
         raise_if(bool(self._links) or incoming > 0, C.LLM_EXIST_LINK,
                  f"unlink every cluster first ({len(self._links) + incoming} links open)")

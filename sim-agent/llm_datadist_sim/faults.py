@@ -17,6 +17,7 @@ class Faults:
     pull_delay_ms: int = 0       # the prompt side answers a pull this late
     unlink_delay_ms: int = 0     # the prompt side lets go of a decoder that unlinks this late (a busy host)
     pull_fail: bool = False      # the prompt side answers pulls with LLM_FAILED
+    refuse_switch: bool = False  # switch_role answers LLM_FEATURE_NOT_ENABLED (an engine that cannot switch)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "Faults":

@@ -377,6 +377,13 @@ class AgentCore:
     def notify(self, req: NotifyRequest) -> None:
         for req_id in req.pulled:
             self.kv_pending.pop(req_id, None)
+        for req_id in req.released:   # nobody pulls this copy: free it now rather than at its TTL
+            if self.kv_pending.pop(req_id, None) is not None and self.initialized:
+                try:
+                    self.engine.kv_cache_manager.remove_cache_key(
+                        self.llm.CacheKey(self.id.cluster_id, req_id, self.id.model_id))
+                except Exception:  # noqa: BLE001 - already gone
+                    pass
         if req.linked is True:
             self.linked_by.add(req.decoder_cluster_id)
         elif req.linked is False:
@@ -394,8 +401,10 @@ class AgentCore:
 
     # ---- drain ------------------------------------------------------------------------------
     def in_flight(self) -> tuple[int, int]:
+        """Requests being served (a streamed answer counts until its last line is written, so a
+        drain that ends the process never cuts a response short), and KV caches not yet pulled."""
         inf = self.inference
-        return (inf.in_flight if inf else 0), self.pending_kv()
+        return (inf.in_flight + inf.responding if inf else 0), self.pending_kv()
 
     async def drain(self, timeout_s: float) -> DrainResult:
         """Stop taking requests, then wait for in-flight work and un-pulled KV caches."""

@@ -24,6 +24,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -33,6 +34,8 @@ from pydantic import BaseModel
 
 from pd_contract.agent_api import (
     AgentStatus,
+    DecodeRequest,
+    DecodeResponse,
     DrainRequest,
     DrainResult,
     FaultsRequest,
@@ -40,7 +43,12 @@ from pd_contract.agent_api import (
     LinkResult,
     LinkState,
     Load,
+    NotifyRequest,
     Peer,
+    PrefillRequest,
+    PrefillResponse,
+    PullRequest,
+    PullResponse,
     RankInfo,
     RankLinkState,
     RankVerify,
@@ -61,6 +69,8 @@ from .server import METRICS, _body, _error, _json, auth_middleware, error_middle
 log = logging.getLogger("pd_agent.front")
 FRONT = web.AppKey("front", object)
 RANK_CALL_S = 10.0
+SERVE_S = 600.0     # a prefill or decode on a rank: as long as its queue and output take
+PULL_TRIES = 3
 DEVICE_RETRY_S = 2.0
 
 
@@ -80,6 +90,18 @@ def rank_env(env: dict[str, str], devices: Devices, rank: int, register_url: str
     if d.device_id is not None:
         out["PD_DEVICE_ID"] = str(d.device_id)
     return out
+
+
+def rank_map(local_tp: int, peer_tp: int, r: int) -> int:
+    """The peer rank this pod's rank r links and pulls from. Equal TP: rank r. One TP a multiple
+    k of the other (MLA: every rank holds the whole latent): a decoder of smaller TP reads every
+    k-th prefill rank (r x k); a decoder of larger TP shares prefill rank r // k among k ranks."""
+    if peer_tp == local_tp:
+        return r
+    if max(local_tp, peer_tp) % min(local_tp, peer_tp):
+        raise AgentError("LLM_PARAM_INVALID", f"tensor parallelism {local_tp} and a peer's {peer_tp}: one must "
+                                              f"divide the other for ranks to be paired", 400)
+    return r * (peer_tp // local_tp) if peer_tp > local_tp else r // (local_tp // peer_tp)
 
 
 @dataclass
@@ -103,8 +125,12 @@ class Front:
         self.device_error = ""
         self.procs: dict[int, asyncio.subprocess.Process] = {}
         self.terminating = False
+        self.draining = False     # the instance refuses new requests (its ranks are told too)
+        self.serving = 0          # decodes the instance took on and has not answered yet
         self.failed = asyncio.Event()      # a rank process died: the pod restarts whole
         self.external = self.env.get("PD_RANKS_EXTERNAL", "").lower() in ("1", "true", "yes")
+        self.peer_tps: dict[str, int] = {}  # peer pod -> its TP, as linked
+        self.faults: dict[str, int] = {}    # the agent's own fault points (the simulator's are the ranks')
 
     # ---- ranks -------------------------------------------------------------------------------
     def _headers(self) -> dict[str, str]:
@@ -221,22 +247,26 @@ class Front:
                                   device_id=d.device_id if d else None, ip=(s.ip if s else (d.ip if d else "")) or "",
                                   port=s.port if s else (d.port if d else 0), initialized=bool(s and s.initialized),
                                   registered=rk.url is not None, last_error=rk.error))
-        load = Load()
+        live = [s for s in sts.values() if s is not None]
+        load = Load(in_flight=self.serving)
         for s in sts.values():
             if s is None:
                 continue
             for k in ("queue_depth", "running", "decode_queue", "in_flight", "pending_kv", "kv_used_bytes",
                       "kv_capacity_bytes", "completed", "failed"):
                 setattr(load, k, getattr(load, k) + getattr(s.load, k))
-        live = [s for s in sts.values() if s is not None]
         last_error = self.device_error or next((f"rank {r}: {rk.error}" for r, rk in sorted(self.ranks.items())
                                                 if rk.error), "")
+        roles = {s.role for s in live}
+        # ranks in different roles (a switch cut short): the role the pod started in, so the switch is repeated
+        role = roles.pop() if len(roles) == 1 else self.id.role
         return AgentStatus(
-            pod=self.id.pod, role=first.role if first else self.id.role, cluster_id=self.id.cluster_id,
+            pod=self.id.pod, role=role, cluster_id=self.id.cluster_id,
             boot_id=self.boot_id, backend=self.id.backend, initialized=self.initialized,
             ip=infos[0].ip, port=infos[0].port, model_id=self.id.model_id, links=self._links(),
             incoming=first.incoming if first else [], load=load,
-            draining=any(s.draining for s in live), terminating=self.terminating or any(s.terminating for s in live),
+            draining=self.draining or any(s.draining for s in live),
+            terminating=self.terminating or any(s.terminating for s in live),
             switchable=all(s.switchable for s in live) if live else self.id.switchable,
             proxy_env=proxy_environment(), memory_scale=first.memory_scale if first else 1,
             cache_desc=first.cache_desc if first else self.id.cache_desc, last_error=last_error,
@@ -253,7 +283,7 @@ class Front:
         for name, per in sorted(by_peer.items()):
             any_link = per.get(0) or next(iter(per.values()))
             anchor_rank = 0 if 0 in per else min(per)
-            base_cid = any_link.cluster_id - anchor_rank
+            base_cid = any_link.cluster_id - anchor_rank   # rank 0 pairs with the peer's rank 0 at any TP
             ranks = []
             for r in range(self.tp):
                 link = per.get(r)
@@ -273,15 +303,19 @@ class Front:
 
     # ---- operations -------------------------------------------------------------------------------
     def _rank_peer(self, p: Peer, r: int) -> Peer:
-        if not p.ranks or len(p.ranks) != self.tp:
-            raise AgentError("LLM_PARAM_INVALID", f"peer {p.name} has {len(p.ranks or []) or 1} rank(s) and this "
-                                                  f"pod {self.tp}: rank-matched links need equal tensor parallelism",
-                             400)
-        ep = p.ranks[r]
+        """The peer engine this pod's rank r pairs with (rank_map), as that rank's own peer."""
+        if not p.ranks:   # a single-rank pod: every rank pairs with its one engine
+            rank_map(self.tp, 1, r)
+            return Peer(name=p.name, cluster_id=p.cluster_id, ip=p.ip, port=p.port, boot_id=p.boot_id,
+                        agent_url=p.agent_url)
+        j = rank_map(self.tp, len(p.ranks), r)
+        ep = p.ranks[j]
         return Peer(name=p.name, cluster_id=ep.cluster_id, ip=ep.ip, port=ep.port, boot_id=p.boot_id,
-                    agent_url=f"{p.agent_url.rstrip('/')}/r/{r}" if p.agent_url else None)
+                    agent_url=f"{p.agent_url.rstrip('/')}/r/{j}" if p.agent_url else None)
 
     async def link(self, req: LinkRequest) -> LinkResult:
+        for p in req.peers:
+            self.peer_tps[p.name] = len(p.ranks) if p.ranks else 1
         bodies = {r: LinkRequest(peers=[self._rank_peer(p, r) for p in req.peers], timeout_ms=req.timeout_ms)
                   for r in range(self.tp)}
         return self._combine(req.peers, await self.each("POST", "/v1/link", bodies,  # type: ignore[arg-type]
@@ -296,11 +330,11 @@ class Front:
             known = {l.name: l for l in (rk.status.links if rk.status else [])}
             peers = []
             for p in req.peers:
-                if p.ranks and len(p.ranks) == self.tp:
-                    peers.append(self._rank_peer(p, r))
-                elif p.name in known:
+                if p.name in known:
                     l = known[p.name]
                     peers.append(Peer(name=p.name, cluster_id=l.cluster_id, ip=l.ip or "0.0.0.0", port=l.port or 1))
+                elif p.ranks:
+                    peers.append(self._rank_peer(p, r))
             if peers:
                 bodies[r] = UnlinkRequest(peers=peers, timeout_ms=req.timeout_ms, force=req.force)
         if not bodies:
@@ -343,16 +377,178 @@ class Front:
                             pull_ms=max((x.pull_ms for x in results), default=0), ranks=list(results))
 
     async def drain(self, timeout_s: float) -> DrainResult:
+        self.draining = True    # the instance refuses new work first; its ranks finish what it took on
         res = [DrainResult.model_validate(x) for x in await self.each(
             "POST", "/v1/drain", {r: DrainRequest(timeout_s=timeout_s) for r in range(self.tp)},
             timeout=timeout_s + RANK_CALL_S)]
-        return DrainResult(draining=True, in_flight=sum(x.in_flight for x in res),
-                           pending_kv=sum(x.pending_kv for x in res), drained=all(x.drained for x in res))
+        return DrainResult(draining=True, in_flight=sum(x.in_flight for x in res) + self.serving,
+                           pending_kv=sum(x.pending_kv for x in res),
+                           drained=all(x.drained for x in res) and not self.serving)
 
     async def undrain(self) -> DrainResult:
         res = [DrainResult.model_validate(x) for x in await self.each("POST", "/v1/undrain")]
+        self.draining = False
         return DrainResult(draining=False, in_flight=sum(x.in_flight for x in res),
                            pending_kv=sum(x.pending_kv for x in res), drained=False)
+
+    # ---- serving --------------------------------------------------------------------------------
+    def _admit(self, role: str) -> None:
+        """The instance takes a request on or refuses it whole, before any rank does any of it:
+        a rank refusing half-way would leave shards pulled that another decoder then misses."""
+        if self.draining or self.terminating:
+            raise AgentError("DRAINING", f"{self.id.pod} is draining; send the request elsewhere", 503)
+        st = {rk.status.role for rk in self.ranks.values() if rk.status}
+        if st and st != {role}:
+            raise AgentError("ROLE_CHANGED", f"{self.id.pod} now serves as {'/'.join(sorted(st))}; send the "
+                             f"{'prefill' if role == 'prompt' else 'decode'} elsewhere", 503)
+
+    async def prefill(self, req: PrefillRequest) -> PrefillResponse:
+        """Every rank computes its shard and leaves it under its own CacheKey; a rank that fails
+        frees the shards the others made."""
+        self._admit("prompt")
+        req = req.model_copy(update={"admitted": True})
+        res = await asyncio.gather(*(self.call(r, "POST", "/v1/prefill", req, timeout=SERVE_S)
+                                     for r in range(self.tp)), return_exceptions=True)
+        failed = next((x for x in res if isinstance(x, BaseException)), None)
+        if failed is not None:
+            made = [r for r, x in enumerate(res) if not isinstance(x, BaseException)]
+            await asyncio.gather(*(self._release(r, req.req_id) for r in made), return_exceptions=True)
+            raise failed
+        out = [PrefillResponse.model_validate(x) for x in res]
+        return PrefillResponse(prompt_cluster_id=self.id.cluster_id, req_id=req.req_id, model_id=self.id.model_id,
+                               queue_ms=max(x.queue_ms for x in out), prefill_ms=max(x.prefill_ms for x in out))
+
+    async def _release(self, r: int, req_id: int, url: str | None = None) -> None:
+        body = NotifyRequest(decoder_cluster_id=self.id.cluster_id, released=[req_id])
+        if url is None:
+            await self.call(r, "POST", "/v1/notify", body)
+        else:
+            await self.http.post(f"{url}/v1/notify", json=body.model_dump(mode="json"), headers=self._headers(),
+                                 timeout=RANK_CALL_S)
+
+    async def _peer_link(self, prompt_cluster_id: int) -> LinkState:
+        for attempt in (0, 1):
+            link = next((x for x in self._links() if x.cluster_id == prompt_cluster_id), None)
+            if link is not None and link.healthy:
+                return link
+            if attempt == 0:
+                await self.refresh()
+        raise AgentError("NOT_LINKED", f"{self.id.pod} has no healthy link to the prefill with cluster id "
+                                       f"{prompt_cluster_id} at every rank; nothing was pulled", 503)
+
+    async def pull_all(self, req: DecodeRequest) -> float:
+        """Every rank pulls its shard from the prefill rank it pairs with, at once; a failed rank
+        pull is retried, then the request is refused before its first token (never half-served).
+        Returns the slowest pull's milliseconds."""
+        link = await self._peer_link(req.prompt_cluster_id)
+        assert link.ranks is not None
+        peer_tp = self._peer_tp(link)
+        base_url = req.prompt_agent_url.rstrip("/") if req.prompt_agent_url else None
+
+        async def one(r: int) -> float:
+            j = rank_map(self.tp, peer_tp, r)
+            body = PullRequest(req_id=req.req_id, prompt_cluster_id=link.ranks[r].cluster_id,
+                               prompt_agent_url=f"{base_url}/r/{j}" if base_url and peer_tp > 1 else base_url,
+                               prompt_tokens=req.prompt_tokens, admitted=True)
+            for attempt in range(PULL_TRIES):
+                try:
+                    return PullResponse.model_validate(await self.call(r, "POST", "/v1/pull", body,
+                                                                       timeout=SERVE_S)).pull_ms
+                except AgentError as e:
+                    if attempt == PULL_TRIES - 1 or e.status in (503,):
+                        raise AgentError(e.code, f"rank {r} pulling from prefill rank {j}: {e}", e.status) from None
+                    await asyncio.sleep(0.05 * (attempt + 1))
+            raise AssertionError("unreachable")
+        t0 = time.monotonic()
+        ms = await asyncio.gather(*(one(r) for r in range(self.tp)))
+        if peer_tp > self.tp and base_url:   # prefill ranks no rank of ours reads: their copies go now
+            read = {rank_map(self.tp, peer_tp, r) for r in range(self.tp)}
+            await asyncio.gather(*(self._release(j, req.req_id, f"{base_url}/r/{j}") for j in range(peer_tp)
+                                   if j not in read), return_exceptions=True)
+        return max(max(ms), (time.monotonic() - t0) * 1000)
+
+    def _peer_tp(self, link: LinkState) -> int:
+        """The peer pod's TP: as it was linked, else from the cluster ids our ranks paired with."""
+        if link.name in self.peer_tps:
+            return self.peer_tps[link.name]
+        if not link.ranks or len(link.ranks) < 2:
+            return 1 if self.tp == 1 else self.tp
+        step = link.ranks[1].cluster_id - link.ranks[0].cluster_id
+        if step == 0:     # our ranks share peer ranks: the peer has fewer
+            shared = sum(1 for x in link.ranks if x.cluster_id == link.ranks[0].cluster_id)
+            return max(1, self.tp // shared)
+        return self.tp * step
+
+    async def decode(self, request: web.Request) -> web.StreamResponse:
+        """Pull on every rank first, so the first token waits for the slowest rank's pull, then
+        decode on rank 0 (the step time is the instance's) and pass its answer or stream on."""
+        body = DecodeRequest.model_validate(await _body(request, DecodeRequest))
+        self._admit("decoder")
+        self.serving += 1
+        try:
+            return await self._decode(request, body)
+        finally:
+            self.serving -= 1
+
+    async def _decode(self, request: web.Request, body: DecodeRequest) -> web.StreamResponse:
+        pulled_ms = await self.pull_all(body)
+        rank0 = body.model_copy(update={"kv_pulled_ms": pulled_ms, "admitted": True})
+        url = f"{self.ranks[0].url}/v1/decode"
+        data = rank0.model_dump(mode="json", exclude_none=True)
+        if not body.stream:
+            return _json(DecodeResponse.model_validate(await self.call(0, "POST", "/v1/decode", rank0,
+                                                                       timeout=SERVE_S)))
+        async with self.http.stream("POST", url, json=data, headers=self._headers(),
+                                    timeout=httpx.Timeout(SERVE_S, connect=5)) as r:
+            if r.status_code != 200:
+                raw = await r.aread()
+                return web.Response(body=raw, status=r.status_code, content_type="application/json")
+            resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+            await resp.prepare(request)
+            async for chunk in r.aiter_raw():
+                await resp.write(chunk)
+            await resp.write_eof()
+            return resp
+
+    # ---- role switching ---------------------------------------------------------------------------
+    async def switch_role(self, req: SwitchRoleRequest) -> None:
+        """Every rank or none: a rank that refuses puts the ones already switched back, so the
+        pod stays whole in its old role. Repeating the call finishes a pod left part-way (each
+        rank's switch is idempotent)."""
+        crash_after = self.faults.get("switch_crash_after_ranks")
+        if crash_after is not None:   # a fault point: ranks one by one, the agent dies part-way
+            for r in range(self.tp):
+                if r == crash_after:
+                    log.warning("fault point: crashing after %d of %d ranks switched to %s", r, self.tp, req.role)
+                    self.crash()
+                await self.call(r, "POST", "/v1/switch_role", req, timeout=SERVE_S)
+            return
+        await self.refresh()
+        before = {r: rk.status.role for r, rk in self.ranks.items() if rk.status}
+        res = await asyncio.gather(*(self.call(r, "POST", "/v1/switch_role", req, timeout=SERVE_S)
+                                     for r in range(self.tp)), return_exceptions=True)
+        failed = [(r, x) for r, x in enumerate(res) if isinstance(x, BaseException)]
+        if not failed:
+            return
+        done = [r for r, x in enumerate(res) if not isinstance(x, BaseException) and before.get(r) != req.role]
+        for r in done:
+            try:
+                await self.call(r, "POST", "/v1/switch_role", SwitchRoleRequest(role=before[r]), timeout=SERVE_S)
+            except AgentError as e:
+                log.error("rank %d could not switch back to %s: %s", r, before[r], e)
+        r, err = failed[0]
+        if isinstance(err, AgentError):
+            why = str(err).removeprefix(f"rank {r}: ")
+            raise AgentError(err.code, f"rank {r} refused switch_role: {why}"
+                             + (f"; ranks {done} switched back to {before[done[0]]}" if done else ""), err.status)
+        raise err
+
+    def crash(self) -> None:
+        """The whole pod's agent dies at once, ranks included (a container crash)."""
+        for p in self.procs.values():
+            if p.returncode is None:
+                p.kill()
+        os._exit(137)
 
     async def proxy(self, request: web.Request) -> web.Response:
         """/r/<rank>/<path>: that rank's own API (the rank checks the token)."""
@@ -411,6 +607,13 @@ def build_front_app(front: Front, token: str | None, data_token: str | None = No
     async def fan(path: str, body: BaseModel | None) -> None:
         await front.each("POST", path, {r: body for r in range(front.tp)} if body is not None else None)
 
+    async def faults(body: FaultsRequest) -> None:
+        if body.switch_crash_after_ranks is not None:
+            front.faults["switch_crash_after_ranks"] = body.switch_crash_after_ranks
+        rest = body.model_dump(exclude_none=True, exclude={"switch_crash_after_ranks"})
+        if rest and rest != {"crash": False}:
+            await fan("/v1/admin/faults", FaultsRequest(**rest))
+
     async def faults_get(request: web.Request) -> web.Response:
         return web.json_response(await front.call(0, "GET", "/v1/admin/faults"))
 
@@ -422,11 +625,13 @@ def build_front_app(front: Front, token: str | None, data_token: str | None = No
         web.post("/v1/init", handler(None, lambda _: fan("/v1/init", None))),
         web.post("/v1/link", handler(LinkRequest, front.link)),
         web.post("/v1/unlink", handler(UnlinkRequest, front.unlink)),
-        web.post("/v1/switch_role", handler(SwitchRoleRequest, lambda b: fan("/v1/switch_role", b))),
+        web.post("/v1/switch_role", handler(SwitchRoleRequest, front.switch_role)),
+        web.post("/v1/prefill", handler(PrefillRequest, front.prefill)),
+        web.post("/v1/decode", front.decode),
         web.post("/v1/verify", handler(VerifyRequest, front.verify)),
         web.post("/v1/drain", handler(DrainRequest, lambda b: front.drain(b.timeout_s))),
         web.post("/v1/undrain", handler(None, lambda _: front.undrain())),
-        web.post("/v1/admin/faults", handler(FaultsRequest, lambda b: fan("/v1/admin/faults", b))),
+        web.post("/v1/admin/faults", handler(FaultsRequest, faults)),
         web.get("/v1/admin/faults", faults_get),
         web.route("*", "/r/{rank}/{tail:.*}", front.proxy),
     ])

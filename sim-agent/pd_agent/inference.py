@@ -8,7 +8,15 @@ import collections
 import time
 from dataclasses import dataclass, field
 
-from pd_contract.agent_api import DecodeRequest, DecodeResponse, Load, PrefillRequest, PrefillResponse
+from pd_contract.agent_api import (
+    DecodeRequest,
+    DecodeResponse,
+    Load,
+    PrefillRequest,
+    PrefillResponse,
+    PullRequest,
+    PullResponse,
+)
 from pd_contract.names import BROKEN_CODES
 
 from .core import AgentCore, AgentError, _code_name
@@ -58,6 +66,7 @@ class Inference:
         self.decode_wait: collections.deque[_Decode] = collections.deque()
         self.decode_running: list[_Decode] = []
         self.in_flight = 0
+        self.responding = 0     # streamed answers still being written (the HTTP layer counts them)
         self.completed = 0
         self.failed = 0
         self._ttft: collections.deque[tuple[float, float]] = collections.deque(maxlen=2000)
@@ -120,9 +129,11 @@ class Inference:
                     completed=self.completed, failed=self.failed, ttft_p90_ms=_p90(self._ttft, now),
                     tbt_p90_ms=_p90(self._tbt, now))
 
-    def _admit(self, role: str) -> None:
-        """Refusals here happen before any work, so the caller can send the request elsewhere."""
-        if self.core.initialized and self.core.draining:
+    def _admit(self, role: str, admitted: bool = False) -> None:
+        """Refusals here happen before any work, so the caller can send the request elsewhere.
+        `admitted`: a multi-rank pod's agent took the request on for the instance (it refuses for
+        the whole pod when draining); this rank's part must not be refused half-way."""
+        if self.core.initialized and self.core.draining and not admitted:
             self.m.failed.labels("draining").inc()
             raise AgentError("DRAINING", f"{self.core.id.pod} is draining; send the request elsewhere", 503)
         if self.core.initialized and self.core.role != role:
@@ -133,7 +144,7 @@ class Inference:
 
     # ---- prefill (prompt role) ----------------------------------------------------------------
     async def prefill(self, req: PrefillRequest) -> PrefillResponse:
-        self._admit("prompt")
+        self._admit("prompt", req.admitted)
         fut = asyncio.get_running_loop().create_future()
         self.in_flight += 1
         try:
@@ -178,33 +189,61 @@ class Inference:
             self._busy_since = None
 
     # ---- decode (decoder role) ----------------------------------------------------------------
-    async def decode(self, req: DecodeRequest, out: asyncio.Queue | None = None) -> DecodeResponse:
-        self._admit("decoder")
-        self.in_flight += 1
+    async def _pull(self, req: DecodeRequest | PullRequest) -> tuple[float, object]:
+        """Pull the request's KV cache (this rank's shard) over the link. Returns the pull's
+        milliseconds and the cache, which the caller frees once it is done with it."""
         mgr = self.core.engine.kv_cache_manager
         llm = self.core.llm
+        t0 = time.monotonic()
+        n = min(req.prompt_tokens, self.max_seq)
+        cache = await asyncio.to_thread(mgr.allocate_cache, self.core.desc(batch=1, seq=n))
+        try:
+            key = llm.CacheKey(req.prompt_cluster_id, req.req_id, self.core.id.model_id)
+            await asyncio.to_thread(mgr.pull_cache, key, cache, 0)
+        except llm.LLMException as e:
+            await asyncio.to_thread(mgr.deallocate_cache, cache)
+            code = _code_name(e.status_code)
+            if code in BROKEN_CODES:
+                self.core.note_link(req.prompt_cluster_id, code)
+            self.failed += 1
+            self.m.failed.labels(code).inc()
+            raise AgentError(code, str(e), 502) from e
+        except BaseException:
+            await asyncio.to_thread(mgr.deallocate_cache, cache)
+            raise
+        self.core.note_link(req.prompt_cluster_id, "LLM_SUCCESS")
+        if self.core.notifier:
+            peer = self.core.peers.get(req.prompt_cluster_id)
+            self.core.notifier.pulled(peer.agent_url if peer and peer.agent_url else req.prompt_agent_url,
+                                      req.req_id)
+        pull_ms = (time.monotonic() - t0) * 1000
+        self.m.kv_pull.observe(pull_ms)
+        return pull_ms, cache
+
+    async def pull(self, req: PullRequest) -> PullResponse:
+        """A rank of a multi-rank decoder: pull this rank's shard; the pod's agent then decodes."""
+        self._admit("decoder", req.admitted)
+        self.in_flight += 1
+        try:
+            pull_ms, cache = await self._pull(req)
+            await asyncio.to_thread(self.core.engine.kv_cache_manager.deallocate_cache, cache)
+            return PullResponse(pull_ms=pull_ms)
+        finally:
+            self.in_flight -= 1
+
+    async def decode(self, req: DecodeRequest, out: asyncio.Queue | None = None) -> DecodeResponse:
+        self._admit("decoder", req.admitted)
+        self.in_flight += 1
+        mgr = self.core.engine.kv_cache_manager
         t0 = time.monotonic()
         cache = None
         try:
             n = min(req.prompt_tokens, self.max_seq)
-            try:
-                cache = await asyncio.to_thread(mgr.allocate_cache, self.core.desc(batch=1, seq=n))
-                key = llm.CacheKey(req.prompt_cluster_id, req.req_id, self.core.id.model_id)
-                await asyncio.to_thread(mgr.pull_cache, key, cache, 0)
-            except llm.LLMException as e:
-                code = _code_name(e.status_code)
-                if code in BROKEN_CODES:
-                    self.core.note_link(req.prompt_cluster_id, code)
-                self.failed += 1
-                self.m.failed.labels(code).inc()
-                raise AgentError(code, str(e), 502) from e
-            self.core.note_link(req.prompt_cluster_id, "LLM_SUCCESS")
-            if self.core.notifier:
-                peer = self.core.peers.get(req.prompt_cluster_id)
-                self.core.notifier.pulled(peer.agent_url if peer and peer.agent_url else req.prompt_agent_url,
-                                          req.req_id)
-            pull_ms = (time.monotonic() - t0) * 1000
-            self.m.kv_pull.observe(pull_ms)
+            if req.kv_pulled_ms is not None:   # every rank pulled its shard already: the first token waited for them
+                pull_ms = req.kv_pulled_ms
+                t0 -= pull_ms / 1000
+            else:
+                pull_ms, cache = await self._pull(req)
             job = _Decode(ctx=n, remaining=req.output_tokens,
                           fut=asyncio.get_running_loop().create_future(), started=time.monotonic(), out=out)
             self.decode_wait.append(job)

@@ -27,6 +27,7 @@ from pd_contract.agent_api import (
     NotifyRequest,
     PrefillRequest,
     ProbeRequest,
+    PullRequest,
     SwitchRoleRequest,
     UnlinkRequest,
     VerifyRequest,
@@ -163,7 +164,7 @@ def routes(core: AgentCore, token: str | None, http: httpx.AsyncClient) -> list[
             asyncio.get_running_loop().call_later(0.05, os._exit, 137)
             return None
         from llm_datadist_sim import faults as f
-        f.update(**body.model_dump(exclude_none=True, exclude={"crash"}))
+        f.update(**body.model_dump(exclude_none=True, exclude={"crash", "switch_crash_after_ranks"}))
         return None
 
     async def faults_get(request: web.Request) -> web.Response:
@@ -189,6 +190,13 @@ def routes(core: AgentCore, token: str | None, http: httpx.AsyncClient) -> list[
         body = await _body(request, DecodeRequest)
         if not body.stream:
             return _json(await inf.decode(body))
+        inf.responding += 1
+        try:
+            return await _stream(request, body)
+        finally:
+            inf.responding -= 1
+
+    async def _stream(request: web.Request, body: DecodeRequest) -> web.StreamResponse:
         tokens: asyncio.Queue = asyncio.Queue()
         task = asyncio.create_task(inf.decode(body, tokens))
         first = asyncio.create_task(tokens.get())
@@ -241,7 +249,8 @@ def routes(core: AgentCore, token: str | None, http: httpx.AsyncClient) -> list[
     ]
     if inf is not None:
         r += [web.post("/v1/prefill", handler(PrefillRequest, inf.prefill)),
-              web.post("/v1/decode", decode)]
+              web.post("/v1/decode", decode),
+              web.post("/v1/pull", handler(PullRequest, inf.pull))]
     return r
 
 
@@ -326,8 +335,7 @@ async def _serve(identity: Identity, host: str, port: int, rank: int | None = No
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     core = AgentCore(llm, identity)
-    # a rank of a multi-rank pod serves no inference here yet: the pod's agent fronts its ranks
-    app = build_app(core, identity.token, data_token=identity.data_token, serve_inference=rank is None)
+    app = build_app(core, identity.token, data_token=identity.data_token)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)

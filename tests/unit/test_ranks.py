@@ -192,7 +192,7 @@ def test_rank_links_are_counted_and_a_failing_rank_is_listed():
     # a rank's address that moved (the device plugin gave the pod another NPU) is stale
     moved = link_to(p0, ok)
     moved["ranks"][3]["ip"] = "10.9.9.9"
-    assert links.broken(moved, p0) and links.ranks_up(moved, p0) == 0
+    assert links.broken(moved, p0) and links.ranks_up(moved, d0, p0) == 0
 
     obs = Observed(generation=1, pods=[], engines=[p0, p1, d0], reported=reported)
     obs.per_decoder = per
@@ -213,3 +213,36 @@ def test_member_rows_list_failing_rank_links_and_summarise_ranks():
     assert rows["d-0"]["failingLinks"] == [{"peer": "p-0", "clusterId": 0, "code": "LLM_NOT_YET_LINK", "rank": 1}]
     assert rows["d-0"]["ranks"] == {"tensorParallel": 4, "initialized": 4, "deviceIps": "annotation"}
     assert rows["p-0"]["ranks"]["deviceIps"] == "pod-ip"     # the simulator says it runs on the pod IP
+
+
+# ---- unequal TP: which peer rank each rank pairs with ----------------------------------------------
+
+@pytest.mark.parametrize("local,peer,expected", [
+    (4, 4, [0, 1, 2, 3]),        # equal: rank r <-> rank r
+    (2, 4, [0, 2]),              # a decoder of TP 2 reads every 2nd prefill rank (MLA: each holds the latent)
+    (4, 2, [0, 0, 1, 1]),        # a decoder of TP 4 shares each prefill rank between 2 of its ranks
+    (1, 8, [0]),
+    (8, 1, [0] * 8),
+])
+def test_rank_map(local, peer, expected):
+    from pd_agent.front import rank_map
+    assert [rank_map(local, peer, r) for r in range(local)] == expected
+
+
+def test_rank_map_needs_one_tp_to_divide_the_other():
+    from pd_agent.core import AgentError
+    from pd_agent.front import rank_map
+    with pytest.raises(AgentError, match="one must divide the other"):
+        rank_map(4, 6, 1)
+
+
+def test_unequal_tp_is_counted_in_decoder_rank_links():
+    p0 = engine("p-0", "prefill", 0, tp=4)
+    d0 = engine("d-0", "decoder", 1000, tp=2)
+    link = link_to(p0, ["LLM_SUCCESS"] * 4)
+    # decoder rank r reads prefill rank 2r: two rank links, the second one down
+    link["ranks"] = [{**link["ranks"][0]}, {**link["ranks"][2], "rank": 1, "code": "LLM_LINK_FAILED",
+                                            "healthy": False}]
+    link["code"], link["healthy"] = "LLM_LINK_FAILED", False
+    per = links.per_decoder([p0, d0], {"d-0": [link]})
+    assert per["d-0"][:2] == (2, 1)
