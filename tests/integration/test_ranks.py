@@ -129,10 +129,10 @@ def test_simulator_pod_without_annotation_runs_ranks_on_the_pod_ip_with_port_off
     v = d.post("/v1/verify", {"peer": rank_peer(p, ps)}).json()
     assert v["ok"] and [x["rank"] for x in v["ranks"]] == [0, 1, 2] and all(x["bytes"] > 0 for x in v["ranks"])
     assert sorted(p.status()["incoming"]) == [1000]
-    # a peer of another TP is refused, naming the reason
+    # a peer whose TP neither divides nor is divided by ours is refused, naming the reason
     two = {**rank_peer(p, ps), "ranks": rank_peer(p, ps)["ranks"][:2]}
     r = d.post("/v1/link", {"peers": [two]})
-    assert r.status_code == 400 and "equal tensor parallelism" in r.json()["message"]
+    assert r.status_code == 400 and "one must divide the other" in r.json()["message"]
     # unlink by name drops every rank's link
     r = d.post("/v1/unlink", {"peers": [{"name": p.name, "cluster_id": 0, "ip": p.ip, "port": 26000}]})
     assert r.json()["rank_rets"][p.name] == ["LLM_SUCCESS"] * 3 and d.status()["links"] == []
