@@ -249,10 +249,11 @@ class PDDeploymentSpec(Model):
          "spec.prefill.clusterIdBase and spec.decoder.clusterIdBase ranges overlap (defaults 0 and 1000; each group "
          "takes pods x tensorParallel ids from its base, pods counted as spec.replicas if set): cluster_ids must be "
          "unique", ".decoder"),
-        (_P_TP + " == " + _D_TP + " || (self.model.kvCache.attention == 'MLA' && (" + _P_TP + " % " + _D_TP
-         + " == 0 || " + _D_TP + " % " + _P_TP + " == 0))",
-         "spec.prefill.tensorParallel and spec.decoder.tensorParallel must be equal, or with attention MLA one must "
-         "divide the other (GQA head shards are paired rank to rank; an MLA rank holds the whole latent)", ".decoder"),
+        (_P_TP + " == " + _D_TP + " || (self.model.kvCache.attention == 'MLA' && " + _P_TP + " % " + _D_TP
+         + " == 0)",
+         "spec.prefill.tensorParallel and spec.decoder.tensorParallel must be equal, or with attention MLA the "
+         "decoder's must divide the prefill's (GQA head shards are paired rank to rank; an MLA rank holds the whole "
+         "latent, and each decoder rank reads one prefill rank's copy)", ".decoder"),
         ("!has(self.rebalance) || !has(self.rebalance.method) || self.rebalance.method != 'Switch' || "
          + _P_TP + " == " + _D_TP,
          "spec.rebalance.method Switch needs equal spec.prefill.tensorParallel and spec.decoder.tensorParallel "

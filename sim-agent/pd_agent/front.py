@@ -20,6 +20,7 @@ it starts one `python -m pd_agent` per rank and exits if one dies, so the pod re
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -47,6 +48,7 @@ from pd_contract.agent_api import (
     Peer,
     PrefillRequest,
     PrefillResponse,
+    ProbeRequest,
     PullRequest,
     PullResponse,
     RankInfo,
@@ -64,7 +66,17 @@ from .core import AgentError
 from .devices import DeviceError, Devices, resolve_env
 from .identity import Identity, cluster_id_of, proxy_environment
 from .metrics import AgentMetrics
-from .server import METRICS, _body, _error, _json, auth_middleware, error_middleware
+from .server import (
+    METRICS,
+    _body,
+    _error,
+    _json,
+    _presented,
+    _same,
+    auth_middleware,
+    control_fields,
+    error_middleware,
+)
 
 log = logging.getLogger("pd_agent.front")
 FRONT = web.AppKey("front", object)
@@ -126,7 +138,9 @@ class Front:
         self.procs: dict[int, asyncio.subprocess.Process] = {}
         self.terminating = False
         self.draining = False     # the instance refuses new requests (its ranks are told too)
-        self.serving = 0          # decodes the instance took on and has not answered yet
+        self.serving = 0          # requests the instance took on and has not answered yet
+        self.switching_to: str | None = None   # the role the last switch_role asked for
+        self.peer_urls: dict[str, str] = {}    # peer pod -> its agent, as linked (never a request's URL)
         self.failed = asyncio.Event()      # a rank process died: the pod restarts whole
         self.external = self.env.get("PD_RANKS_EXTERNAL", "").lower() in ("1", "true", "yes")
         self.peer_tps: dict[str, int] = {}  # peer pod -> its TP, as linked
@@ -172,7 +186,9 @@ class Front:
                                                   f"0-{self.tp - 1} (PD_TENSOR_PARALLEL={self.tp})", 400)
         rk = self.ranks[req.rank]
         if rk.boot_id and rk.boot_id != req.boot_id:
+            # a rank restarted (its engine and links are new): the pod is a new peer for the decoders
             log.warning("rank %d registered again with a new boot id (it restarted)", req.rank)
+            self.boot_id = uuid.uuid4().hex
         rk.url, rk.boot_id, rk.error = req.url.rstrip("/"), req.boot_id, ""
         log.info("rank %d registered at %s", req.rank, rk.url)
 
@@ -248,18 +264,24 @@ class Front:
                                   port=s.port if s else (d.port if d else 0), initialized=bool(s and s.initialized),
                                   registered=rk.url is not None, last_error=rk.error))
         live = [s for s in sts.values() if s is not None]
-        load = Load(in_flight=self.serving)
-        for s in sts.values():
-            if s is None:
-                continue
-            for k in ("queue_depth", "running", "decode_queue", "in_flight", "pending_kv", "kv_used_bytes",
-                      "kv_capacity_bytes", "completed", "failed"):
-                setattr(load, k, getattr(load, k) + getattr(s.load, k))
+        # the instance's serving figures are rank 0's (every rank prefills each request; rank 0
+        # decodes it); work in hand and memory are every rank's
+        load = first.load.model_copy() if first else Load()
+        load.in_flight = self.serving + sum(s.load.in_flight for s in live)
+        load.pending_kv = sum(s.load.pending_kv for s in live)
+        load.kv_used_bytes = sum(s.load.kv_used_bytes for s in live)
+        load.kv_capacity_bytes = sum(s.load.kv_capacity_bytes for s in live)
         last_error = self.device_error or next((f"rank {r}: {rk.error}" for r, rk in sorted(self.ranks.items())
                                                 if rk.error), "")
         roles = {s.role for s in live}
-        # ranks in different roles (a switch cut short): the role the pod started in, so the switch is repeated
-        role = roles.pop() if len(roles) == 1 else self.id.role
+        # ranks in different roles (a switch cut short): not the switch's target, so the operator
+        # repeats the (idempotent) switch_role; after a restart, the role the pod started in
+        if len(roles) == 1:
+            role = roles.pop()
+        elif self.switching_to is not None:
+            role = "decoder" if self.switching_to == "prompt" else "prompt"
+        else:
+            role = self.id.role
         return AgentStatus(
             pod=self.id.pod, role=role, cluster_id=self.id.cluster_id,
             boot_id=self.boot_id, backend=self.id.backend, initialized=self.initialized,
@@ -283,12 +305,15 @@ class Front:
         for name, per in sorted(by_peer.items()):
             any_link = per.get(0) or next(iter(per.values()))
             anchor_rank = 0 if 0 in per else min(per)
-            base_cid = any_link.cluster_id - anchor_rank   # rank 0 pairs with the peer's rank 0 at any TP
+            peer_tp = self.peer_tps.get(name, self.tp)
+            pair = lambda r, t=peer_tp: rank_map(self.tp, t, r)  # noqa: E731 - the peer rank rank r pairs with
+            base_cid = any_link.cluster_id - pair(anchor_rank)   # the peer's rank 0 names the peer pod
             ranks = []
             for r in range(self.tp):
                 link = per.get(r)
                 if link is None:
-                    ranks.append(RankLinkState(rank=r, cluster_id=base_cid + r, code="LLM_NOT_YET_LINK", healthy=False))
+                    ranks.append(RankLinkState(rank=r, cluster_id=base_cid + pair(r), code="LLM_NOT_YET_LINK",
+                                               healthy=False))
                 else:
                     ranks.append(RankLinkState(rank=r, cluster_id=link.cluster_id, ip=link.ip, port=link.port,
                                                code=link.code, healthy=link.healthy))
@@ -314,10 +339,12 @@ class Front:
                     agent_url=f"{p.agent_url.rstrip('/')}/r/{j}" if p.agent_url else None)
 
     async def link(self, req: LinkRequest) -> LinkResult:
+        bodies = {r: LinkRequest(peers=[self._rank_peer(p, r) for p in req.peers], timeout_ms=req.timeout_ms)
+                  for r in range(self.tp)}   # raises for a peer whose TP cannot be paired with ours
         for p in req.peers:
             self.peer_tps[p.name] = len(p.ranks) if p.ranks else 1
-        bodies = {r: LinkRequest(peers=[self._rank_peer(p, r) for p in req.peers], timeout_ms=req.timeout_ms)
-                  for r in range(self.tp)}
+            if p.agent_url:
+                self.peer_urls[p.name] = p.agent_url.rstrip("/")
         return self._combine(req.peers, await self.each("POST", "/v1/link", bodies,  # type: ignore[arg-type]
                                                         timeout=req.timeout_ms / 1000 + RANK_CALL_S))
 
@@ -406,7 +433,13 @@ class Front:
         """Every rank computes its shard and leaves it under its own CacheKey; a rank that fails
         frees the shards the others made."""
         self._admit("prompt")
-        req = req.model_copy(update={"admitted": True})
+        self.serving += 1
+        try:
+            return await self._prefill(req.model_copy(update={"admitted": True}))
+        finally:
+            self.serving -= 1
+
+    async def _prefill(self, req: PrefillRequest) -> PrefillResponse:
         res = await asyncio.gather(*(self.call(r, "POST", "/v1/prefill", req, timeout=SERVE_S)
                                      for r in range(self.tp)), return_exceptions=True)
         failed = next((x for x in res if isinstance(x, BaseException)), None)
@@ -443,7 +476,7 @@ class Front:
         link = await self._peer_link(req.prompt_cluster_id)
         assert link.ranks is not None
         peer_tp = self._peer_tp(link)
-        base_url = req.prompt_agent_url.rstrip("/") if req.prompt_agent_url else None
+        base_url = self.peer_urls.get(link.name)   # as linked: a request's URL never gets a notice
 
         async def one(r: int) -> float:
             j = rank_map(self.tp, peer_tp, r)
@@ -483,6 +516,7 @@ class Front:
         """Pull on every rank first, so the first token waits for the slowest rank's pull, then
         decode on rank 0 (the step time is the instance's) and pass its answer or stream on."""
         body = DecodeRequest.model_validate(await _body(request, DecodeRequest))
+        control_fields(request, body, ("admitted", "kv_pulled_ms"))
         self._admit("decoder")
         self.serving += 1
         try:
@@ -493,20 +527,31 @@ class Front:
     async def _decode(self, request: web.Request, body: DecodeRequest) -> web.StreamResponse:
         pulled_ms = await self.pull_all(body)
         rank0 = body.model_copy(update={"kv_pulled_ms": pulled_ms, "admitted": True})
+        if not self.ranks[0].url:
+            raise AgentError("RANK_NOT_REGISTERED", "rank 0 has not registered with the pod's agent", 503)
         url = f"{self.ranks[0].url}/v1/decode"
         data = rank0.model_dump(mode="json", exclude_none=True)
         if not body.stream:
             return _json(DecodeResponse.model_validate(await self.call(0, "POST", "/v1/decode", rank0,
                                                                        timeout=SERVE_S)))
-        async with self.http.stream("POST", url, json=data, headers=self._headers(),
-                                    timeout=httpx.Timeout(SERVE_S, connect=5)) as r:
-            if r.status_code != 200:
-                raw = await r.aread()
-                return web.Response(body=raw, status=r.status_code, content_type="application/json")
-            resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
-            await resp.prepare(request)
-            async for chunk in r.aiter_raw():
-                await resp.write(chunk)
+        resp = None
+        try:
+            async with self.http.stream("POST", url, json=data, headers=self._headers(),
+                                        timeout=httpx.Timeout(SERVE_S, connect=5)) as r:
+                if r.status_code != 200:
+                    raw = await r.aread()
+                    return web.Response(body=raw, status=r.status_code, content_type="application/json")
+                resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+                await resp.prepare(request)
+                async for chunk in r.aiter_raw():
+                    await resp.write(chunk)
+                await resp.write_eof()
+                return resp
+        except httpx.HTTPError as e:
+            if resp is None:   # nothing sent yet: a plain error (the shards were pulled: not retryable)
+                raise AgentError("RANK_UNREACHABLE", f"rank 0 ({self.ranks[0].url}): {e!r}", 502) from None
+            await resp.write((json.dumps({"error": {"code": "RANK_UNREACHABLE", "message": f"rank 0: {e!r}"}})
+                              + "\n").encode())
             await resp.write_eof()
             return resp
 
@@ -515,6 +560,7 @@ class Front:
         """Every rank or none: a rank that refuses puts the ones already switched back, so the
         pod stays whole in its old role. Repeating the call finishes a pod left part-way (each
         rank's switch is idempotent)."""
+        self.switching_to = req.role
         crash_after = self.faults.get("switch_crash_after_ranks")
         if crash_after is not None:   # a fault point: ranks one by one, the agent dies part-way
             for r in range(self.tp):
@@ -530,7 +576,9 @@ class Front:
         failed = [(r, x) for r, x in enumerate(res) if isinstance(x, BaseException)]
         if not failed:
             return
-        done = [r for r, x in enumerate(res) if not isinstance(x, BaseException) and before.get(r) != req.role]
+        done = [r for r, x in enumerate(res) if not isinstance(x, BaseException)
+                and before.get(r) not in (None, req.role)]
+        unknown = [r for r, x in enumerate(res) if not isinstance(x, BaseException) and r not in before]
         for r in done:
             try:
                 await self.call(r, "POST", "/v1/switch_role", SwitchRoleRequest(role=before[r]), timeout=SERVE_S)
@@ -540,8 +588,18 @@ class Front:
         if isinstance(err, AgentError):
             why = str(err).removeprefix(f"rank {r}: ")
             raise AgentError(err.code, f"rank {r} refused switch_role: {why}"
-                             + (f"; ranks {done} switched back to {before[done[0]]}" if done else ""), err.status)
+                             + (f"; ranks {done} switched back to {before[done[0]]}" if done else "")
+                             + (f"; ranks {unknown} in an unknown role before it" if unknown else ""), err.status)
         raise err
+
+    async def notify(self, req: NotifyRequest) -> None:
+        """A single-rank decoder's notices (multi-rank ones reach each rank at /r/<rank>): they
+        concern rank 0, the rank it links; the copies on the other ranks are nobody's to pull."""
+        await self.call(0, "POST", "/v1/notify", req)
+        if req.pulled and self.tp > 1:
+            rel = NotifyRequest(decoder_cluster_id=req.decoder_cluster_id, released=req.pulled)
+            await asyncio.gather(*(self.call(r, "POST", "/v1/notify", rel) for r in range(1, self.tp)),
+                                 return_exceptions=True)
 
     def crash(self) -> None:
         """The whole pod's agent dies at once, ranks included (a container crash)."""
@@ -556,6 +614,9 @@ class Front:
             r = int(request.match_info["rank"])
         except ValueError:
             return _error(404, "NotFound", "no such rank")
+        if not (request.method == "GET" and request.match_info["tail"] == "v1/status") and \
+                not (self.id.token and _same(_presented(request), self.id.token)):
+            return _error(403, "AgentForbidden", "a rank's own API takes the control token (its status: either)")
         rk = self.ranks.get(r)
         if rk is None or not rk.url:
             return _error(503, "RANK_NOT_REGISTERED", f"rank {r} has not registered with the pod's agent")
@@ -579,10 +640,14 @@ def build_front_app(front: Front, token: str | None, data_token: str | None = No
         await front.refresh()
         return _json(front.status())
 
-    def handler(model, fn):
+    def handler(model, fn, control: tuple[str, ...] = ()):
         async def h(request: web.Request) -> web.Response:
             body = await _body(request, model) if model else None
+            if body is not None and control:
+                control_fields(request, body, control)
             out = await fn(body)
+            if isinstance(out, dict):
+                return web.json_response(out)
             return _json(out) if out is not None else await status_json()
         return h
 
@@ -626,7 +691,9 @@ def build_front_app(front: Front, token: str | None, data_token: str | None = No
         web.post("/v1/link", handler(LinkRequest, front.link)),
         web.post("/v1/unlink", handler(UnlinkRequest, front.unlink)),
         web.post("/v1/switch_role", handler(SwitchRoleRequest, front.switch_role)),
-        web.post("/v1/prefill", handler(PrefillRequest, front.prefill)),
+        web.post("/v1/prefill", handler(PrefillRequest, front.prefill, control=("admitted",))),
+        web.post("/v1/notify", handler(NotifyRequest, front.notify, control=("released",))),
+        web.post("/v1/probe", handler(ProbeRequest, lambda b: front.call(0, "POST", "/v1/probe", b))),
         web.post("/v1/decode", front.decode),
         web.post("/v1/verify", handler(VerifyRequest, front.verify)),
         web.post("/v1/drain", handler(DrainRequest, lambda b: front.drain(b.timeout_s))),
@@ -660,7 +727,10 @@ async def serve_front(identity: Identity, tp: int, host: str, port: int) -> None
     stopped = asyncio.create_task(stop.wait())
     await asyncio.wait({failed, stopped}, return_when=asyncio.FIRST_COMPLETED)
     code = 1 if front.failed.is_set() and not stop.is_set() else 0
-    front.terminating = True
+    front.terminating = True   # the instance refuses new requests; what it took on finishes first
+    deadline = time.monotonic() + identity.drain_timeout_s
+    while front.serving and not code and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
     log.info("%s: stopping %d ranks (each drains for up to %.0fs)", "a rank failed" if code else "SIGTERM",
              len(front.procs), identity.drain_timeout_s)
     await front.stop_ranks(identity.drain_timeout_s + 5)

@@ -196,12 +196,14 @@ class Inference:
         llm = self.core.llm
         t0 = time.monotonic()
         n = min(req.prompt_tokens, self.max_seq)
-        cache = await asyncio.to_thread(mgr.allocate_cache, self.core.desc(batch=1, seq=n))
+        cache = None
         try:
+            cache = await asyncio.to_thread(mgr.allocate_cache, self.core.desc(batch=1, seq=n))
             key = llm.CacheKey(req.prompt_cluster_id, req.req_id, self.core.id.model_id)
             await asyncio.to_thread(mgr.pull_cache, key, cache, 0)
         except llm.LLMException as e:
-            await asyncio.to_thread(mgr.deallocate_cache, cache)
+            if cache is not None:
+                await asyncio.to_thread(mgr.deallocate_cache, cache)
             code = _code_name(e.status_code)
             if code in BROKEN_CODES:
                 self.core.note_link(req.prompt_cluster_id, code)
@@ -209,7 +211,8 @@ class Inference:
             self.m.failed.labels(code).inc()
             raise AgentError(code, str(e), 502) from e
         except BaseException:
-            await asyncio.to_thread(mgr.deallocate_cache, cache)
+            if cache is not None:
+                await asyncio.to_thread(mgr.deallocate_cache, cache)
             raise
         self.core.note_link(req.prompt_cluster_id, "LLM_SUCCESS")
         if self.core.notifier:

@@ -56,6 +56,19 @@ def _error(status: int, code: str, message: str, **extra) -> web.Response:
 DATA_ROUTES = {("GET", "/v1/status"), ("POST", "/v1/prefill"), ("POST", "/v1/decode"), ("POST", "/v1/notify")}
 
 
+SCOPE = web.RequestKey("scope", str)   # the caller's scope (control | data), set by the auth middleware
+
+
+def control_fields(request: web.Request, body: BaseModel, names: tuple[str, ...]) -> None:
+    """Fields only the operator's own agents may set (they bypass the instance's admission, or
+    free other requests' caches): a data-scope caller setting one gets 403."""
+    if request.get(SCOPE) == "control":
+        return
+    bad = [n for n in names if getattr(body, n, None) not in (None, False, [])]
+    if bad:
+        raise AgentError("AgentForbidden", f"{', '.join(bad)} may be set only with the control token", 403)
+
+
 def _presented(request: web.Request) -> str:
     got = request.headers.get("Authorization", "")
     if got.startswith("Bearer "):
@@ -77,9 +90,11 @@ def auth_middleware(token: str | None, data_token: str | None = None):
             return _error(401, "AgentUnauthorized", "the agent has no token configured (PD_AGENT_TOKEN)")
         got = _presented(request)
         if _same(got, token):
+            request[SCOPE] = "control"
             return await handler(request)
         if _same(got, data_token):
             if (request.method, request.path) in DATA_ROUTES:
+                request[SCOPE] = "data"
                 return await handler(request)
             return _error(403, "AgentForbidden", f"the data token may not call {request.method} {request.path}; "
                                                  f"it is an operator (control) call")
@@ -130,9 +145,11 @@ def _json(model: BaseModel, status: int = 200) -> web.Response:
 
 
 def routes(core: AgentCore, token: str | None, http: httpx.AsyncClient) -> list[web.RouteDef]:  # noqa: C901
-    def handler(model, fn: Callable[[BaseModel], Awaitable[BaseModel | None]]):
+    def handler(model, fn: Callable[[BaseModel], Awaitable[BaseModel | None]], control: tuple[str, ...] = ()):
         async def h(request: web.Request) -> web.Response:
             body = await _body(request, model) if model else None
+            if body is not None and control:
+                control_fields(request, body, control)
             out = await fn(body)
             return _json(out if out is not None else core.status())
         return h
@@ -188,6 +205,7 @@ def routes(core: AgentCore, token: str | None, http: httpx.AsyncClient) -> list[
         or {"error": {code, message}}. Refusals before the first token are plain HTTP errors,
         so a router can send the request elsewhere. A client that goes away cancels the decode."""
         body = await _body(request, DecodeRequest)
+        control_fields(request, body, ("admitted", "kv_pulled_ms"))
         if not body.stream:
             return _json(await inf.decode(body))
         inf.responding += 1
@@ -243,12 +261,12 @@ def routes(core: AgentCore, token: str | None, http: httpx.AsyncClient) -> list[
         web.post("/v1/probe", handler(ProbeRequest, lambda b: core.probe(b.req_id))),
         web.post("/v1/drain", handler(DrainRequest, lambda b: core.drain(b.timeout_s))),
         web.post("/v1/undrain", handler(None, lambda _: core.undrain())),
-        web.post("/v1/notify", handler(NotifyRequest, notify)),
+        web.post("/v1/notify", handler(NotifyRequest, notify, control=("released",))),
         web.post("/v1/admin/faults", handler(FaultsRequest, faults)),
         web.get("/v1/admin/faults", faults_get),
     ]
     if inf is not None:
-        r += [web.post("/v1/prefill", handler(PrefillRequest, inf.prefill)),
+        r += [web.post("/v1/prefill", handler(PrefillRequest, inf.prefill, control=("admitted",))),
               web.post("/v1/decode", decode),
               web.post("/v1/pull", handler(PullRequest, inf.pull))]
     return r

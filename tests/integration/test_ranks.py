@@ -119,7 +119,7 @@ def rank_peer(a, st: dict) -> dict:
 
 def test_simulator_pod_without_annotation_runs_ranks_on_the_pod_ip_with_port_offsets(agents, tmp_path) -> None:
     env = {"PD_TENSOR_PARALLEL": "3", "PD_HCCN_CONF": str(tmp_path / "absent"),
-           "PD_DEVICE_ANNOTATION_FILE": str(tmp_path / "absent")}
+           "PD_DEVICE_ANNOTATION_FILE": str(tmp_path / "absent"), "PD_AGENT_DATA_TOKEN": "data-token"}
     p, d = agents("prompt", 0, env=env), agents("decoder", 1000, env=env)
     ps = p.status()
     assert ps["device_ips"] == "pod-ip" and not ps["device_error"]
@@ -133,6 +133,15 @@ def test_simulator_pod_without_annotation_runs_ranks_on_the_pod_ip_with_port_off
     two = {**rank_peer(p, ps), "ranks": rank_peer(p, ps)["ranks"][:2]}
     r = d.post("/v1/link", {"peers": [two]})
     assert r.status_code == 400 and "one must divide the other" in r.json()["message"]
+    # the data scope (routers) cannot reach a rank's own API or set the instance's own fields
+    data = {"Authorization": "Bearer data-token"}
+    assert d.http.get("/r/0/v1/status", headers=data).status_code == 200
+    assert d.http.post("/r/0/v1/decode", headers=data, json={}).status_code == 403
+    r = d.http.post("/v1/decode", headers=data, json={"req_id": 1, "prompt_cluster_id": 0, "prompt_tokens": 8,
+                                                      "output_tokens": 2, "admitted": True})
+    assert r.status_code == 403 and "admitted" in r.json()["message"]
+    r = p.http.post("/v1/notify", headers=data, json={"decoder_cluster_id": 1000, "released": [1]})
+    assert r.status_code == 403 and "released" in r.json()["message"]
     # unlink by name drops every rank's link
     r = d.post("/v1/unlink", {"peers": [{"name": p.name, "cluster_id": 0, "ip": p.ip, "port": 26000}]})
     assert r.json()["rank_rets"][p.name] == ["LLM_SUCCESS"] * 3 and d.status()["links"] == []
@@ -167,3 +176,21 @@ def test_hccn_conf_line_that_does_not_parse_is_reported_by_the_agent(tmp_path) -
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_single_rank_decoder_reads_rank_0_of_a_multi_rank_mla_prefill(agents, tmp_path) -> None:
+    """MLA: a decoder of TP 1 pairs with prefill rank 0; the copy on rank 1 is released when rank 0's is pulled."""
+    env = {"PD_HCCN_CONF": str(tmp_path / "absent"), "PD_DEVICE_ANNOTATION_FILE": str(tmp_path / "absent")}
+    p = agents("prompt", 0, env={**env, "PD_TENSOR_PARALLEL": "2"})
+    d = agents("decoder", 1000, env=env)
+    ps = p.status()
+    r = d.post("/v1/link", {"peers": [rank_peer(p, ps)], "timeout_ms": 3000})
+    assert r.json()["rets"][p.name] == "LLM_SUCCESS", r.text
+    v = d.post("/v1/verify", {"peer": rank_peer(p, ps)}).json()
+    assert v["ok"], v
+    assert p.post("/v1/prefill", {"req_id": 42, "prompt_tokens": 64}).status_code == 200
+    assert p.status()["load"]["pending_kv"] == 2
+    r = d.post("/v1/decode", {"req_id": 42, "prompt_cluster_id": ps["cluster_id"], "prompt_agent_url": p.url,
+                              "prompt_tokens": 64, "output_tokens": 3})
+    assert r.status_code == 200 and r.json()["tokens"] == 3, r.text
+    wait_for("both ranks' copies freed", lambda: p.status()["load"]["pending_kv"] == 0, timeout=10)
