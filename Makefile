@@ -85,7 +85,7 @@ bench-links: venv k8s-bins ## pods Ready -> links up + KV path verified (2P2D ..
 	$(PY) bench/bench_links.py
 
 bench-switch: venv k8s-bins ## one live role switch per direction under load (one engine, then an instance of 8 ranks): control-plane cost and drain time
-	$(PY) bench/bench_switch.py && $(PY) bench/bench_switch.py --tp 8 --switches 3
+	$(PY) bench/bench_switch.py && $(PY) bench/bench_switch.py --tp 8 --switches 3 --rate 2
 
 bench-gateway: venv ## latency pd-gateway adds per request, and requests/s it routes on one core
 	$(PY) bench/bench_gateway.py

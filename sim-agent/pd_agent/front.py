@@ -81,6 +81,9 @@ from .server import (
 log = logging.getLogger("pd_agent.front")
 FRONT = web.AppKey("front", object)
 RANK_CALL_S = 10.0
+STALE_S = 15.0      # a rank whose status calls time out keeps its last status this long
+HEALTH_AGE_S = 2.0  # readiness probes take a status round up to this old
+STATUS_AGE_S = 0.3  # status polls (operator, routers) take one up to this old
 SERVE_S = 600.0     # a prefill or decode on a rank: as long as its queue and output take
 PULL_TRIES = 3
 DEVICE_RETRY_S = 2.0
@@ -123,6 +126,7 @@ class Rank:
     boot_id: str | None = None
     status: AgentStatus | None = None
     error: str = ""
+    seen: float = 0.0      # when its status last answered
 
 
 class Front:
@@ -136,6 +140,9 @@ class Front:
         self.devices: Devices | None = None
         self.device_error = ""
         self.procs: dict[int, asyncio.subprocess.Process] = {}
+        self.refreshed_at = 0.0
+        self._refreshing = asyncio.Lock()
+        self.background: set[asyncio.Task] = set()
         self.terminating = False
         self.draining = False     # the instance refuses new requests (its ranks are told too)
         self.serving = 0          # requests the instance took on and has not answered yet
@@ -237,16 +244,28 @@ class Front:
                     p.kill()
 
     # ---- status ---------------------------------------------------------------------------------
-    async def refresh(self) -> None:
-        async def one(rk: Rank) -> None:
-            if not rk.url:
+    async def refresh(self, max_age: float = 0.0) -> None:
+        """The ranks' statuses, asked at once; callers that can use a recent answer say how
+        recent (probes and pollers share one round instead of each asking every rank). A rank
+        that answers late on a busy host keeps its last status for a while: it is slow, not gone."""
+        if time.monotonic() - self.refreshed_at <= max_age:
+            return
+        async with self._refreshing:
+            if time.monotonic() - self.refreshed_at <= max_age:
                 return
-            try:
-                rk.status = AgentStatus.model_validate(await self.call(rk.rank, "GET", "/v1/status", timeout=5))
-                rk.error = rk.status.last_error
-            except AgentError as e:
-                rk.status, rk.error = None, str(e)
-        await asyncio.gather(*(one(rk) for rk in self.ranks.values()))
+
+            async def one(rk: Rank) -> None:
+                if not rk.url:
+                    return
+                try:
+                    rk.status = AgentStatus.model_validate(await self.call(rk.rank, "GET", "/v1/status", timeout=5))
+                    rk.error, rk.seen = rk.status.last_error, time.monotonic()
+                except AgentError as e:
+                    rk.error = str(e)
+                    if rk.status is None or time.monotonic() - rk.seen > STALE_S:
+                        rk.status = None
+            await asyncio.gather(*(one(rk) for rk in self.ranks.values()))
+            self.refreshed_at = time.monotonic()
 
     @property
     def initialized(self) -> bool:
@@ -652,7 +671,13 @@ def build_front_app(front: Front, token: str | None, data_token: str | None = No
         return h
 
     async def healthz(request: web.Request) -> web.Response:
-        await front.refresh()
+        # a probe never waits on a busy rank: it reads the last round and starts the next one
+        if front.refreshed_at == 0.0:
+            await front.refresh()
+        elif time.monotonic() - front.refreshed_at > HEALTH_AGE_S and not front._refreshing.locked():
+            task = asyncio.create_task(front.refresh(max_age=HEALTH_AGE_S))
+            front.background.add(task)
+            task.add_done_callback(front.background.discard)
         st = front.status()
         return web.json_response({"ok": st.initialized, "role": st.role, "boot_id": st.boot_id,
                                   "last_error": st.last_error}, status=200 if st.initialized else 503)
@@ -662,7 +687,8 @@ def build_front_app(front: Front, token: str | None, data_token: str | None = No
         return web.Response(body=generate_latest(app[METRICS].registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def status(request: web.Request) -> web.Response:
-        return await status_json()
+        await front.refresh(max_age=STATUS_AGE_S)
+        return _json(front.status())
 
     async def register(request: web.Request) -> web.Response:
         body = await _body(request, RegisterRank)
