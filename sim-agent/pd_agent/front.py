@@ -665,6 +665,8 @@ def build_front_app(front: Front, token: str | None, data_token: str | None = No
             if body is not None and control:
                 control_fields(request, body, control)
             out = await fn(body)
+            if request.path not in ("/v1/prefill", "/v1/notify", "/v1/probe"):
+                front.refreshed_at = 0.0   # a control call changed the ranks: the next status asks them
             if isinstance(out, dict):
                 return web.json_response(out)
             return _json(out) if out is not None else await status_json()

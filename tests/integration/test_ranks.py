@@ -128,7 +128,7 @@ def test_simulator_pod_without_annotation_runs_ranks_on_the_pod_ip_with_port_off
     assert r.status_code == 200 and r.json()["rank_rets"][p.name] == ["LLM_SUCCESS"] * 3, r.text
     v = d.post("/v1/verify", {"peer": rank_peer(p, ps)}).json()
     assert v["ok"] and [x["rank"] for x in v["ranks"]] == [0, 1, 2] and all(x["bytes"] > 0 for x in v["ranks"])
-    assert sorted(p.status()["incoming"]) == [1000]
+    wait_for("the prefill's ranks to list the decoder", lambda: sorted(p.status()["incoming"]) == [1000], timeout=10)
     # a peer whose TP neither divides nor is divided by ours is refused, naming the reason
     two = {**rank_peer(p, ps), "ranks": rank_peer(p, ps)["ranks"][:2]}
     r = d.post("/v1/link", {"peers": [two]})
@@ -189,7 +189,7 @@ def test_single_rank_decoder_reads_rank_0_of_a_multi_rank_mla_prefill(agents, tm
     v = d.post("/v1/verify", {"peer": rank_peer(p, ps)}).json()
     assert v["ok"], v
     assert p.post("/v1/prefill", {"req_id": 42, "prompt_tokens": 64}).status_code == 200
-    assert p.status()["load"]["pending_kv"] == 2
+    wait_for("a copy on each prefill rank", lambda: p.status()["load"]["pending_kv"] == 2, timeout=10)
     r = d.post("/v1/decode", {"req_id": 42, "prompt_cluster_id": ps["cluster_id"], "prompt_agent_url": p.url,
                               "prompt_tokens": 64, "output_tokens": 3})
     assert r.status_code == 200 and r.json()["tokens"] == 3, r.text
