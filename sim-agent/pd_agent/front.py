@@ -370,7 +370,7 @@ class Front:
     async def unlink(self, req: UnlinkRequest) -> LinkResult:
         """Each rank drops its link to the named peer pods (found by name in the rank's own
         links when the request does not list the peer's ranks)."""
-        await self.refresh()
+        await self.refresh(max_age=STATUS_AGE_S)   # a link made since invalidated the round
         bodies: dict[int, BaseModel | dict | None] = {}
         for r, rk in self.ranks.items():
             known = {l.name: l for l in (rk.status.links if rk.status else [])}
@@ -534,7 +534,8 @@ class Front:
     async def decode(self, request: web.Request) -> web.StreamResponse:
         """Pull on every rank first, so the first token waits for the slowest rank's pull, then
         decode on rank 0 (the step time is the instance's) and pass its answer or stream on."""
-        body = DecodeRequest.model_validate(await _body(request, DecodeRequest))
+        body = await _body(request, DecodeRequest)
+        assert isinstance(body, DecodeRequest)
         control_fields(request, body, ("admitted", "kv_pulled_ms"))
         self._admit("decoder")
         self.serving += 1

@@ -15,7 +15,7 @@ from tests.conftest import wait_for
 
 
 def test_auth_and_bad_input(agents):
-    a = agents("decoder", 1000)
+    a = agents("decoder", 1000, env={"PD_AGENT_DATA_TOKEN": "data-token"})
     raw = httpx.Client(base_url=a.url, trust_env=False)
     assert raw.get("/v1/status").status_code == 401
     r = raw.get("/v1/status", headers={"Authorization": "Bearer nope"})
@@ -29,6 +29,13 @@ def test_auth_and_bad_input(agents):
     assert r.status_code == 400 and r.json()["field"] == "peers"
     r = a.post("/v1/switch_role", {"role": "mixed"})
     assert r.status_code == 400 and r.json()["field"] == "role"
+    # fields only a multi-rank pod's own agent may set: refused to the data scope, before any work
+    data = {"Authorization": "Bearer data-token"}
+    r = raw.post("/v1/decode", headers=data, json={"req_id": 1, "prompt_cluster_id": 0, "prompt_tokens": 8,
+                                                   "output_tokens": 2, "kv_pulled_ms": 1.0})
+    assert r.status_code == 403 and "kv_pulled_ms" in r.json()["message"]
+    r = raw.post("/v1/notify", headers=data, json={"decoder_cluster_id": 1, "released": [5]})
+    assert r.status_code == 403 and "released" in r.json()["message"]
     assert a.http.get("/healthz").status_code == 200  # still alive
 
 
