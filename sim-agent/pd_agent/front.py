@@ -157,6 +157,13 @@ class Front:
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.id.token}"} if self.id.token else {}
 
+    def _peer_headers(self) -> dict[str, str]:
+        """For notices to another pod's agent: the peer token. Without one, the control token, which
+        is safe only because notices go to agents the operator linked us to (peer_urls), never to
+        a URL a request names."""
+        token = self.id.peer_token or self.id.token
+        return {"Authorization": f"Bearer {token}"} if token else {}
+
     async def call(self, r: int, method: str, path: str, body: BaseModel | dict | None = None,
                    timeout: float = RANK_CALL_S) -> dict:
         rk = self.ranks[r]
@@ -475,7 +482,7 @@ class Front:
         if url is None:
             await self.call(r, "POST", "/v1/notify", body)
         else:
-            await self.http.post(f"{url}/v1/notify", json=body.model_dump(mode="json"), headers=self._headers(),
+            await self.http.post(f"{url}/v1/notify", json=body.model_dump(mode="json"), headers=self._peer_headers(),
                                  timeout=RANK_CALL_S)
 
     async def _peer_link(self, prompt_cluster_id: int) -> LinkState:
@@ -499,8 +506,8 @@ class Front:
 
         async def one(r: int) -> float:
             j = rank_map(self.tp, peer_tp, r)
+            # the rank reports the pull to the prefill rank's agent as it linked it (Peer.agent_url)
             body = PullRequest(req_id=req.req_id, prompt_cluster_id=link.ranks[r].cluster_id,
-                               prompt_agent_url=f"{base_url}/r/{j}" if base_url and peer_tp > 1 else base_url,
                                prompt_tokens=req.prompt_tokens, admitted=True)
             for attempt in range(PULL_TRIES):
                 try:
@@ -634,9 +641,11 @@ class Front:
             r = int(request.match_info["rank"])
         except ValueError:
             return _error(404, "NotFound", "no such rank")
-        if not (request.method == "GET" and request.match_info["tail"] == "v1/status") and \
-                not (self.id.token and _same(_presented(request), self.id.token)):
-            return _error(403, "AgentForbidden", "a rank's own API takes the control token (its status: either)")
+        call, got = (request.method, request.match_info["tail"]), _presented(request)
+        if not (call == ("GET", "v1/status") or (self.id.token and _same(got, self.id.token))
+                or (call == ("POST", "v1/notify") and _same(got, self.id.peer_token))):
+            return _error(403, "AgentForbidden", "a rank's own API takes the control token (its status: either; "
+                                                 "its pull notices: the peer token)")
         rk = self.ranks.get(r)
         if rk is None or not rk.url:
             return _error(503, "RANK_NOT_REGISTERED", f"rank {r} has not registered with the pod's agent")
@@ -651,8 +660,10 @@ class Front:
                             content_type=resp.headers.get("content-type", "application/json").split(";")[0])
 
 
-def build_front_app(front: Front, token: str | None, data_token: str | None = None) -> web.Application:
-    app = web.Application(middlewares=[auth_middleware(token, data_token), error_middleware], client_max_size=1 << 20)
+def build_front_app(front: Front, token: str | None, data_token: str | None = None,
+                    peer_token: str | None = None) -> web.Application:
+    app = web.Application(middlewares=[auth_middleware(token, data_token, peer_token), error_middleware],
+                          client_max_size=1 << 20)
     app[METRICS] = AgentMetrics()
     app[FRONT] = front
 
@@ -660,11 +671,11 @@ def build_front_app(front: Front, token: str | None, data_token: str | None = No
         await front.refresh()
         return _json(front.status())
 
-    def handler(model, fn, control: tuple[str, ...] = ()):
+    def handler(model, fn, control: tuple[str, ...] = (), scopes: tuple[str, ...] = ("control",)):
         async def h(request: web.Request) -> web.Response:
             body = await _body(request, model) if model else None
             if body is not None and control:
-                control_fields(request, body, control)
+                control_fields(request, body, control, scopes)
             out = await fn(body)
             if request.path not in ("/v1/prefill", "/v1/notify", "/v1/probe"):
                 front.refreshed_at = 0.0   # a control call changed the ranks: the next status asks them
@@ -721,7 +732,7 @@ def build_front_app(front: Front, token: str | None, data_token: str | None = No
         web.post("/v1/unlink", handler(UnlinkRequest, front.unlink)),
         web.post("/v1/switch_role", handler(SwitchRoleRequest, front.switch_role)),
         web.post("/v1/prefill", handler(PrefillRequest, front.prefill, control=("admitted",))),
-        web.post("/v1/notify", handler(NotifyRequest, front.notify, control=("released",))),
+        web.post("/v1/notify", handler(NotifyRequest, front.notify, control=("released",), scopes=("control", "peer"))),
         web.post("/v1/probe", handler(ProbeRequest, lambda b: front.call(0, "POST", "/v1/probe", b))),
         web.post("/v1/decode", front.decode),
         web.post("/v1/verify", handler(VerifyRequest, front.verify)),
@@ -741,7 +752,7 @@ async def serve_front(identity: Identity, tp: int, host: str, port: int) -> None
         loop.add_signal_handler(sig, stop.set)
     http = httpx.AsyncClient(trust_env=False, timeout=RANK_CALL_S)
     front = Front(identity, tp, http)
-    app = build_front_app(front, identity.token, identity.data_token)
+    app = build_front_app(front, identity.token, identity.data_token, identity.peer_token)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()

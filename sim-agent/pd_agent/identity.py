@@ -31,6 +31,7 @@ class Identity:
     device_id: int | None = None
     token: str | None = None             # control scope: the operator's
     data_token: str | None = None        # data scope: routers (status, prefill, decode)
+    peer_token: str | None = None        # peer scope: other agents' pull notices (POST /v1/notify only)
     agent_port: int = AGENT_PORT
     drain_timeout_s: float = 60.0    # SIGTERM: how long to wait for in-flight work and pending KV
     engine_start_s: float = 0.0      # simulator: delay before the engine initialises
@@ -76,9 +77,7 @@ class Identity:
                 desc = json.loads(env["LLM_DATADIST_CACHE_DESC"])
             except ValueError as e:
                 raise ConfigError(f"LLM_DATADIST_CACHE_DESC is not JSON: {e}") from e
-        token = env.get("PD_AGENT_TOKEN")
-        if not token and env.get("PD_AGENT_TOKEN_FILE"):
-            token = Path(env["PD_AGENT_TOKEN_FILE"]).read_text().strip()
+        token = _secret(env, "PD_AGENT_TOKEN")
         return cls(
             pod=env.get("POD_NAME") or env.get("HOSTNAME") or f"agent-{cluster_id}",
             role=role, cluster_id=cluster_id, ip=ip, port=port,
@@ -90,11 +89,24 @@ class Identity:
             device_id=int(env["LLM_DATADIST_DEVICE_ID"]) if env.get("LLM_DATADIST_DEVICE_ID") else None,
             token=token,
             data_token=env.get("PD_AGENT_DATA_TOKEN") or None,
+            peer_token=_secret(env, "PD_AGENT_PEER_TOKEN"),
             agent_port=int(env.get("PD_AGENT_PORT", str(AGENT_PORT))),
             drain_timeout_s=_float(env, "PD_DRAIN_TIMEOUT_S", 60.0),
             engine_start_s=_float(env, "PD_SIM_ENGINE_START_S", 0.0),
             switchable=env.get("PD_ENABLE_SWITCH_ROLE", "1").lower() not in ("0", "false", "no"),
         )
+
+
+def _secret(env: dict[str, str], name: str) -> str | None:
+    """A token from env NAME, or from the file env NAME_FILE names (a mounted Secret)."""
+    if env.get(name):
+        return env[name]
+    if env.get(f"{name}_FILE"):
+        try:
+            return Path(env[f"{name}_FILE"]).read_text().strip() or None
+        except OSError as e:
+            raise ConfigError(f"{name}_FILE: {e}") from e
+    return None
 
 
 def cluster_id_of(base: int, pod_index: int, tp: int = 1, rank: int = 0) -> int:

@@ -215,10 +215,12 @@ class Inference:
                 await asyncio.to_thread(mgr.deallocate_cache, cache)
             raise
         self.core.note_link(req.prompt_cluster_id, "LLM_SUCCESS")
-        if self.core.notifier:
-            peer = self.core.peers.get(req.prompt_cluster_id)
-            self.core.notifier.pulled(peer.agent_url if peer and peer.agent_url else req.prompt_agent_url,
-                                      req.req_id)
+        peer = self.core.peers.get(req.prompt_cluster_id)
+        if self.core.notifier and peer is not None and peer.agent_url:
+            # only to the prefill's agent as the operator linked it: a URL the request names
+            # (prompt_agent_url) is the caller's to choose and would receive our token; a prefill
+            # that hears nothing expires the cache after its TTL
+            self.core.notifier.pulled(peer.agent_url, req.req_id)
         pull_ms = (time.monotonic() - t0) * 1000
         self.m.kv_pull.observe(pull_ms)
         return pull_ms, cache

@@ -3,7 +3,10 @@ prompt side. A pull leaves no trace on the prompt engine that the host can read,
 decoder's agent reports each pulled req_id (the prefill then knows which of its KV caches
 still wait); link and unlink are reported so a terminating prefill knows when every
 decoder has let go of it. Notices are batched per prefill and best effort: a prefill that
-misses one expires the cache after its TTL, and a shutdown waits at most a bounded time."""
+misses one expires the cache after its TTL, and a shutdown waits at most a bounded time.
+
+Notices go only to the prefill agents this agent was linked to (Peer.agent_url in a control
+call), with the peer token (PD_AGENT_PEER_TOKEN), or the control token when none is set."""
 from __future__ import annotations
 
 import asyncio
@@ -75,6 +78,7 @@ class Notifier:
                 return
             self.errors += 1
             log.info("notice to %s answered %d: %s", url, r.status_code, r.text[:200])
-        except httpx.HTTPError as e:
+        except (httpx.HTTPError, httpx.InvalidURL, ValueError) as e:
+            # a link's agent_url that does not parse fails its own notices, never the loop
             self.errors += 1
             log.info("notice to %s failed: %r", url, e)

@@ -50,19 +50,21 @@ def _error(status: int, code: str, message: str, **extra) -> web.Response:
     return web.json_response({"code": code, "message": message, **extra}, status=status)
 
 
-# The data scope: what a router needs (read status, prefill, decode) and the agents' pull
-# notices to each other. Everything else (init, link, unlink, switch_role, drain, verify,
-# probe, faults) is the control scope: the operator's token only.
-DATA_ROUTES = {("GET", "/v1/status"), ("POST", "/v1/prefill"), ("POST", "/v1/decode"), ("POST", "/v1/notify")}
+# The data scope: what a router needs (read status, prefill, decode). The peer scope: the
+# other agents' pull notices, and nothing else. Everything else (init, link, unlink,
+# switch_role, drain, verify, probe, faults) is the control scope: the operator's token only.
+DATA_ROUTES = {("GET", "/v1/status"), ("POST", "/v1/prefill"), ("POST", "/v1/decode")}
+PEER_ROUTES = {("POST", "/v1/notify")}
 
 
-SCOPE = web.RequestKey("scope", str)   # the caller's scope (control | data), set by the auth middleware
+SCOPE = web.RequestKey("scope", str)   # the caller's scope (control | data | peer), set by the auth middleware
 
 
-def control_fields(request: web.Request, body: BaseModel, names: tuple[str, ...]) -> None:
+def control_fields(request: web.Request, body: BaseModel, names: tuple[str, ...],
+                   scopes: tuple[str, ...] = ("control",)) -> None:
     """Fields only the operator's own agents may set (they bypass the instance's admission, or
-    free other requests' caches): a data-scope caller setting one gets 403."""
-    if request.get(SCOPE) == "control":
+    free other requests' caches): a caller of another scope setting one gets 403."""
+    if request.get(SCOPE) in scopes:
         return
     bad = [n for n in names if getattr(body, n, None) not in (None, False, [])]
     if bad:
@@ -78,10 +80,12 @@ def _presented(request: web.Request) -> str:
 
 
 def _same(a: str, b: str | None) -> bool:
-    return bool(b) and hmac.compare_digest(a.encode(), b.encode())
+    # headers may carry any bytes (aiohttp hands them over surrogate-escaped): surrogatepass
+    # encodes every str, so a stray byte is a wrong token, never an exception
+    return bool(b) and hmac.compare_digest(a.encode("utf-8", "surrogatepass"), b.encode("utf-8", "surrogatepass"))
 
 
-def auth_middleware(token: str | None, data_token: str | None = None):
+def auth_middleware(token: str | None, data_token: str | None = None, peer_token: str | None = None):
     @web.middleware
     async def mw(request: web.Request, handler):
         if not request.path.startswith("/v1/"):
@@ -92,12 +96,19 @@ def auth_middleware(token: str | None, data_token: str | None = None):
         if _same(got, token):
             request[SCOPE] = "control"
             return await handler(request)
-        if _same(got, data_token):
-            if (request.method, request.path) in DATA_ROUTES:
-                request[SCOPE] = "data"
+        route = (request.method, request.path)
+        held = [(scope, allowed) for scope, secret, allowed in (("data", data_token, DATA_ROUTES),
+                                                                ("peer", peer_token, PEER_ROUTES))
+                if _same(got, secret)]
+        for scope, allowed in held:
+            if route in allowed:
+                request[SCOPE] = scope
                 return await handler(request)
-            return _error(403, "AgentForbidden", f"the data token may not call {request.method} {request.path}; "
-                                                 f"it is an operator (control) call")
+        if held:
+            what = "a pull notice: it takes the peer token (pulled, linked, released)" if route in PEER_ROUTES \
+                else "a data call" if route in DATA_ROUTES else "an operator (control) call"
+            return _error(403, "AgentForbidden", f"the {held[0][0]} token may not call {request.method} "
+                                                 f"{request.path}; it is {what}")
         return _error(401, "AgentUnauthorized", "missing or wrong bearer token")
     return mw
 
@@ -145,11 +156,12 @@ def _json(model: BaseModel, status: int = 200) -> web.Response:
 
 
 def routes(core: AgentCore, token: str | None, http: httpx.AsyncClient) -> list[web.RouteDef]:  # noqa: C901
-    def handler(model, fn: Callable[[BaseModel], Awaitable[BaseModel | None]], control: tuple[str, ...] = ()):
+    def handler(model, fn: Callable[[BaseModel], Awaitable[BaseModel | None]], control: tuple[str, ...] = (),
+                scopes: tuple[str, ...] = ("control",)):
         async def h(request: web.Request) -> web.Response:
             body = await _body(request, model) if model else None
             if body is not None and control:
-                control_fields(request, body, control)
+                control_fields(request, body, control, scopes)
             out = await fn(body)
             return _json(out if out is not None else core.status())
         return h
@@ -261,7 +273,7 @@ def routes(core: AgentCore, token: str | None, http: httpx.AsyncClient) -> list[
         web.post("/v1/probe", handler(ProbeRequest, lambda b: core.probe(b.req_id))),
         web.post("/v1/drain", handler(DrainRequest, lambda b: core.drain(b.timeout_s))),
         web.post("/v1/undrain", handler(None, lambda _: core.undrain())),
-        web.post("/v1/notify", handler(NotifyRequest, notify, control=("released",))),
+        web.post("/v1/notify", handler(NotifyRequest, notify, control=("released",), scopes=("control", "peer"))),
         web.post("/v1/admin/faults", handler(FaultsRequest, faults)),
         web.get("/v1/admin/faults", faults_get),
     ]
@@ -273,13 +285,14 @@ def routes(core: AgentCore, token: str | None, http: httpx.AsyncClient) -> list[
 
 
 def build_app(core: AgentCore, token: str | None, metrics: AgentMetrics | None = None,
-              serve_inference: bool = True, data_token: str | None = None) -> web.Application:
+              serve_inference: bool = True, data_token: str | None = None,
+              peer_token: str | None = None) -> web.Application:
     """The HTTP API over `core`. An inference server embedding the agent calls this with a
     core built around its own engine and mounts or runs the app."""
     metrics = metrics or AgentMetrics()
     if serve_inference and core.inference is None:
         Inference(core, metrics)
-    app = web.Application(middlewares=[auth_middleware(token, data_token), error_middleware],
+    app = web.Application(middlewares=[auth_middleware(token, data_token, peer_token), error_middleware],
                           client_max_size=1 << 20)
     app[CORE] = core
     app[METRICS] = metrics
@@ -289,7 +302,9 @@ def build_app(core: AgentCore, token: str | None, metrics: AgentMetrics | None =
 
     async def lifecycle(app: web.Application):
         if core.notifier is None:
-            core.notifier = Notifier(app[HTTP], token, core.id.cluster_id)
+            # Notices go only to the agents the operator linked this one to (never to a URL a
+            # request names), so without a peer token the control token is what they carry.
+            core.notifier = Notifier(app[HTTP], peer_token or token, core.id.cluster_id)
             core.notifier.start()
         health = asyncio.create_task(core.health_loop(), name="link-health")
         if core.inference is not None:
@@ -353,7 +368,7 @@ async def _serve(identity: Identity, host: str, port: int, rank: int | None = No
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     core = AgentCore(llm, identity)
-    app = build_app(core, identity.token, data_token=identity.data_token)
+    app = build_app(core, identity.token, data_token=identity.data_token, peer_token=identity.peer_token)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
