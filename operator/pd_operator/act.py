@@ -14,7 +14,7 @@ from pd_contract.names import LINKED_CODES
 from . import children as ch
 from . import links as lk
 from .agentclient import AgentCallError, AgentClient
-from .builders import ANNOTATION_ROLE, LABEL_ROLE, token_secret
+from .builders import ANNOTATION_ROLE, LABEL_ROLE, peer_token_secret_name, token_secret
 from .diagnosis import Diagnosis, link_failure
 from .events import Events
 from .kube import Kube, KubeError
@@ -40,11 +40,13 @@ def _peer_of_link(link: dict) -> Peer:
 
 
 async def ensure_token(kube: Kube, name: str, namespace: str, owner: dict) -> None:
-    """The agents' bearer tokens, control (the operator's) and data (routers'): created once,
-    never re-generated (running pods hold them). Hex, so a token never starts with '-', which a
-    command line (`--token $TOKEN`) would take for an option."""
+    """The agents' bearer tokens, control (the operator's), data (routers') and peer (pull
+    notices between the deployment's agents): created once, never re-generated (running pods
+    hold them). Hex, so a token never starts with '-', which a command line (`--token $TOKEN`)
+    would take for an option."""
     await kube.create(token_secret(name, namespace, secrets.token_hex(32), owner))
     await kube.create(token_secret(name, namespace, secrets.token_hex(32), owner, f"{name}-agent-data-token"))
+    await kube.create(token_secret(name, namespace, secrets.token_hex(32), owner, peer_token_secret_name(name)))
 
 
 async def apply_children(kube: Kube, metrics: OperatorMetrics, mem: Memory, objs: list[dict]) -> None:

@@ -175,20 +175,39 @@ class GatewaySpec(Model):
     ))
     enabled: bool = False
     api_keys_secret: str | None = Field(default=None, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
-                                        description="Secret with one data key per API key (its name -> the key)")
+                                        description="Secret with one data key per API key (its name -> the key); "
+                                                    "it must opt in with the label pdoperator.io/keys: \"true\"")
     image: str | None = Field(default=None, max_length=1024, pattern=r"^\S+$",
-                              description="default: spec.image's repository with the name pd-gateway, same tag")
+                              description="default: the operator's configured gateway image; another must be one the "
+                                          "operator's configuration allows (chart value allowedGatewayImages)")
     replicas: int = Field(default=1, ge=1, le=64)
     rate_limits: dict[str, Annotated[int, Field(ge=1, le=1000000)]] | None = Field(
         default=None, description="requests per minute per API key name")
     resources: Resources | None = None
 
 
+HOST_PATH = r"^/[A-Za-z0-9._+@/-]*$"
+# no `.`/`..` segment: an allowed directory must not lead out of itself
+_NO_DOTS = "!('/' + {p} + '/').contains('/../') && !('/' + {p} + '/').contains('/./')"
+
+
+def _host_path(default: str) -> Any:
+    return Field(default=default, max_length=1024, pattern=HOST_PATH)
+
+
 class Ascend(Model):
-    """Host paths the real llm_datadist needs in a container (backend llm-datadist)."""
-    hccn_conf: str = "/etc/hccn.conf"
-    driver_path: str = "/usr/local/Ascend/driver"
-    extra_host_paths: list[str] = Field(default_factory=lambda: ["/usr/local/dcmi", "/usr/local/bin/npu-smi"])
+    """Host paths the real llm_datadist needs (backend llm-datadist), each one the operator allows."""
+    model_config = ConfigDict(json_schema_extra=rules(
+        (_NO_DOTS.format(p="self.hccnConf"), "spec.ascend.hccnConf may not contain . or .. segments", ".hccnConf"),
+        (_NO_DOTS.format(p="self.driverPath"), "spec.ascend.driverPath may not contain . or .. segments",
+         ".driverPath"),
+        ("!has(self.extraHostPaths) || self.extraHostPaths.all(p, " + _NO_DOTS.format(p="p") + ")",
+         "spec.ascend.extraHostPaths may not contain . or .. segments", ".extraHostPaths"),
+    ))
+    hccn_conf: str = _host_path("/etc/hccn.conf")
+    driver_path: str = _host_path("/usr/local/Ascend/driver")
+    extra_host_paths: list[Annotated[str, Field(max_length=1024, pattern=HOST_PATH)]] = Field(
+        default_factory=lambda: ["/usr/local/dcmi", "/usr/local/bin/npu-smi"], max_length=16)
 
 
 class SimTiming(Model):

@@ -23,6 +23,7 @@ from pd_contract.names import (  # noqa: F401 (re-exported: the operator's modul
 
 from .api import Ascend, PDDeploymentSpec
 from .cachedesc import DerivedCache, derive
+from .config import OperatorConfig
 from .gateway import gateway_objects, network_policy
 from .objmeta import common_labels, harden, object_meta, owner_reference
 
@@ -50,6 +51,11 @@ def config_map_name(name: str) -> str:
 
 def token_secret_name(name: str) -> str:
     return f"{name}-agent-token"
+
+
+def peer_token_secret_name(name: str) -> str:
+    """Pull notices between the deployment's own agents: a scope that may call /v1/notify only."""
+    return f"{name}-agent-peer-token"
 
 
 def cluster_id_base(spec: PDDeploymentSpec, group: str) -> int:
@@ -141,6 +147,9 @@ def _env(name: str, spec: PDDeploymentSpec, group: str, resource: str = NPU_RESO
             "name": token_secret_name(name), "key": "token"}}},
         {"name": "PD_AGENT_DATA_TOKEN", "valueFrom": {"secretKeyRef": {
             "name": f"{name}-agent-data-token", "key": "token"}}},
+        # optional: pods of a deployment made before the peer scope existed start without it
+        {"name": "PD_AGENT_PEER_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": peer_token_secret_name(name), "key": "token", "optional": True}}},
     ]
     if ranked(spec, group, resource):
         env += [{"name": "PD_TENSOR_PARALLEL", "value": str(spec.tp(group))},
@@ -200,10 +209,34 @@ def _podinfo_volume() -> tuple[dict, dict]:
     return vol, {"name": "podinfo", "mountPath": PODINFO_DIR, "readOnly": True}
 
 
+# per rank the agent container runs, where the spec does not say: the simulator's engine holds
+# at most 64 MiB of cache bytes plus an interpreter; a real engine's host memory depends on the
+# model, so only requests are defaulted there
+DEFAULT_RESOURCES = {
+    "sim": {"requests": {"cpu": 100, "memory": 256}, "limits": {"memory": 1024}},
+    "llm-datadist": {"requests": {"cpu": 1000, "memory": 8192}, "limits": {}},
+}
+
+
+def default_resources(backend: str, tp: int) -> dict:
+    """cpu in millicores, memory in Mi, times the ranks."""
+    unit = {"cpu": "m", "memory": "Mi"}
+    return {kind: {k: f"{v * tp}{unit[k]}" for k, v in amounts.items()}
+            for kind, amounts in DEFAULT_RESOURCES[backend].items()}
+
+
 def _resources(spec: PDDeploymentSpec, group: str, resource: str) -> dict | None:
-    """The group's resources; on the real backend, one NPU per rank unless the spec says."""
+    """The group's resources, each kind defaulted per rank where the spec leaves it unset; on
+    the real backend, one NPU per rank unless the spec says."""
     g = spec.prefill if group == "prefill" else spec.decoder
-    out = g.resources.model_dump(exclude_none=True) if g.resources else {}
+    given = g.resources.model_dump(exclude_none=True) if g.resources else {}
+    out: dict = {}
+    for kind, amounts in default_resources(spec.backend, spec.tp(group)).items():
+        merged = {**amounts, **given.get(kind, {})}
+        if kind == "limits" and "memory" in given.get("requests", {}) and "memory" not in given.get("limits", {}):
+            merged.pop("memory", None)   # a request above our default limit would be refused
+        if merged:
+            out[kind] = merged
     if spec.backend == "llm-datadist" and npu_request(spec, group, resource) is None:
         n = spec.tp(group)
         out = {**out, "limits": {**out.get("limits", {}), resource: n},
@@ -212,7 +245,9 @@ def _resources(spec: PDDeploymentSpec, group: str, resource: str) -> dict | None
 
 
 def statefulset(name: str, namespace: str, spec: PDDeploymentSpec, group: str, owner: dict,
-                decided: dict | None = None, resource: str = NPU_RESOURCE) -> dict:
+                decided: dict | None = None, resource: str = NPU_RESOURCE,
+                config: OperatorConfig | None = None) -> dict:
+    config = config or OperatorConfig(npu_resource=resource)
     g = spec.prefill if group == "prefill" else spec.decoder
     labels = {**common_labels(name), **selector_labels(name, group)}
     pod_labels = {**labels, LABEL_ROLE: group}
@@ -235,11 +270,15 @@ def statefulset(name: str, namespace: str, spec: PDDeploymentSpec, group: str, o
         container["resources"] = resources
     if mounts:
         container["volumeMounts"] = mounts
+    # engines never call the API server: no ServiceAccount token in them
     pod_spec: dict = {"containers": [container], "terminationGracePeriodSeconds": termination_grace_seconds(spec),
-                      "enableServiceLinks": False}
+                      "enableServiceLinks": False, "automountServiceAccountToken": False}
     if volumes:
         pod_spec["volumes"] = volumes
-    harden(pod_spec, container, non_root=spec.backend != "llm-datadist")
+    if spec.backend == "llm-datadist":
+        harden(pod_spec, container, non_root=False, user=config.engine_user, group=config.engine_group)
+    else:
+        harden(pod_spec, container)
     if g.node_selector:
         pod_spec["nodeSelector"] = g.node_selector
     if g.tolerations:
@@ -291,10 +330,13 @@ def token_secret(name: str, namespace: str, token: str, owner: dict, secret_name
 
 
 def desired_children(name: str, namespace: str, uid: str, spec: PDDeploymentSpec,
-                     decided: dict | None = None, resource: str = NPU_RESOURCE) -> list[dict]:
+                     decided: dict | None = None, resource: str = NPU_RESOURCE,
+                     config: OperatorConfig | None = None, keys_allowed: bool = True) -> list[dict]:
     """Everything the operator applies for one PDDeployment, in apply order: a pure function of
-    the spec and the group sizes the operator decided (method Replace), so drift repair keeps
-    the decision."""
+    the spec, the operator's configuration and the group sizes the operator decided (method
+    Replace), so drift repair keeps the decision. `keys_allowed`: the gateway's keys Secret
+    opted in (else the gateway is not given it)."""
+    config = config or OperatorConfig(npu_resource=resource)
     owner = owner_reference(name, uid)
     out = [config_map(name, namespace, spec, owner)]
     for group in GROUPS:
@@ -302,6 +344,6 @@ def desired_children(name: str, namespace: str, uid: str, spec: PDDeploymentSpec
     for role in GROUPS:
         out.append(role_service(name, namespace, role, owner))
     for group in GROUPS:
-        out.append(statefulset(name, namespace, spec, group, owner, decided, resource))
-    out.append(network_policy(name, namespace, spec, owner))
-    return out + gateway_objects(name, namespace, spec, owner)
+        out.append(statefulset(name, namespace, spec, group, owner, decided, resource, config))
+    out.append(network_policy(name, namespace, spec, owner, config.namespace))
+    return out + gateway_objects(name, namespace, spec, owner, config.gateway_image, keys_allowed)

@@ -21,6 +21,7 @@ from . import replace as rp
 from . import switch as sw_
 from .api import PDDeploymentSpec
 from .builders import desired_children, npu_mismatch
+from .config import OperatorConfig, not_allowed
 from .diagnosis import Diagnosis
 from .members import Problem, pod_ready, with_report
 from .reports import Report
@@ -49,6 +50,10 @@ class Snapshot:
     asked: frozenset[str]               # pods whose agents were asked (no longer dirty once recorded)
     memory: Memory                      # as read; decide forks it
     npu_resource: str = NPU_RESOURCE    # the extended resource that means NPUs (operator configuration)
+    config: OperatorConfig = OperatorConfig()   # what the cluster admin allows
+    token_problem: str | None = None    # a token Secret this deployment does not own
+    keys: tuple[bool, str, str] | None = None   # the gateway's keys Secret: opted in, or why not
+    strays: tuple[dict, ...] = ()       # pods with the deployment's labels that its StatefulSets do not own
 
     @property
     def generation(self) -> int:
@@ -101,6 +106,7 @@ def decide(snap: Snapshot) -> Plan:
     live = [p for p in all_pods if not p["metadata"].get("deletionTimestamp")]
     events: list[Event] = []
     obs = Observed(generation=gen, pods=live, engines=list(snap.engines), problems=list(snap.problems),
+                   strays=list(snap.strays),
                    model_id=spec.model.model_id, topology=spec.datadist.topology,
                    selector=f"{LABEL_DEPLOYMENT}={name}")
     engines = take_reports(mem, list(snap.engines), snap.reports, obs, now, events)
@@ -139,7 +145,13 @@ def decide(snap: Snapshot) -> Plan:
     blocked = mem.blocked if mem.blocked_generation == gen else None
     if blocked is None and (mismatch := npu_mismatch(spec, snap.npu_resource)):
         blocked = Diagnosis("NPURequestMismatch", mismatch)   # admission cannot see which resource means NPUs
-    desired = desired_children(name, ns, meta["uid"], spec, book.sizes, snap.npu_resource)
+    if blocked is None and (refused := not_allowed(spec, snap.config)):
+        # the admission policy refuses these; an install without it is refused here
+        blocked = Diagnosis("NotAllowed", f"{refused}; nothing of this generation is applied")
+    if blocked is None and snap.token_problem:
+        blocked = Diagnosis("TokenSecretNotOwned", snap.token_problem)
+    desired = desired_children(name, ns, meta["uid"], spec, book.sizes, snap.npu_resource, snap.config,
+                               keys_allowed=snap.keys is None or snap.keys[0])
     obs.desired_pods = sum(spec.group_sizes(book.sizes).values())
     to_apply = [] if blocked else ch.to_apply(desired, snap.children, mem.applied)
     plans = lk.plan(engines, obs.reported, spec.datadist.topology,
@@ -160,6 +172,7 @@ def decide(snap: Snapshot) -> Plan:
     obs.verify = {d: r for d, r in mem.verify.items() if d in alive}
     obs.verified_at = mem.verified_at
     obs.blocked = blocked
+    obs.gateway_keys = snap.keys
     # observedGeneration moves only once the children of this generation were applied
     obs.observed_generation = gen if not to_apply and not blocked else \
         (body.get("status") or {}).get("observedGeneration")

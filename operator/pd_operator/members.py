@@ -6,12 +6,22 @@ unknown group) becomes a Problem on that member, never an exception for the depl
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from pd_contract.agent_api import AgentStatus
 
 from .api import PDDeploymentSpec
-from .builders import AGENT_PORT, ANNOTATION_ROLE, GROUPS, LABEL_GROUP, LABEL_ROLE, POD_INDEX_LABEL, cluster_id
+from .builders import (
+    AGENT_PORT,
+    ANNOTATION_ROLE,
+    GROUPS,
+    LABEL_GROUP,
+    LABEL_ROLE,
+    POD_INDEX_LABEL,
+    cluster_id,
+    sts_name,
+)
 from .links import Engine
 
 
@@ -33,6 +43,35 @@ def pod_index(pod: dict) -> int | None:
 def pod_ready(pod: dict) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True"
                for c in pod.get("status", {}).get("conditions", []) or [])
+
+
+def own_statefulsets(children: Iterable[dict], name: str, uid: str) -> set[str]:
+    """The uids of the deployment's own StatefulSets: named as it names them and controlled by it
+    (a StatefulSet anyone else made, labels or not, does not count)."""
+    names = {sts_name(name, g) for g in GROUPS}
+    return {o["metadata"].get("uid", "") for o in children if o.get("kind") == "StatefulSet"
+            and o["metadata"]["name"] in names
+            and any(r.get("uid") == uid and r.get("controller") for r in o["metadata"].get("ownerReferences") or [])}
+
+
+def claimed_owner(pod: dict) -> str | None:
+    """The uid of the StatefulSet the pod says controls it, if any."""
+    for r in pod["metadata"].get("ownerReferences") or []:
+        if r.get("controller") and r.get("kind") == "StatefulSet":
+            return r.get("uid")
+    return None
+
+
+def foreign(pod: dict, own: set[str]) -> Problem | None:
+    """Labels alone do not make a member: a pod counts only if one of the deployment's own
+    StatefulSets controls it (by uid). Any other pod wearing the labels is reported and left
+    alone: not asked (its agent would be sent the operator's token), not linked, not dialled."""
+    if claimed_owner(pod) in own:
+        return None
+    meta = pod["metadata"]
+    return Problem(meta["name"], meta.get("labels", {}).get(LABEL_GROUP, "") or "-",
+                   "carries the deployment's labels but is not a pod of its StatefulSets: ignored (not asked, "
+                   "not linked); delete it or remove the labels")
 
 
 def member_of(pod: dict, spec: PDDeploymentSpec) -> Engine | Problem:

@@ -23,15 +23,20 @@ def object_meta(name: str, namespace: str, owner: dict, labels: dict | None = No
     return {"name": name, "namespace": namespace, "labels": labels or {}, "ownerReferences": [owner]}
 
 
-def harden(pod_spec: dict, container: dict, non_root: bool = True) -> None:
+def harden(pod_spec: dict, container: dict, non_root: bool = True, user: int | None = None,
+           group: int | None = None) -> None:
     """Every pod the project creates: no privilege escalation, no capabilities, the
     RuntimeDefault seccomp profile, a read-only root filesystem with an emptyDir on /tmp, and
     (where the workload allows it) a non-root user. Ascend engines are the exception to the
-    last: the NPU driver's device nodes belong to its own user and group (HwHiAiUser), which
-    the image's user must match, so `backend: llm-datadist` keeps the image's user."""
+    last: the NPU driver's device nodes belong to its own user and group (HwHiAiUser), so
+    `backend: llm-datadist` runs as the user and group the operator's configuration names
+    (chart values engineUser/engineGroup), or the image's user if the admin left them unset."""
     sc: dict = {"seccompProfile": {"type": "RuntimeDefault"}}
     if non_root:
         sc.update(runAsNonRoot=True, runAsUser=RUN_AS, runAsGroup=RUN_AS)
+    elif user is not None:
+        sc.update(runAsUser=user, **({"runAsGroup": group} if group is not None else {}),
+                  **({"runAsNonRoot": True} if user != 0 else {}))
     pod_spec["securityContext"] = sc
     container["securityContext"] = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                                     "capabilities": {"drop": ["ALL"]}}

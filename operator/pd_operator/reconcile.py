@@ -21,9 +21,10 @@ import base64
 import logging
 import os
 import time
+from dataclasses import replace
 from typing import Callable
 
-from pd_contract.names import NPU_RESOURCE
+from pd_contract.names import LABEL_KEYS
 
 from . import act, kinds, observe, policies
 from . import children as ch
@@ -31,13 +32,15 @@ from . import links as lk
 from . import switch as sw_
 from .agentclient import AgentClient
 from .api import GROUP, KIND, VERSION, PDDeploymentSpec, parse_spec
-from .builders import LABEL_DEPLOYMENT, token_secret_name
+from .builders import LABEL_DEPLOYMENT, peer_token_secret_name, token_secret_name
 from .conditions import set_condition
+from .config import OperatorConfig
 from .decide import Plan, Snapshot, decide
 from .diagnosis import Diagnosis
 from .events import Events
+from .gateway import data_token_secret_name
 from .kube import Kube, KubeError
-from .members import Problem, member_of, pod_ready
+from .members import Problem, claimed_owner, foreign, member_of, own_statefulsets, pod_ready
 from .metrics import OperatorMetrics
 from .objmeta import owner_reference
 from .observe import ask_always, to_ask
@@ -51,8 +54,13 @@ NOT_READY_RESYNC_S = 1.0
 RELIST_S = float(os.environ.get("PD_OPERATOR_RELIST_SECONDS", "30"))
 HOLDING_RECHECK_S = 0.5   # a leaving prefill is unlinked as soon as nothing waits on it
 TOKEN_TTL_S = 20.0
+STRAY_RELIST_S = 5.0      # a pod claiming a StatefulSet not in the cache makes a fresh list this often
 ACTED_DELAY_S = 0.05      # the next pass after one that acted
 SWITCH_POLL_S = 0.1       # while a switch waits on something observed (a drain)
+
+
+def owned_by(obj: dict, uid: str) -> bool:
+    return bool(uid) and any(o.get("uid") == uid for o in obj["metadata"].get("ownerReferences") or [])
 
 
 class TerminalError(Exception):
@@ -82,10 +90,14 @@ def spec_changes(old: dict | None, new: dict, prefix: str = "spec") -> list[str]
 
 class Controller:
     def __init__(self, kube: Kube, agents: AgentClient, metrics: OperatorMetrics | None = None,
-                 after_record: Callable[[list[sw_.Switch]], None] | None = None, npu_resource: str | None = None):
+                 after_record: Callable[[list[sw_.Switch]], None] | None = None, npu_resource: str | None = None,
+                 config: OperatorConfig | None = None):
         self.kube = kube
-        # which extended resource means NPUs: the operator's configuration (chart value npuResource)
-        self.npu_resource = npu_resource or os.environ.get("PD_OPERATOR_NPU_RESOURCE") or NPU_RESOURCE
+        # what the cluster admin allows (chart values): NPU resource, host paths, gateway image
+        self.config = config or OperatorConfig.from_env()
+        if npu_resource:
+            self.config = replace(self.config, npu_resource=npu_resource)
+        self.npu_resource = self.config.npu_resource
         self.agents = agents
         self.metrics = metrics or agents.metrics
         self.events = Events(kube)
@@ -190,6 +202,9 @@ class Controller:
                 pass
 
     # ---- observe: the caches and the token ---------------------------------------------------------
+    def _own_statefulsets(self, key: Key, uid: str) -> set[str]:
+        return own_statefulsets((o for o, _ in self.children.get(key, {}).values()), key[1], uid)
+
     async def _relist(self, key: Key) -> None:
         """Check the caches against a fresh list: a watch that reconnects lists again but sends
         no DELETED for objects removed while it was away."""
@@ -212,16 +227,54 @@ class Controller:
                     cache[k] = (obj, t0)
         self.relisted_at[key] = t0
 
-    async def _token(self, key: Key, mem: Memory) -> str | None:
-        # Re-read now and then: a rotated Secret must show up (as AgentUnauthorized until
-        # the pods restart with it), and RBAC allows `get` on the Secret, not a watch.
-        if mem.token and time.monotonic() - mem.token_read_at < TOKEN_TTL_S:
+    async def _token(self, key: Key, mem: Memory, uid: str) -> str | None:
+        """The control token, from the Secret this deployment owns. Re-read now and then: a
+        rotated Secret must show up (as AgentUnauthorized until the pods restart with it), and
+        RBAC allows `get` on the Secret, not a watch. A token Secret of the same name that
+        this deployment does not own (made before it, by someone else) is never adopted: its
+        token would be one another party chose or knows."""
+        if (mem.token or mem.token_problem) and time.monotonic() - mem.token_read_at < TOKEN_TTL_S:
             return mem.token
-        sec = await self.kube.get("v1", "Secret", key[0], token_secret_name(key[1]))
-        mem.token = base64.b64decode(sec["data"]["token"]).decode() if sec and sec.get("data", {}).get("token") \
-            else None
+        ns, name = key
+        token, foreign = None, []
+        for sname in (token_secret_name(name), data_token_secret_name(name), peer_token_secret_name(name)):
+            sec = await self.kube.get("v1", "Secret", ns, sname)
+            if sec is None:
+                continue
+            if not owned_by(sec, uid):
+                foreign.append(sname)
+            elif sname == token_secret_name(name) and sec.get("data", {}).get("token"):
+                token = base64.b64decode(sec["data"]["token"]).decode()
+        mem.token = None if token_secret_name(name) in foreign else token
+        mem.token_problem = (f"Secret {', '.join(foreign)} in {ns} is not owned by this PDDeployment, so the "
+                             f"operator does not use it; delete it and the operator creates its own") \
+            if foreign else None
         mem.token_read_at = time.monotonic()
         return mem.token
+
+    async def _keys_secret(self, key: Key, mem: Memory, spec: PDDeploymentSpec) -> tuple[bool, str, str] | None:
+        """Whether the gateway may be given its keys Secret: only one that opted in with the label
+        pdoperator.io/keys: "true". Re-read every pass until it is allowed, then now and then."""
+        gw = spec.gateway
+        if gw is None or not gw.enabled or not gw.api_keys_secret:
+            mem.keys_verdict = None
+            return None
+        v = mem.keys_verdict
+        if v is not None and v[0] and time.monotonic() - mem.keys_read_at < TOKEN_TTL_S:
+            return v
+        sec = await self.kube.get("v1", "Secret", key[0], gw.api_keys_secret)
+        n = gw.api_keys_secret
+        if sec is None:
+            v = (False, "KeysSecretNotFound", f"Secret {n} (spec.gateway.apiKeysSecret) does not exist in {key[0]}; "
+                                              f"the gateway runs once it exists with the label {LABEL_KEYS}=true")
+        elif (sec["metadata"].get("labels") or {}).get(LABEL_KEYS) != "true":
+            v = (False, "KeysSecretNotOptedIn", f"Secret {n} (spec.gateway.apiKeysSecret) does not carry the label "
+                                                f"{LABEL_KEYS}: \"true\", so the gateway is not given it (no gateway "
+                                                f"pod runs); `kubectl label secret {n} {LABEL_KEYS}=true` opts it in")
+        else:
+            v = (True, "KeysSecretOptedIn", f"Secret {n} opted in as the gateway's API keys")
+        mem.keys_verdict, mem.keys_read_at = v, time.monotonic()
+        return v
 
     # ---- the pass ------------------------------------------------------------------------------
     async def reconcile(self, key: Key) -> float | None:
@@ -251,11 +304,23 @@ class Controller:
             raise TerminalError("InvalidSpec", f"spec is invalid (admission should have refused it): {e}") from e
         if now - self.relisted_at.get(key, 0.0) > RELIST_S:
             await self._relist(key)
-        all_pods = [o for o, _ in self.pods.get(key, {}).values()]
+        uid = body["metadata"].get("uid", "")
+        own = self._own_statefulsets(key, uid)
+        cached = [o for o, _ in self.pods.get(key, {}).values()]
+        if any(claimed_owner(p) not in own | {None} for p in cached) \
+                and now - self.relisted_at.get(key, 0.0) > STRAY_RELIST_S:
+            # a StatefulSet's watch event may trail its pods': look before calling a pod foreign
+            await self._relist(key)
+            own = self._own_statefulsets(key, uid)
+            cached = [o for o, _ in self.pods.get(key, {}).values()]
+        strays = [pr for p in cached if (pr := foreign(p, own))]
+        all_pods = [p for p in cached if claimed_owner(p) in own]
+        stray_pods = tuple(p for p in cached if claimed_owner(p) not in own)
         members = [member_of(p, spec) for p in all_pods]
-        problems = tuple(m for m in members if isinstance(m, Problem))
+        problems = tuple(strays) + tuple(m for m in members if isinstance(m, Problem))
         engines = [m for m in members if not isinstance(m, Problem)]
-        token = await self._token(key, mem)
+        token = await self._token(key, mem, uid)
+        keys = await self._keys_secret(key, mem, spec)
         book = mem.book or sw_.Book.from_status(body.get("status"))
         reports: dict = {}
         ask: set[str] = set()
@@ -278,7 +343,8 @@ class Controller:
                         children={k: o for k, (o, _) in self.children.get(key, {}).items()},
                         engines=tuple(engines), problems=problems, token=token, reports=reports,
                         gateway_stats=stats, gateway_read=read, asked=frozenset(ask), memory=mem,
-                        npu_resource=self.npu_resource)
+                        npu_resource=self.npu_resource, config=self.config, token_problem=mem.token_problem,
+                        keys=keys, strays=stray_pods)
 
     async def _gateway_stats(self, ns: str, name: str) -> tuple[dict, float] | None:
         """The gateway's recent client-side TTFT/TBT percentiles (what the SLO policy reads where
@@ -339,13 +405,14 @@ class Controller:
                                                       plan.switch_probes, token) for its in grouped.values()))
             dirty.update(grouped)
             acted = True
-        if token is None or not mem.tokens_ensured:
+        if (token is None or not mem.tokens_ensured) and not snap.token_problem:
             await act.ensure_token(self.kube, name, ns, owner_reference(name, body["metadata"]["uid"]))
             mem.tokens_ensured = True
             acted = acted or token is None
         if plan.to_apply:
             await self._apply(body, spec, mem, snap.generation, plan.to_apply, created=not snap.children,
-                              everything=len(plan.to_apply) == len(plan.desired))
+                              everything=len(plan.to_apply) == len(plan.desired),
+                              keys_ok=snap.keys is None or bool(snap.keys[0]))
             acted = True
         pairs = plan.verify
         if plan.links and token:
@@ -400,7 +467,7 @@ class Controller:
                                    f"{o.result.lower()}: {o.message}", key=f"{o.result} {s.pod} {s.started}")
 
     async def _apply(self, body: dict, spec: PDDeploymentSpec, mem: Memory, gen: int, objs: list[dict],
-                     created: bool, everything: bool) -> None:
+                     created: bool, everything: bool, keys_ok: bool = True) -> None:
         try:
             await act.apply_children(self.kube, self.metrics, mem, objs)
         except KubeError as e:
@@ -411,7 +478,14 @@ class Controller:
                 raise TerminalError("ApplyRejected", str(e)) from e
             raise
         name = body["metadata"]["name"]
-        if mem.applied_event_generation != gen:
+        keys_flipped = mem.applied_keys is not None and mem.applied_keys != keys_ok
+        mem.applied_keys = keys_ok
+        if keys_flipped:
+            secret = spec.gateway.api_keys_secret if spec.gateway else ""
+            await self.events.post(body, "Normal", "GatewayKeys", f"Secret {secret} opted in: the gateway is given "
+                                   f"it" if keys_ok else f"Secret {secret} no longer opts in: the gateway's access "
+                                   f"to it is revoked and its pods stopped")
+        elif mem.applied_event_generation != gen:
             mem.applied_event_generation = gen
             sizes = spec.group_sizes(mem.book.sizes if mem.book else None)
             what = (f"StatefulSets {name}-prefill ({sizes['prefill']}) and {name}-decoder "

@@ -38,7 +38,11 @@ class Memory:
     last_status: dict | None = None
     token: str | None = None
     token_read_at: float = 0.0
-    tokens_ensured: bool = False          # both token Secrets exist (checked once per operator run)
+    tokens_ensured: bool = False          # the token Secrets exist (checked once per operator run)
+    token_problem: str | None = None      # a token Secret of that name that this deployment does not own
+    keys_verdict: tuple[bool, str, str] | None = None   # the gateway's keys Secret: opted in or why not
+    keys_read_at: float = 0.0
+    applied_keys: bool | None = None      # whether the children last applied gave the gateway its keys
     proxy_warned: set[str] = field(default_factory=set)
     applied: dict[ChildKey, Applied] = field(default_factory=dict)
     applied_event_generation: int | None = None

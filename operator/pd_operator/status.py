@@ -36,6 +36,9 @@ def pod_problem(pod: dict) -> Diagnosis | None:
     return None
 
 
+Verdict = tuple[bool | str, str, str]   # a condition's (status, reason, message)
+
+
 @dataclass
 class Observed:
     """Everything one pass saw, and what the operator remembers of earlier passes."""
@@ -54,6 +57,8 @@ class Observed:
     model_id: int = 0
     topology: str = "FullMesh"
     blocked: Diagnosis | None = None      # a terminal error (rejected apply): reported, not retried hot
+    strays: list[dict] = field(default_factory=list)   # pods that only wear the labels: listed, never members
+    gateway_keys: Verdict | None = None   # the gateway's keys Secret opted in, or why not (gateway enabled)
     per_decoder: dict[str, tuple[int, int, list[dict]]] | None = None  # links.per_decoder, if computed already
     switches: list = field(default_factory=list)        # switch.Switch in flight
     last_switch: dict | None = None                     # status.lastSwitch
@@ -78,7 +83,7 @@ def _members(obs: Observed, per: dict[str, tuple[int, int, list[dict]]],
     names = {e.pod: e for e in obs.engines}
     by_cid = {e.cluster_id: e.pod for e in obs.engines}
     out = []
-    for p in sorted(obs.pods, key=lambda p: (p["metadata"].get("labels", {}).get(LABEL_GROUP, ""),
+    for p in sorted(obs.pods + obs.strays, key=lambda p: (p["metadata"].get("labels", {}).get(LABEL_GROUP, ""),
                                              pod_index(p) or 0, p["metadata"]["name"])):
         name = p["metadata"]["name"]
         m = by_pod.get(name)
@@ -120,7 +125,6 @@ def _members(obs: Observed, per: dict[str, tuple[int, int, list[dict]]],
     return out
 
 
-Verdict = tuple[bool | str, str, str]   # a condition's (status, reason, message)
 
 
 def pods_ready(obs: Observed, desired_pods: int) -> Verdict:
@@ -210,7 +214,8 @@ def rebalancing(obs: Observed) -> Verdict | None:
 def degraded(obs: Observed) -> bool:
     """Something failed (as opposed to something still coming up)."""
     return bool(any(pod_problem(p) for p in obs.pods) or obs.agent_errors or obs.link_failures
-                or any(not r["ok"] for r in obs.verify.values()) or obs.blocked)
+                or any(not r["ok"] for r in obs.verify.values()) or obs.blocked
+                or (obs.gateway_keys is not None and not obs.gateway_keys[0]))
 
 
 def phase_of(obs: Observed, conds: list[dict]) -> str:
@@ -256,6 +261,8 @@ def build_status(spec: PDDeploymentSpec, obs: Observed, previous: dict | None, a
             conds = cond.set_condition(conds, ctype, *verdict, gen, at=at)
     phase = phase_of(obs, conds)
     conds = cond.set_condition(conds, "Ready", *ready(obs, phase, conds), gen, at=at)
+    conds = cond.set_condition(conds, "GatewayKeys", *obs.gateway_keys, gen, at=at) \
+        if obs.gateway_keys is not None else [c for c in conds if c["type"] != "GatewayKeys"]
     reb = rebalancing(obs)
     conds = cond.set_condition(conds, "Rebalancing", *reb, gen, at=at) if reb is not None \
         else [c for c in conds if c["type"] != "Rebalancing"]

@@ -70,7 +70,8 @@ def test_install_serve_switch_verify_uninstall(e2e_cluster: Cluster, tmp_path) -
     doc["spec"]["image"] = image("pd-sim-agent")
     doc["spec"]["gateway"] = {"enabled": True, "apiKeysSecret": "sim-small-keys"}
     doc["spec"]["rebalance"] = {"policy": "Manual", "manual": {"prefill": 2}, "cooldownSeconds": 0}
-    c.kubectl("create", "secret", "generic", "sim-small-keys", "-n", ns, "--from-literal=e2e=sk-e2e-1")
+    c.kubectl("create", "secret", "generic", "sim-small-keys", "-n", ns, "--from-literal=e2e=sk-e2e-scenario-0001")
+    c.kubectl("label", "secret", "sim-small-keys", "-n", ns, "pdoperator.io/keys=true")   # opts in
     c.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
     t0 = time.monotonic()
     wait_for("Ready, 4/4 links, KV path verified", lambda: (s := status(c, ns)).get("phase") == "Ready"
@@ -90,7 +91,7 @@ def test_install_serve_switch_verify_uninstall(e2e_cluster: Cluster, tmp_path) -
         "restartPolicy": "Never", "containers": [{
             "name": "load", "image": image("pd-sim-agent"),
             "command": ["python", "-m", "pd_agent.loadgen"],
-            "args": ["--gateway", gw_url, "--api-key", "sk-e2e-1", "--rate", "4", "--duration", "45",
+            "args": ["--gateway", gw_url, "--api-key", "sk-e2e-scenario-0001", "--rate", "4", "--duration", "45",
                      "--workload", "code", "--max-prompt", "512", "--max-output", "24", "--json"],
             "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                                 "capabilities": {"drop": ["ALL"]}}}],

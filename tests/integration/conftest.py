@@ -128,6 +128,14 @@ def sample(name: str = "sim-small", **overrides) -> dict:
     return doc
 
 
+def keys_secret(cluster: Cluster, ns: str, name: str = "sim-small-keys", opt_in: bool = True, **keys: str) -> None:
+    """An API-keys Secret; opted in (the label a gateway's keys Secret must carry) unless told."""
+    literals = [f"--from-literal={k}={v}" for k, v in keys.items()]
+    cluster.kubectl("create", "secret", "generic", name, "-n", ns, *literals)
+    if opt_in:
+        cluster.kubectl("label", "secret", name, "-n", ns, "pdoperator.io/keys=true")
+
+
 def pdd(cluster: Cluster, ns: str, name: str = "sim-small") -> dict:
     return cluster.get_json("pdd", name, "-n", ns)
 

@@ -1,12 +1,14 @@
 """The Helm chart: lint, install, and the operator running as a pod with only the chart's RBAC."""
 from __future__ import annotations
 
+import json
 import subprocess
 
 import pytest
+import yaml
 
 from tests.conftest import REPO, Cluster, wait_for
-from tests.integration.conftest import sample, wait_phase
+from tests.integration.conftest import keys_secret, sample, wait_phase
 
 pytestmark = pytest.mark.integration
 CHART = str(REPO / "charts" / "pd-operator")
@@ -37,12 +39,34 @@ def test_operator_installed_by_the_chart_runs_with_its_rbac(cluster: Cluster, cr
         assert can("delete", "statefulsets", "-n", namespace) == "no"
         assert can("delete", "pods", "-n", namespace) == "no"
         assert can("list", "secrets", "-n", namespace) == "no"
+        # watchNamespaces: Roles there, nothing elsewhere (can-i for what it must not do)
+        assert can("get", "secrets", "-n", namespace) == "yes"
+        for other in ("default", "kube-system"):
+            assert can("get", "secrets", "-n", other) == "no"
+            assert can("patch", "pods", "-n", other) == "no"
+            assert can("create", "statefulsets.apps", "-n", other) == "no"
+            assert can("create", "roles.rbac.authorization.k8s.io", "-n", other) == "no"
+        assert can("create", "clusterroles.rbac.authorization.k8s.io") == "no"
+        assert can("list", "pods", "--all-namespaces") == "no"
+        assert can("list", "customresourcedefinitions.apiextensions.k8s.io") == "yes"   # Kopf's discovery
+
+        # the admission policy: host paths and gateway images only from the chart's values
+        bad = sample(name="hostile")
+        bad["spec"]["ascend"] = {"extraHostPaths": ["/usr/local/dcmi", "/var/run/docker.sock"]}
+        r = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(bad), check=False)
+        assert r.returncode != 0 and "spec.ascend.extraHostPaths: host paths /var/run/docker.sock are not " \
+            "allowed (allowed: /etc/hccn.conf,/usr/local/Ascend/driver,/usr/local/dcmi" in r.stderr, r.stderr
+        bad = sample(name="hostile", gateway={"enabled": True, "apiKeysSecret": "sim-small-keys",
+                                              "image": "example.com/evil/reads-secrets:1"})
+        r = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(bad), check=False)
+        assert r.returncode != 0 and "spec.gateway.image: example.com/evil/reads-secrets:1 is not an allowed " \
+            "gateway image (allowed: example.com/pd/pd-gateway:0.1.0" in r.stderr, r.stderr
 
         # the gateway's objects too: its Role grants only what the chart's ServiceAccount holds
         assert can("create", "roles.rbac.authorization.k8s.io", "-n", namespace) == "yes"
         assert can("create", "networkpolicies.networking.k8s.io", "-n", namespace) == "yes"
         assert can("create", "deployments.apps", "-n", namespace) == "yes"
-        cluster.kubectl("create", "secret", "generic", "sim-small-keys", "-n", namespace, "--from-literal=a=sk-1")
+        keys_secret(cluster, namespace, a="sk-chart-test-key-0001")
         cluster.apply(sample(gateway={"enabled": True, "apiKeysSecret": "sim-small-keys"}), namespace)
         wait_phase(cluster, namespace, "Ready", timeout=120, extra=lambda o: o["status"]["linksSummary"] == "4/4")
         wait_for("the gateway Ready", lambda: cluster.get_json("deployment", "sim-small-gateway", "-n", namespace)[
@@ -61,3 +85,32 @@ def test_operator_installed_by_the_chart_runs_with_its_rbac(cluster: Cluster, cr
         assert 'pd_operator_deployment_phase{name="sim-small"' in text
     finally:
         helm(cluster, "uninstall", release, "-n", namespace, "--wait", "--timeout", "60s")
+
+
+def rules_of(cluster: Cluster, *values: str) -> dict[tuple[str, str], list[dict]]:
+    """The chart's RBAC objects as rendered, by (kind, namespace)."""
+    r = helm(cluster, "template", "x", CHART, "-n", "pd-system", "--kube-version", "1.36.0", *values)
+    assert r.returncode == 0, r.stderr
+    docs = [d for d in yaml.safe_load_all(r.stdout) if d and d["kind"] in ("ClusterRole", "Role")]
+    return {(d["kind"], d["metadata"].get("namespace", "")): d["rules"] for d in docs}
+
+
+def test_chart_rbac_takes_only_what_the_operator_uses(cluster: Cluster) -> None:
+    """Both install modes, as objects: verbs the code uses and nothing cluster-wide that
+    watchNamespaces does not need."""
+    def grants(rules: list[dict], resource: str, verb: str) -> bool:
+        return any(resource in r["resources"] and verb in r["verbs"] for r in rules)
+    wide = rules_of(cluster)
+    assert set(wide) == {("ClusterRole", "")}
+    scoped = rules_of(cluster, "--set", "watchNamespaces={team-a,team-b}")
+    assert set(scoped) == {("ClusterRole", ""), ("Role", "team-a"), ("Role", "team-b")}
+    cluster_role = scoped[("ClusterRole", "")]
+    assert {res for r in cluster_role for res in r["resources"]} == {"customresourcedefinitions", "namespaces"}
+    assert all(set(r["verbs"]) <= {"get", "list", "watch"} for r in cluster_role)
+    for rules in (wide[("ClusterRole", "")], scoped[("Role", "team-a")]):
+        assert grants(rules, "secrets", "get") and grants(rules, "secrets", "create")
+        for resource, verb in (("secrets", "list"), ("secrets", "watch"), ("secrets", "update"),
+                               ("pods", "delete"), ("pods", "create"), ("statefulsets", "delete"),
+                               ("roles", "escalate"), ("roles", "bind"), ("pods/exec", "create")):
+            assert not grants(rules, resource, verb), (resource, verb)
+        assert not any("*" in r["verbs"] or "*" in r["resources"] for r in rules)

@@ -15,12 +15,12 @@ import httpx
 import pytest
 
 from tests.conftest import Cluster, wait_for
-from tests.integration.conftest import agent_post, pdd, sample, wait_phase
+from tests.integration.conftest import agent_post, keys_secret, pdd, sample, wait_phase
 from tests.integration.test_switching import REBALANCE, set_prefill, switched
 from tests.integration.test_traffic import TRAFFIC_SPEC, Load
 
 pytestmark = pytest.mark.integration
-KEY = "sk-pd-test-0001"
+KEY = "sk-pd-test-0001-gateway"
 
 
 def gateway_pod(cluster: Cluster, ns: str) -> dict:
@@ -31,7 +31,7 @@ def gateway_pod(cluster: Cluster, ns: str) -> dict:
 @pytest.fixture
 def served(cluster: Cluster, namespace: str, operator):
     ns = namespace
-    cluster.kubectl("create", "secret", "generic", "sim-small-keys", "-n", ns, f"--from-literal=team-a={KEY}")
+    keys_secret(cluster, ns, **{"team-a": KEY})
     cluster.apply(sample(**TRAFFIC_SPEC, rebalance=REBALANCE, gateway={"enabled": True,
                                                                        "apiKeysSecret": "sim-small-keys"}), ns)
     wait_phase(cluster, ns, "Ready", timeout=120, extra=lambda o: o["status"]["linksSummary"] == "4/4")

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from tests.conftest import Cluster, wait_for
-from tests.integration.conftest import agent_post, agent_status, condition, events, pdd, sample, wait_phase
+from tests.integration.conftest import agent_post, agent_status, condition, events, keys_secret, pdd, sample, wait_phase
 from tests.integration.test_switching import REBALANCE, roles, set_prefill, switched
 from tests.integration.test_traffic import TRAFFIC_SPEC, Load, force_unlinks
 
@@ -98,8 +98,8 @@ def test_tp4_serves_and_switches_whole_instances_under_load(cluster: Cluster, tp
 def test_unequal_tp_mla_links_by_the_mapping_and_serves_through_the_gateway(cluster: Cluster, namespace: str,
                                                                            operator):
     ns = namespace
-    key = "sk-pd-test-mla"
-    cluster.kubectl("create", "secret", "generic", "sim-small-keys", "-n", ns, f"--from-literal=team-a={key}")
+    key = "sk-pd-test-mla-ranks-0001"
+    keys_secret(cluster, ns, **{"team-a": key})
     doc = ranked(4, 2, gateway={"enabled": True, "apiKeysSecret": "sim-small-keys"})
     doc["spec"]["model"]["kvCache"].update(attention="MLA", latentDim=64)
     cluster.apply(doc, ns)

@@ -41,6 +41,7 @@ class FakeKube:
         obj = copy.deepcopy(obj)
         meta = obj["metadata"]
         meta["resourceVersion"] = str(next(self._rv))
+        meta.setdefault("uid", f"uid-{obj['kind']}-{meta['name']}")   # stable across applies, as on a server
         self.objects[(obj["kind"], meta.get("namespace", ""), meta["name"])] = obj
         return obj
 
@@ -228,6 +229,8 @@ def pod(name: str, group: str, index: int, ip: str, ready: bool = True, role: st
         uid: str | None = None) -> dict:
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "namespace": "ns", "uid": uid or f"uid-{name}",
+                         "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": f"x-{group}",
+                                              "uid": f"uid-StatefulSet-x-{group}", "controller": True}],
                          "labels": {"pdoperator.io/deployment": "x", "pdoperator.io/group": group,
                                     "pdoperator.io/role": role or group,
                                     "apps.kubernetes.io/pod-index": str(index)},

@@ -47,6 +47,12 @@ class World:
 
     def add_pods(self, prefill: int = 2, decoder: int = 2, initialized: bool = True) -> None:
         for group, n, base, role in (("prefill", prefill, 0, "prompt"), ("decoder", decoder, 1000, "decoder")):
+            if ("StatefulSet", "ns", f"x-{group}") not in self.kube.objects:   # pods come from their StatefulSet
+                self.kube._feed(self.kube._store({
+                    "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {
+                        "name": f"x-{group}", "namespace": "ns", "labels": {"pdoperator.io/deployment": "x"},
+                        "ownerReferences": [{"kind": "PDDeployment", "name": "x", "uid": "uid-x",
+                                             "controller": True}]}}))
             for i in range(n):
                 name = f"x-{group}-{i}"
                 ip = f"127.9.{base // 1000}.{i + 1}"

@@ -91,6 +91,8 @@ def test_gateway_objects_least_privilege_and_network_policy():
         assert (kind, "llm-gateway") in objs
     role = objs[("Role", "llm-gateway")]["rules"]
     assert role == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+                    {"apiGroups": ["apps"], "resources": ["statefulsets"], "verbs": ["get"],
+                     "resourceNames": ["llm-prefill", "llm-decoder"]},
                     {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"], "resourceNames": ["llm-keys"]}]
     dep = objs[("Deployment", "llm-gateway")]
     pod = dep["spec"]["template"]
@@ -160,7 +162,12 @@ def test_statefulset_shape():
     assert env["LLM_DATADIST_PORT"]["value"] == "26000"
     assert env["LLM_DATADIST_CACHE_DESC"]["valueFrom"]["configMapKeyRef"] == {"name": "llm-config", "key": "cacheDesc"}
     assert env["PD_AGENT_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "llm-agent-token"
-    assert c["resources"] == {"limits": {"huawei.com/Ascend910": 1}}
+    assert env["PD_AGENT_PEER_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+        "name": "llm-agent-peer-token", "key": "token", "optional": True}
+    # the spec's NPU limit, and a default for what it leaves unset (TP 1: one rank's worth)
+    assert c["resources"] == {"limits": {"huawei.com/Ascend910": 1, "memory": "1024Mi"},
+                              "requests": {"cpu": "100m", "memory": "256Mi"}}
+    assert tmpl["spec"]["automountServiceAccountToken"] is False   # engines never call the API server
     assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
     prefill = by_kind_name(children())[("StatefulSet", "llm-prefill")]
     penv = {e["name"]: e for e in prefill["spec"]["template"]["spec"]["containers"][0]["env"]}
@@ -194,7 +201,8 @@ def test_llm_datadist_backend_mounts_host_paths():
     assert "/etc/hccn.conf" in paths and "/usr/local/Ascend/driver" in paths
     assert all(m["readOnly"] for m in pod["containers"][0]["volumeMounts"] if m["name"] != "tmp")
     assert not any(e["name"] == "PD_SIM_MEMORY_SCALE" for e in pod["containers"][0]["env"])
-    # the NPU driver's devices belong to its own user: the image's user stays
+    # the NPU driver's devices belong to its own user: the image's user stays unless the
+    # operator's configuration names one (the chart's engine.runAsUser)
     assert "runAsUser" not in pod["securityContext"]
     assert pod["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
 

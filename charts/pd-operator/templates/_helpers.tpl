@@ -20,3 +20,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if .Values.serviceAccount.create -}}{{ default (include "pd-operator.fullname" .) .Values.serviceAccount.name }}
 {{- else -}}{{ default "default" .Values.serviceAccount.name }}{{- end -}}
 {{- end -}}
+
+{{- /* the gateway's image: the value, or the operator's repository renamed pd-gateway, same tag */ -}}
+{{- define "pd-operator.gatewayImage" -}}
+{{- if .Values.gateway.image -}}{{ .Values.gateway.image }}
+{{- else -}}{{ trimSuffix "pd-operator" .Values.image.repository }}pd-gateway:{{ .Values.image.tag }}{{- end -}}
+{{- end -}}

@@ -1,0 +1,147 @@
+"""What a PDDeployment's author can and cannot cause (pure): host paths and the gateway image
+only from the operator's configuration, a keys Secret only once it opted in, engines without a
+ServiceAccount token, the operator admitted by namespace and labels together, members only by
+their StatefulSet's uid."""
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pd_operator import builders
+from pd_operator.api import parse_spec
+from pd_operator.config import DEFAULT_HOST_PATHS, OperatorConfig, not_allowed, path_allowed
+from pd_operator.members import foreign, own_statefulsets
+from tests.unit.test_operator_pure import SPEC, by_kind_name
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def spec_with(**kw):
+    return parse_spec({**copy.deepcopy(SPEC), **kw})
+
+
+@pytest.mark.parametrize("path,ok", [
+    ("/etc/hccn.conf", True), ("/usr/local/Ascend/driver", True), ("/usr/local/Ascend/driver/lib64", True),
+    ("/usr/local/Ascend", False), ("/usr/local/Ascend/driver-evil", False), ("/etc", False), ("/", False),
+    ("/usr/local/Ascend/driver/../../../../etc/shadow", False), ("/usr/local/Ascend/driver/./x", False),
+])
+def test_a_path_is_allowed_only_as_itself_or_under_an_allowed_directory(path, ok):
+    assert path_allowed(path, DEFAULT_HOST_PATHS) is ok
+
+
+def test_host_paths_outside_the_allow_list_are_refused_naming_field_and_list():
+    spec = spec_with(backend="llm-datadist", ascend={"extraHostPaths": ["/usr/local/dcmi", "/var/run/docker.sock"]})
+    why = not_allowed(spec, OperatorConfig())
+    assert why is not None and "spec.ascend.extraHostPaths[1]" in why and "/var/run/docker.sock" in why
+    assert "/usr/local/Ascend/driver" in why   # the allow-list is named
+    assert not_allowed(spec, OperatorConfig(allowed_host_paths=(*DEFAULT_HOST_PATHS, "/var/run"))) is None
+    # checked whatever the backend: the spec is what is refused
+    assert not_allowed(spec_with(ascend={"driverPath": "/root"}), OperatorConfig()) is not None
+    # the defaults, when an admin allows fewer paths than they need
+    narrow = OperatorConfig(allowed_host_paths=("/etc/hccn.conf",))
+    assert "spec.ascend (default)" in (not_allowed(spec_with(backend="llm-datadist"), narrow) or "")
+    assert not_allowed(spec_with(), narrow) is None   # sim mounts nothing
+
+
+def test_dot_segments_are_refused_by_the_schema():
+    with pytest.raises(ValueError):
+        spec_with(ascend={"hccnConf": "etc/hccn.conf"})   # relative
+    crd = yaml.safe_load((REPO / "crds" / "pddeployment.yaml").read_text())
+    ascend = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["ascend"]
+    rules = " ".join(r["rule"] for r in ascend["x-kubernetes-validations"])
+    assert rules.count("'/../'") == 3 and rules.count("'/./'") == 3
+
+
+def test_the_gateway_image_comes_from_the_operator():
+    cfg = OperatorConfig(gateway_image="reg/pd-gateway:1", allowed_gateway_images=("reg/pd-gateway:2",))
+    keys = {"enabled": True, "apiKeysSecret": "k"}
+    assert not_allowed(spec_with(gateway=keys), cfg) is None
+    assert not_allowed(spec_with(gateway={**keys, "image": "reg/pd-gateway:2"}), cfg) is None
+    why = not_allowed(spec_with(gateway={**keys, "image": "evil/reads-secrets:1"}), cfg)
+    assert why and "spec.gateway.image" in why and "reg/pd-gateway:1, reg/pd-gateway:2" in why
+    objs = by_kind_name(builders.desired_children("llm", "ns", "u", spec_with(gateway=keys), config=cfg))
+    assert objs[("Deployment", "llm-gateway")]["spec"]["template"]["spec"]["containers"][0]["image"] == \
+        "reg/pd-gateway:1"
+
+
+def test_a_keys_secret_that_did_not_opt_in_is_not_handed_to_the_gateway():
+    spec = spec_with(gateway={"enabled": True, "apiKeysSecret": "team-keys"})
+    objs = by_kind_name(builders.desired_children("llm", "ns", "u", spec, keys_allowed=False))
+    rules = objs[("Role", "llm-gateway")]["rules"]
+    assert not any("secrets" in r["resources"] for r in rules)
+    assert objs[("Deployment", "llm-gateway")]["spec"]["replicas"] == 0
+    allowed = by_kind_name(builders.desired_children("llm", "ns", "u", spec))
+    assert any(r.get("resourceNames") == ["team-keys"] for r in allowed[("Role", "llm-gateway")]["rules"])
+
+
+def test_engines_hold_no_serviceaccount_token_and_run_as_the_configured_user():
+    objs = by_kind_name(builders.desired_children("llm", "ns", "u", spec_with(backend="llm-datadist"),
+                                                  config=OperatorConfig(engine_user=1000, engine_group=1000)))
+    pod = objs[("StatefulSet", "llm-prefill")]["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["securityContext"]["runAsUser"] == 1000 and pod["securityContext"]["runAsNonRoot"] is True
+
+
+def test_default_resources_scale_with_the_ranks_and_yield_to_the_spec():
+    assert builders.default_resources("sim", 4) == {"requests": {"cpu": "400m", "memory": "1024Mi"},
+                                                    "limits": {"memory": "4096Mi"}}
+    spec = spec_with(decoder={**SPEC["decoder"], "resources": {"requests": {"memory": "8Gi"}}})
+    c = by_kind_name(builders.desired_children("llm", "ns", "u", spec))[("StatefulSet", "llm-decoder")][
+        "spec"]["template"]["spec"]["containers"][0]
+    assert c["resources"]["requests"]["memory"] == "8Gi" and "memory" not in c["resources"].get("limits", {})
+
+
+def test_network_policy_admits_the_operator_by_namespace_and_labels_together():
+    np = builders.desired_children("llm", "ns", "u", spec_with(), config=OperatorConfig(namespace="pd-system"))
+    np = next(o for o in np if o["kind"] == "NetworkPolicy")["spec"]
+    agent_from = np["ingress"][0]["from"]
+    op = [f for f in agent_from if "namespaceSelector" in f]
+    assert op == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "pd-system"}},
+                   "podSelector": {"matchLabels": {"app.kubernetes.io/name": "pd-operator"}}}]
+    assert not any(f.get("namespaceSelector") == {} for f in agent_from)
+    assert np["policyTypes"] == ["Ingress", "Egress"]
+    own = {"podSelector": {"matchLabels": {"pdoperator.io/deployment": "llm"}}}
+    assert np["egress"][0] == {"to": [own], "ports": [{"protocol": "TCP", "port": 8080},
+                                                      {"protocol": "TCP", "port": 26000}]}
+    # an operator outside the cluster is not a pod: no rule at all rather than any namespace
+    np = next(o for o in builders.desired_children("llm", "ns", "u", spec_with()) if o["kind"] == "NetworkPolicy")
+    assert not any("namespaceSelector" in f for f in np["spec"]["ingress"][0]["from"])
+
+
+def test_members_are_pods_of_the_deployments_own_statefulsets():
+    def sts(name, owner_uid, uid):
+        return {"kind": "StatefulSet", "metadata": {"name": name, "uid": uid, "ownerReferences": [
+            {"uid": owner_uid, "controller": True}]}}
+    own = own_statefulsets([sts("llm-prefill", "u", "s1"), sts("llm-decoder", "u", "s2"),
+                            sts("llm-extra", "u", "s3"), sts("llm-prefill", "other", "s4")], "llm", "u")
+    assert own == {"s1", "s2"}
+
+    def pod(owner_uid, kind="StatefulSet"):
+        return {"metadata": {"name": "p", "labels": {"pdoperator.io/group": "prefill"},
+                             "ownerReferences": [{"kind": kind, "uid": owner_uid, "controller": True}]}}
+    assert foreign(pod("s1"), own) is None
+    for stray in (pod("s4"), pod("s1", kind="ReplicaSet"), {"metadata": {"name": "p"}}):
+        problem = foreign(stray, own)
+        assert problem is not None and "not a pod of its StatefulSets" in problem.message
+
+
+def test_config_from_env():
+    cfg = OperatorConfig.from_env({"PD_OPERATOR_ALLOWED_HOST_PATHS": "/a, /b/c", "PD_OPERATOR_GATEWAY_IMAGE": "g:1",
+                                   "PD_OPERATOR_ALLOWED_GATEWAY_IMAGES": "", "PD_OPERATOR_ENGINE_USER": "",
+                                   "POD_NAMESPACE": "ops"})
+    assert cfg.allowed_host_paths == ("/a", "/b/c") and cfg.gateway_image == "g:1"
+    assert cfg.allowed_gateway_images == () and cfg.engine_user is None and cfg.namespace == "ops"
+    assert OperatorConfig.from_env({}).allowed_host_paths == DEFAULT_HOST_PATHS
+    assert OperatorConfig.from_env({"PD_OPERATOR_ALLOWED_HOST_PATHS": ""}).allowed_host_paths == ()
+
+
+def test_the_admission_policy_knows_the_operators_default_paths():
+    text = (REPO / "charts" / "pd-operator" / "templates" / "admissionpolicy.yaml").read_text()
+    listed = re.search(r'\$defaults := "\[(.*?)\]"', text)
+    assert listed and tuple(p.strip(" '") for p in listed.group(1).split(",")) == DEFAULT_HOST_PATHS
+    values = yaml.safe_load((REPO / "charts" / "pd-operator" / "values.yaml").read_text())
+    assert tuple(values["allowedHostPaths"]) == DEFAULT_HOST_PATHS
