@@ -106,6 +106,10 @@ class Group(Model):
                                         description="ranks per pod, one engine and one NPU each (default "
                                                     "spec.model.kvCache.tensorParallel)")
     env: list[EnvVar] | None = Field(default=None, max_length=128, description="extra environment for the engine")
+    topology_spread_constraints: list[dict[str, Any]] | None = Field(
+        default=None, max_length=8, description="the pods' topologySpreadConstraints (default: spread the group "
+                                                "over nodes, kubernetes.io/hostname, maxSkew 1, ScheduleAnyway)",
+        json_schema_extra={"items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}})
 
 
 class Targets(Model):

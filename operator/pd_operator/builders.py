@@ -279,6 +279,10 @@ def statefulset(name: str, namespace: str, spec: PDDeploymentSpec, group: str, o
         harden(pod_spec, container, non_root=False, user=config.engine_user, group=config.engine_group)
     else:
         harden(pod_spec, container)
+    # one node's failure must not take a whole group: spread it (soft, so a small cluster still fits)
+    pod_spec["topologySpreadConstraints"] = g.topology_spread_constraints or [
+        {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway",
+         "labelSelector": {"matchLabels": selector_labels(name, group)}}]
     if g.node_selector:
         pod_spec["nodeSelector"] = g.node_selector
     if g.tolerations:
@@ -323,6 +327,27 @@ def role_service(name: str, namespace: str, role: str, owner: dict) -> dict:
     }
 
 
+def min_available(spec: PDDeploymentSpec, role: str, serving: int) -> int:
+    """A role's PodDisruptionBudget: evictions one at a time, and never below the role's
+    minimum (rebalance.minPrefill/minDecoder, else 1). `serving`: the pods labelled with the role
+    now; a switching pod carries neither role label, so it already counts as unavailable."""
+    rb = spec.rebalance
+    floor = (rb.min_prefill if role == "prefill" else rb.min_decoder) if rb is not None else 1
+    return max(floor, serving - 1, 0)
+
+
+def disruption_budget(name: str, namespace: str, spec: PDDeploymentSpec, role: str, owner: dict,
+                      serving: int) -> dict:
+    """By role, not by group: what must survive a drain is serving capacity per role, and a pod
+    that switched serves its new role."""
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+            "metadata": object_meta(f"{name}-{role}", namespace, owner, common_labels(name)),
+            "spec": {"selector": {"matchLabels": {LABEL_DEPLOYMENT: name, LABEL_ROLE: role}},
+                     "minAvailable": min_available(spec, role, serving),
+                     # a pod that is not Ready (starting, crash-looping) may be evicted regardless
+                     "unhealthyPodEvictionPolicy": "AlwaysAllow"}}
+
+
 def token_secret(name: str, namespace: str, token: str, owner: dict, secret_name: str | None = None) -> dict:
     return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
             "metadata": object_meta(secret_name or token_secret_name(name), namespace, owner, common_labels(name)),
@@ -331,11 +356,13 @@ def token_secret(name: str, namespace: str, token: str, owner: dict, secret_name
 
 def desired_children(name: str, namespace: str, uid: str, spec: PDDeploymentSpec,
                      decided: dict | None = None, resource: str = NPU_RESOURCE,
-                     config: OperatorConfig | None = None, keys_allowed: bool = True) -> list[dict]:
+                     config: OperatorConfig | None = None, keys_allowed: bool = True,
+                     serving: dict[str, int] | None = None) -> list[dict]:
     """Everything the operator applies for one PDDeployment, in apply order: a pure function of
     the spec, the operator's configuration and the group sizes the operator decided (method
     Replace), so drift repair keeps the decision. `keys_allowed`: the gateway's keys Secret
-    opted in (else the gateway is not given it)."""
+    opted in (else the gateway is not given it). `serving`: pods per role label now (the
+    disruption budgets; default the groups' sizes)."""
     config = config or OperatorConfig(npu_resource=resource)
     owner = owner_reference(name, uid)
     out = [config_map(name, namespace, spec, owner)]
@@ -345,5 +372,8 @@ def desired_children(name: str, namespace: str, uid: str, spec: PDDeploymentSpec
         out.append(role_service(name, namespace, role, owner))
     for group in GROUPS:
         out.append(statefulset(name, namespace, spec, group, owner, decided, resource, config))
+    serving = serving if serving is not None else spec.group_sizes(decided)
+    for role in GROUPS:
+        out.append(disruption_budget(name, namespace, spec, role, owner, serving.get(role, 0)))
     out.append(network_policy(name, namespace, spec, owner, config.namespace))
     return out + gateway_objects(name, namespace, spec, owner, config.gateway_image, keys_allowed)

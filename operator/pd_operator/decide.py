@@ -150,8 +150,10 @@ def decide(snap: Snapshot) -> Plan:
         blocked = Diagnosis("NotAllowed", f"{refused}; nothing of this generation is applied")
     if blocked is None and snap.token_problem:
         blocked = Diagnosis("TokenSecretNotOwned", snap.token_problem)
+    serving = {role: sum(1 for e in engines if e.label == role and not e.terminating)
+               for role in ("prefill", "decoder")}
     desired = desired_children(name, ns, meta["uid"], spec, book.sizes, snap.npu_resource, snap.config,
-                               keys_allowed=snap.keys is None or snap.keys[0])
+                               keys_allowed=snap.keys is None or snap.keys[0], serving=serving)
     obs.desired_pods = sum(spec.group_sizes(book.sizes).values())
     to_apply = [] if blocked else ch.to_apply(desired, snap.children, mem.applied)
     plans = lk.plan(engines, obs.reported, spec.datadist.topology,

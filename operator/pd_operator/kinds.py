@@ -31,6 +31,7 @@ CHILDREN = (
     Kind("Role", "rbac.authorization.k8s.io/v1", "roles"),
     Kind("RoleBinding", "rbac.authorization.k8s.io/v1", "rolebindings"),
     Kind("NetworkPolicy", "networking.k8s.io/v1", "networkpolicies"),
+    Kind("PodDisruptionBudget", "policy/v1", "poddisruptionbudgets"),
 )
 OTHERS = (
     Kind(KIND, f"{GROUP}/{VERSION}", "pddeployments"),

@@ -468,6 +468,9 @@ class Controller:
 
     async def _apply(self, body: dict, spec: PDDeploymentSpec, mem: Memory, gen: int, objs: list[dict],
                      created: bool, everything: bool, keys_ok: bool = True) -> None:
+        # drift: what the operator wanted did not change, the object did (a role count moving a
+        # disruption budget, or a Replace resizing a group, is the operator's own change)
+        drifted = [o for o in objs if (a := mem.applied.get(ch.child_key(o))) is not None and a[0] == ch.digest(o)]
         try:
             await act.apply_children(self.kube, self.metrics, mem, objs)
         except KubeError as e:
@@ -496,10 +499,10 @@ class Controller:
                 changes = spec_changes(mem.applied_spec, body["spec"]) if mem.applied_spec else []
                 await self.events.post(body, "Normal", "Updated", f"generation {gen}: "
                                        + ("; ".join(changes)[:700] if changes else f"applied {what}"))
-        elif not everything:  # (everything: the first pass after a restart)
+        elif drifted and not everything:  # (everything: the first pass after a restart)
             await self.events.post(body, "Normal", "DriftRepaired", "re-applied " + ", ".join(
-                f"{o['kind']} {o['metadata']['name']}" for o in objs) + " (changed or deleted outside the operator)",
-                key="drift " + ", ".join(sorted(o["metadata"]["name"] for o in objs)))
+                f"{o['kind']} {o['metadata']['name']}" for o in drifted) + " (changed or deleted outside the "
+                "operator)", key="drift " + ", ".join(sorted(o["metadata"]["name"] for o in drifted)))
         mem.applied_spec = body["spec"]
 
     async def _record_terminal(self, key: Key, mem: Memory, diag: Diagnosis) -> None:

@@ -76,7 +76,8 @@ def test_children_set_and_owner():
     assert set(objs) == {("ConfigMap", "llm-config"), ("Service", "llm-prefill"), ("Service", "llm-decoder"),
                          ("Service", "llm-prefill-role"), ("Service", "llm-decoder-role"),
                          ("StatefulSet", "llm-prefill"), ("StatefulSet", "llm-decoder"),
-                         ("NetworkPolicy", "llm-engines")}
+                         ("NetworkPolicy", "llm-engines"),
+                         ("PodDisruptionBudget", "llm-prefill"), ("PodDisruptionBudget", "llm-decoder")}
     for o in objs.values():
         ref = o["metadata"]["ownerReferences"][0]
         assert ref["uid"] == "uid-1" and ref["controller"] and ref["kind"] == "PDDeployment"

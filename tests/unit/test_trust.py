@@ -145,3 +145,31 @@ def test_the_admission_policy_knows_the_operators_default_paths():
     assert listed and tuple(p.strip(" '") for p in listed.group(1).split(",")) == DEFAULT_HOST_PATHS
     values = yaml.safe_load((REPO / "charts" / "pd-operator" / "values.yaml").read_text())
     assert tuple(values["allowedHostPaths"]) == DEFAULT_HOST_PATHS
+
+
+@pytest.mark.parametrize("rebalance,serving,want", [
+    (None, {"prefill": 2, "decoder": 4}, {"prefill": 1, "decoder": 3}),      # one at a time
+    (None, {"prefill": 1, "decoder": 1}, {"prefill": 1, "decoder": 1}),      # never the last one
+    ({"policy": "Manual", "manual": {"prefill": 2}, "minPrefill": 2, "minDecoder": 0},
+     {"prefill": 2, "decoder": 1}, {"prefill": 2, "decoder": 0}),            # the role minimums rule
+    (None, {"prefill": 0, "decoder": 0}, {"prefill": 1, "decoder": 1}),      # before any pod: the floor
+])
+def test_disruption_budgets_by_role_evict_one_at_a_time_above_the_minimums(rebalance, serving, want):
+    spec = spec_with(**({"rebalance": rebalance} if rebalance else {}))
+    objs = by_kind_name(builders.desired_children("llm", "ns", "u", spec, serving=serving))
+    for role in ("prefill", "decoder"):
+        pdb = objs[("PodDisruptionBudget", f"llm-{role}")]["spec"]
+        assert pdb["selector"]["matchLabels"] == {"pdoperator.io/deployment": "llm", "pdoperator.io/role": role}
+        assert pdb["minAvailable"] == want[role]
+
+
+def test_groups_spread_over_nodes_unless_the_spec_says_otherwise():
+    sts = by_kind_name(builders.desired_children("llm", "ns", "u", spec_with()))[("StatefulSet", "llm-decoder")]
+    (c,) = sts["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    assert c["topologyKey"] == "kubernetes.io/hostname" and c["whenUnsatisfiable"] == "ScheduleAnyway"
+    assert c["labelSelector"]["matchLabels"] == sts["spec"]["selector"]["matchLabels"]
+    zone = [{"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "DoNotSchedule",
+             "labelSelector": {"matchLabels": {"pdoperator.io/group": "decoder"}}}]
+    spec = spec_with(decoder={**SPEC["decoder"], "topologySpreadConstraints": zone})
+    sts = by_kind_name(builders.desired_children("llm", "ns", "u", spec))[("StatefulSet", "llm-decoder")]
+    assert sts["spec"]["template"]["spec"]["topologySpreadConstraints"] == zone
