@@ -8,6 +8,7 @@ CacheDescs fit on a CPU machine; accounting always uses the logical (unscaled) s
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import os
 import socket
@@ -23,6 +24,18 @@ from .types import BlocksCacheKey, CacheDesc, CacheKey, LLMClusterInfo, LLMRole
 from .wire import MAGIC, LinkClosed, recv_exact_into, recv_header, send_msg
 
 MAX_CLUSTERS_PER_CALL = 16
+log = logging.getLogger("llm_datadist_sim")
+# The prompt side's listener (simulator settings, read when it starts listening):
+# PD_SIM_MAX_CONNECTIONS: decoder links (and connections yet to say hello) served at once; more
+#   are refused, so a flood of connections cannot take a thread each.
+# PD_SIM_HANDSHAKE_TIMEOUT_S: a new connection must send its hello within this.
+# PD_SIM_IO_TIMEOUT_S: a message, once started, must arrive within this; and a decoder must take
+#   each MiB of a pull within it (a whole KV cache may take longer). A link may idle between
+#   messages for as long as it likes: the decoder's link is long-lived.
+MAX_CONNECTIONS = 1024
+HANDSHAKE_TIMEOUT_S = 10.0
+IO_TIMEOUT_S = 60.0
+ACCEPT_BACKOFF_MAX_S = 1.0
 _engine_lock = threading.Lock()
 _active_engine: "LLMDataDist | None" = None
 _cache_ids = itertools.count(1)
@@ -34,6 +47,23 @@ def memory_scale() -> int:
 
 def device_memory_bytes() -> int:
     return int(float(os.environ.get("PD_SIM_DEVICE_MEMORY_GB", "64")) * (1 << 30))
+
+
+def _setting(name: str, default: float) -> float:
+    try:
+        v = float(os.environ.get(name) or default)
+    except ValueError:
+        log.warning("%s=%r is not a number; using %s", name, os.environ.get(name), default)
+        return default
+    return v if v > 0 else default
+
+
+def _keepalive(sock: socket.socket) -> None:
+    """A peer whose host vanished (no FIN, no RST) is found out in about two minutes, not hours."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for opt, v in (("TCP_KEEPIDLE", 60), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 6)):
+        if hasattr(socket, opt):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), v)
 
 
 class Cache:
@@ -105,6 +135,12 @@ class _PromptServer:
         self.conns: dict[int, socket.socket] = {}  # decoder cluster_id -> connection
         self.lock = threading.Lock()
         self.stopped = False
+        self.max_conns = int(_setting("PD_SIM_MAX_CONNECTIONS", MAX_CONNECTIONS))
+        self.handshake_s = _setting("PD_SIM_HANDSHAKE_TIMEOUT_S", HANDSHAKE_TIMEOUT_S)
+        self.io_s = _setting("PD_SIM_IO_TIMEOUT_S", IO_TIMEOUT_S)
+        self.open = 0                  # connections being served (each has a thread)
+        self._quiet_until = 0.0        # warnings about refused connections: one per few seconds
+        self._quiet = 0
 
     def start(self) -> None:
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -144,19 +180,70 @@ class _PromptServer:
         self.close_listener()
         self.drop()
 
+    def _warn(self, msg: str, *args) -> None:
+        """At most one warning every few seconds: a flood of refusals must not flood the log too."""
+        now = time.monotonic()
+        if now < self._quiet_until:
+            self._quiet += 1
+            return
+        if self._quiet:
+            msg += f" ({self._quiet} more like it not logged)"
+        self._quiet_until, self._quiet = now + 5, 0
+        log.warning(msg, *args)
+
     def _accept_loop(self, listener: socket.socket) -> None:
-        while not self.stopped:
+        backoff = 0.0
+        while not self.stopped and self.listener is listener:
             try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+                conn, addr = listener.accept()
+            except OSError as e:
+                if self.stopped or self.listener is not listener:
+                    return   # closed: stop, refuse_links, or a role switch
+                # out of file descriptors or memory, for now: keep listening (the backlog waits)
+                backoff = min(ACCEPT_BACKOFF_MAX_S, backoff * 2 or 0.01)
+                self._warn("prompt cluster %d: accept failed (%s); retrying in %.2fs",
+                           self.engine.cluster_id, e, backoff)
+                time.sleep(backoff)
+                continue
+            backoff = 0.0
+            with self.lock:
+                full = self.open >= self.max_conns
+                if not full:
+                    self.open += 1
+            if full:
+                self._warn("prompt cluster %d: refused a connection from %s: %d open (PD_SIM_MAX_CONNECTIONS)",
+                           self.engine.cluster_id, addr, self.max_conns)
+                self._refuse(conn, "too many connections")
+                continue
+            try:
+                threading.Thread(target=self._serve, args=(conn,), daemon=True,
+                                 name=f"datadist-conn-{self.port}").start()
+            except RuntimeError as e:   # no thread to be had: this connection goes, the listener stays
+                with self.lock:
+                    self.open -= 1
+                self._warn("prompt cluster %d: no thread for a connection from %s (%s)",
+                           self.engine.cluster_id, addr, e)
+                self._refuse(conn, "no thread to serve the link")
+                time.sleep(ACCEPT_BACKOFF_MAX_S / 10)
+
+    def _refuse(self, conn: socket.socket, why: str) -> None:
+        """Close a connection not served, telling a decoder why if it can be told at once."""
+        try:
+            conn.setblocking(False)
+            send_msg(conn, {"ret": C.LLM_LINK_FAILED.name,
+                            "message": f"prompt cluster {self.engine.cluster_id} refused the link: {why}"})
+        except OSError:
+            pass
+        finally:
+            conn.close()
 
     def _serve(self, conn: socket.socket) -> None:
         decoder_id = None
         try:
-            hello = recv_header(conn)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _keepalive(conn)
+            hello = recv_header(conn, timeout=self.handshake_s)
+            conn.settimeout(self.io_s)
             if hello.get("magic") != MAGIC or hello.get("op") != "hello":
                 return
             delay = _faults.current().link_delay_ms
@@ -175,7 +262,8 @@ class _PromptServer:
                 old.close()
             send_msg(conn, {"ret": C.LLM_SUCCESS.name, "cluster_id": self.engine.cluster_id})
             while True:
-                req = recv_header(conn)
+                req = recv_header(conn, timeout=self.io_s, idle=True)
+                conn.settimeout(self.io_s)   # what is sent back: a MiB at a time within it
                 op = req.get("op")
                 if op == "bye":
                     # let go first, then answer: when the decoder's unlink returns, this end is
@@ -194,10 +282,14 @@ class _PromptServer:
                     self._serve_pull_blocks(conn, req)
                 else:
                     send_msg(conn, {"ret": C.LLM_PARAM_INVALID.name, "message": f"unknown op {op!r}"})
-        except (LinkClosed, OSError, ValueError):
+        except (LinkClosed, OSError, ValueError):   # gone, silent too long (socket.timeout), or not JSON
             pass
+        except (KeyError, TypeError, OverflowError) as e:   # fields no decoder sends: drop the link
+            self._warn("prompt cluster %d: dropped a link that sent a malformed request: %r",
+                       self.engine.cluster_id, e)
         finally:
             with self.lock:
+                self.open -= 1
                 if decoder_id is not None and self.conns.get(decoder_id) is conn:
                     del self.conns[decoder_id]
             try:
@@ -251,8 +343,9 @@ class _PromptServer:
                                        f"cluster {self.engine.cluster_id}"})
             return
         blocks = req["blocks"]
+        # at most every block once over: what one request makes this side send stays the cache's size
         if req["num_tensors"] != cache.cache_desc.num_tensors or req["slot_bytes"] != cache.slot_bytes \
-                or any(not 0 <= b < cache.slots for b in blocks):
+                or len(blocks) > cache.slots or any(not 0 <= b < cache.slots for b in blocks):
             send_msg(conn, {"ret": C.LLM_PARAM_INVALID.name,
                             "message": "block indexes or block size do not match the prompt cache"})
             return
@@ -371,10 +464,16 @@ class KvCacheManager:
                 link.sock.settimeout(timeout)
                 send_msg(link.sock, header)
                 reply = recv_header(link.sock)
-                code = C[reply["ret"]]
-                if code is not C.LLM_SUCCESS:
-                    raise LLMException(reply.get("message", code.name), code)
-                n = reply["length"]
+                ret = reply.get("ret")
+                code = C[ret] if isinstance(ret, str) and ret in C.__members__ else None
+                if code is not None and code is not C.LLM_SUCCESS:
+                    raise LLMException(str(reply.get("message", code.name)), code)
+                n = reply.get("length")
+                # the peer's length sizes nothing here: it must fit the caller's buffers
+                if code is None or not isinstance(n, int) or not 0 <= n <= min(len(v) for v in targets):
+                    link.broken = True   # the stream cannot be trusted to be in step any more
+                    raise LLMException(f"prompt cluster {link.remote_cluster_id} answered what no datadist "
+                                       f"peer would: {str(reply)[:200]}", C.LLM_LINK_FAILED)
                 for view in targets:
                     recv_exact_into(link.sock, view[:n])
             except socket.timeout as e:
@@ -385,6 +484,10 @@ class KvCacheManager:
                 link.broken = True
                 raise LLMException(f"link to prompt cluster {link.remote_cluster_id} failed: {e}",
                                    C.LLM_WAIT_PROCESS_TIMEOUT) from e
+            except ValueError as e:   # a header that is not one: no datadist peer sent it
+                link.broken = True
+                raise LLMException(f"prompt cluster {link.remote_cluster_id} answered what no datadist peer "
+                                   f"would: {e}", C.LLM_LINK_FAILED) from e
             finally:
                 try:
                     link.sock.settimeout(None)
@@ -557,10 +660,11 @@ class LLMDataDist:
                                             source_address=src)
         except socket.timeout:
             return C.LLM_TIMEOUT
-        except OSError:
+        except (OSError, ValueError, OverflowError):   # ValueError/OverflowError: not an address or port
             return C.LLM_LINK_FAILED
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _keepalive(sock)
             sock.settimeout(max(0.001, deadline - time.monotonic()))
             send_msg(sock, {"magic": MAGIC, "op": "hello", "cluster_id": self.cluster_id,
                             "remote_cluster_id": rid})
@@ -573,7 +677,7 @@ class LLMDataDist:
         except socket.timeout:
             sock.close()
             return C.LLM_TIMEOUT
-        except (OSError, LinkClosed, ValueError, KeyError):
+        except (OSError, LinkClosed, ValueError, KeyError, TypeError):
             sock.close()
             return C.LLM_LINK_FAILED
         self._links[rid] = _Link(rid, remote.ip, remote.port, sock)
