@@ -336,13 +336,19 @@ class AgentCore:
         try:
             r = await http.post(f"{peer.agent_url}/v1/probe", json={"req_id": req_id},
                                 headers={"Authorization": f"Bearer {token}"} if token else {}, timeout=10)
-        except httpx.HTTPError as e:
+        except (httpx.HTTPError, httpx.InvalidURL) as e:
             return VerifyResult(ok=False, code="PEER_AGENT_UNREACHABLE",
                                 message=f"prefill agent {peer.agent_url}: {e!r}", **base)
         if r.status_code != 200:
             return VerifyResult(ok=False, code="PEER_AGENT_ERROR",
                                 message=f"prefill agent answered {r.status_code}: {r.text[:200]}", **base)
-        probe = ProbeResponse.model_validate(r.json())
+        try:
+            probe = ProbeResponse.model_validate(r.json())
+            if probe.paged and probe.block is None:
+                raise ValueError("a paged probe without its block")
+        except ValueError as e:
+            return VerifyResult(ok=False, code="PEER_AGENT_ERROR",
+                                message=f"prefill agent's probe is not one: {e}", **base)
         mgr = self.engine.kv_cache_manager
         t0 = time.perf_counter()
         try:

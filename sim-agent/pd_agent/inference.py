@@ -26,6 +26,7 @@ from .timing import TimingModel
 BUSY_WINDOW_S = 10.0   # the prefill busy fraction covers this window
 LATENCY_WINDOW_S = 30.0   # TTFT/TBT percentiles cover the requests finished in this window, so a
                           # ratio that just changed shows in them within one window
+CALLER_CODES = {"LLM_REPEAT_REQUEST", "LLM_PARAM_INVALID"}   # a prefill the caller got wrong: 409, not 507
 
 
 def _p90(window, now: float) -> float | None:
@@ -145,6 +146,8 @@ class Inference:
     # ---- prefill (prompt role) ----------------------------------------------------------------
     async def prefill(self, req: PrefillRequest) -> PrefillResponse:
         self._admit("prompt", req.admitted)
+        if req.req_id in self.core.kv_pending or any(p.req.req_id == req.req_id for p in self.prefill_q):
+            raise AgentError("LLM_REPEAT_REQUEST", f"req_id {req.req_id} is already prefilled or queued here", 409)
         fut = asyncio.get_running_loop().create_future()
         self.in_flight += 1
         try:
@@ -182,8 +185,10 @@ class Inference:
                         model_id=self.core.id.model_id, queue_ms=queue_ms, prefill_ms=prefill_ms))
                 except self.core.llm.LLMException as e:
                     self.failed += 1
-                    self.m.failed.labels(_code_name(e.status_code)).inc()
-                    b.fut.set_exception(AgentError(_code_name(e.status_code), str(e), 507))
+                    code = _code_name(e.status_code)
+                    self.m.failed.labels(code).inc()
+                    # the request's own fault (a req_id in use) is the caller's; memory is the engine's
+                    b.fut.set_exception(AgentError(code, str(e), 409 if code in CALLER_CODES else 507))
             self._prefill_busy = 0
             self._busy.append((t0, time.monotonic()))
             self._busy_since = None

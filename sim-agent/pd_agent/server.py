@@ -115,14 +115,23 @@ def auth_middleware(token: str | None, data_token: str | None = None, peer_token
 
 @web.middleware
 async def error_middleware(request: web.Request, handler):
-    op = request.path.rsplit("/", 1)[-1]
+    # the route's name, never the path: a label value is kept for good, and callers choose paths
+    resource = request.match_info.route.resource
+    op = resource.canonical.rsplit("/", 1)[-1] if resource is not None else "unmatched"
     metrics: AgentMetrics = request.app[METRICS]
     try:
         resp = await handler(request)
         metrics.api_calls.labels(op, str(resp.status)).inc()
         return resp
-    except web.HTTPException:
-        raise
+    except web.HTTPException as e:
+        metrics.api_calls.labels(op, str(e.status)).inc()
+        if e.status < 400 or e.content_type == "application/json":
+            raise
+        # aiohttp's own refusals (404, 405, 413 body too large) in the agent's error shape
+        resp = _error(e.status, "".join(e.reason.title().split()), e.text or e.reason)
+        if "Allow" in e.headers:
+            resp.headers["Allow"] = e.headers["Allow"]
+        return resp
     except AgentError as e:
         metrics.api_calls.labels(op, str(e.status)).inc()
         return _error(e.status, e.code, str(e))
@@ -131,13 +140,22 @@ async def error_middleware(request: web.Request, handler):
         code = getattr(getattr(e, "status_code", None), "name", "ENGINE_ERROR")
         metrics.api_calls.labels(op, "409").inc()
         return _error(409, code, str(e))
+    except Exception as e:  # noqa: BLE001 - a bug, still answered in the agent's shape (and logged)
+        log.exception("%s %s failed", request.method, request.path)
+        metrics.api_calls.labels(op, "500").inc()
+        return _error(500, "AgentInternalError", f"{type(e).__name__}: {e}")
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
 
 
 async def _body(request: web.Request, model: type[BaseModel]) -> BaseModel:
+    raw = await request.read()   # over client_max_size: 413 (error_middleware)
     try:
-        raw = await request.read()
-        data = json.loads(raw) if raw.strip() else {}
-    except ValueError as e:
+        # bytes: the encoding is JSON's (UTF-8), whatever charset Content-Type names
+        data = json.loads(raw, parse_constant=_no_constant) if raw.strip() else {}
+    except (ValueError, RecursionError) as e:   # RecursionError: nested too deep to parse
         raise web.HTTPBadRequest(text=json.dumps({"code": "BadRequest", "message": f"body is not JSON: {e}"}),
                                  content_type="application/json") from None
     try:

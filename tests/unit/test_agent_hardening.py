@@ -1,8 +1,9 @@
-"""What the simulator's listener does with peers that misbehave: failures to accept,
-connection floods, silent or malformed peers. One engine per process: each test makes its
-own and finalizes it."""
+"""What the simulator's listener and the agent's HTTP API do with peers and callers that
+misbehave: failures to accept, connection floods, silent or malformed peers, and bodies no
+client should send. One engine per process: each test makes its own and finalizes it."""
 from __future__ import annotations
 
+import asyncio
 import errno
 import json
 import socket
@@ -11,8 +12,11 @@ import threading
 import time
 import tracemalloc
 
+import httpx
 import pytest
+from aiohttp import web
 
+import llm_datadist_sim as llm
 from llm_datadist_sim import (
     CacheDesc,
     CacheKey,
@@ -25,10 +29,17 @@ from llm_datadist_sim import (
 )
 from llm_datadist_sim.status import LLMStatusCode as C
 from llm_datadist_sim.wire import MAGIC, LinkClosed, recv_header, send_msg
+from pd_agent.core import AgentCore
+from pd_agent.identity import Identity
+from pd_agent.inference import Inference
+from pd_agent.metrics import AgentMetrics
+from pd_agent.server import build_app
+from pd_agent.timing import TimingModel
 from tests.conftest import DEADLINE_SCALE, wait_for
 from tests.procs import spawn
 
 WAIT_S = 10 * DEADLINE_SCALE   # how long a test waits for what must happen (never a performance bound)
+TOKEN, DATA, PEER = "control-token", "data-token", "peer-token"
 
 
 def free_port() -> int:
@@ -292,3 +303,126 @@ def test_a_link_to_something_that_is_not_an_address_is_a_failed_link(decoder):
     d = decoder()
     assert d.link_clusters([info(26000, ip="a" * 300)], 2000)[1] == [C.LLM_LINK_FAILED]
     assert d.link_clusters([info(26000, ip="bad\x00ip")], 2000)[1] == [C.LLM_LINK_FAILED]
+
+
+# ---- the agent's HTTP API ----------------------------------------------------------------------
+
+class Agent:
+    def __init__(self, url: str, core: AgentCore, runner: web.AppRunner):
+        self.url, self.core, self.runner = url, core, runner
+        self.port = int(url.rsplit(":", 1)[1])
+
+    def client(self, token: str = TOKEN) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.url, trust_env=False, timeout=WAIT_S,
+                                 headers={"Authorization": f"Bearer {token}"})
+
+    async def raw(self, request: bytes) -> tuple[int, dict[str, str], bytes]:
+        """An HTTP/1.1 request as bytes (headers a client library would not send)."""
+        r, w = await asyncio.open_connection("127.0.0.1", self.port)
+        w.write(request)
+        await w.drain()
+        data = await asyncio.wait_for(r.read(), WAIT_S)
+        w.close()
+        head, _, body = data.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        headers = dict(line.split(": ", 1) for line in lines[1:])
+        return int(lines[0].split()[1]), headers, body
+
+
+@pytest.fixture
+async def agent():
+    made: list[Agent] = []
+
+    async def make(role: str = "prompt", time_scale: float = 0.01, **settings) -> Agent:
+        ident = Identity(pod=f"{role}-hardening", role=role, cluster_id=0 if role == "prompt" else 1000,
+                         ip="127.0.0.1", port=free_port(), token=TOKEN, data_token=DATA, peer_token=PEER, **settings)
+        core = AgentCore(llm, ident)
+        metrics = AgentMetrics()
+        Inference(core, metrics, TimingModel(time_scale=time_scale))
+        # requests a test leaves waiting are cut at its end, not waited for
+        runner = web.AppRunner(build_app(core, TOKEN, metrics, data_token=DATA, peer_token=PEER), shutdown_timeout=0.5)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        await core.init()
+        a = Agent(f"http://127.0.0.1:{port}", core, runner)
+        made.append(a)
+        return a
+    yield make
+    for a in made:
+        await a.runner.cleanup()
+        await a.core.finalize()
+
+
+def shaped(r: httpx.Response, status: int) -> dict:
+    """The agent's error shape: {code, message, ...} with the status."""
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert isinstance(body["code"], str) and isinstance(body["message"], str), body
+    return body
+
+
+@pytest.mark.parametrize("header", [b"Authorization: Bearer \xff\xfe\xc3(", b"X-PD-Agent-Token: \xff\xfe",
+                                    b"Authorization: Bearer \xed\xa0\x80"])
+async def test_an_authorization_header_that_is_not_utf8_is_a_wrong_token(agent, header):
+    a = await agent()
+    status, _, body = await a.raw(b"GET /v1/status HTTP/1.1\r\nHost: x\r\n" + header + b"\r\nConnection: close\r\n\r\n")
+    assert status == 401 and json.loads(body)["code"] == "AgentUnauthorized"
+
+
+async def post_raw(a: Agent, path: str, body: bytes, content_type: str = "application/json") -> httpx.Response:
+    async with a.client() as c:
+        return await c.post(path, content=body, headers={"Content-Type": content_type})
+
+
+async def test_bodies_no_client_should_send_are_4xx_in_the_agents_shape(agent):
+    a = await agent()
+    deep = b'{"req_id": 1, "prompt_tokens": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    assert shaped(await post_raw(a, "/v1/prefill", deep), 400)["code"] == "BadRequest"
+    deep = b"[" * 5_000 + b"]" * 5_000
+    assert shaped(await post_raw(a, "/v1/probe", deep), 400)["code"] == "BadRequest"
+    # whatever charset the header names, the body is JSON's UTF-8
+    r = await post_raw(a, "/v1/probe", b'{"req_id": 3}', "application/json; charset=no-such-charset")
+    assert r.status_code == 200, r.text
+    r = await post_raw(a, "/v1/probe", b'{"req_id": "\xff"}', "application/json; charset=latin-1")
+    assert shaped(r, 400)["code"] == "BadRequest"
+    # not numbers JSON knows
+    for constant in (b"NaN", b"Infinity", b"-Infinity"):
+        assert shaped(await post_raw(a, "/v1/drain", b'{"timeout_s": ' + constant + b"}"), 400)["code"] == "BadRequest"
+    # wrong JSON types, at the top and in a field
+    for body, field in ((b"[1, 2]", "(body)"), (b'"prefill"', "(body)"), (b"null", "(body)"), (b"7", "(body)"),
+                        (b'{"req_id": "one", "prompt_tokens": 8}', "req_id"),
+                        (b'{"req_id": 1, "prompt_tokens": {"n": 8}}', "prompt_tokens"),
+                        (b'{"req_id": 1.5, "prompt_tokens": 8}', "req_id"),
+                        (b'{"req_id": 99999999999999999999999, "prompt_tokens": 8}', "req_id")):
+        assert shaped(await post_raw(a, "/v1/prefill", body), 400)["field"] == field, body
+    # fields the models do not have
+    r = await post_raw(a, "/v1/prefill", b'{"req_id": 1, "prompt_tokens": 8, "priority": 9}')
+    assert shaped(r, 400)["field"] == "priority"
+    # too large: refused before it is read whole
+    big = b'{"peers": [' + b" " * (2 << 20) + b"]}"
+    assert shaped(await post_raw(a, "/v1/link", big), 413)["code"] == "RequestEntityTooLarge"
+    # no such route, no such method
+    async with a.client() as c:
+        assert shaped(await c.get("/no/such/thing"), 404)["code"] == "NotFound"
+        r = await c.get("/v1/prefill")
+        assert shaped(r, 405)["code"] == "MethodNotAllowed" and r.headers["Allow"] == "POST"
+        # a request id in use is the caller's mistake, not the engine's
+        assert (await c.post("/v1/prefill", json={"req_id": 11, "prompt_tokens": 8})).status_code == 200
+        assert shaped(await c.post("/v1/prefill", json={"req_id": 11, "prompt_tokens": 8}), 409)["code"] == \
+            "LLM_REPEAT_REQUEST"
+        # and the agent is still serving
+        assert (await c.get("/v1/status")).json()["initialized"]
+        # a path a caller makes up is not a metric of its own
+        metrics = (await c.get("/metrics")).text
+        assert 'op="thing"' not in metrics and 'op="unmatched"' in metrics
+
+
+async def test_control_calls_with_bad_addresses_are_answered_not_failed(agent):
+    a = await agent("decoder")
+    async with a.client() as c:
+        r = await c.post("/v1/link", json={"peers": [{"name": "p", "cluster_id": 0, "ip": "a" * 300, "port": 1}]})
+        assert r.status_code == 200 and r.json()["rets"] == {"p": "LLM_LINK_FAILED"}, r.text
+        peer = {"name": "p", "cluster_id": 0, "ip": "127.0.0.1", "port": 1, "agent_url": "http://[::1"}
+        r = await c.post("/v1/verify", json={"peer": peer})
+        assert r.status_code == 200 and r.json()["code"] == "PEER_AGENT_UNREACHABLE", r.text
