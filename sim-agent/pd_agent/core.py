@@ -48,10 +48,11 @@ def _code_name(code: Any) -> str:
 class AgentError(Exception):
     """A request the engine refused; `code` is an LLMStatusCode name, `status` an HTTP code."""
 
-    def __init__(self, code: str, message: str, status: int = 409):
+    def __init__(self, code: str, message: str, status: int = 409, retry_after: int | None = None):
         super().__init__(message)
         self.code = code
         self.status = status
+        self.retry_after = retry_after   # seconds, sent as Retry-After: the refusal is for now, not for good
 
 
 class AgentCore:

@@ -65,6 +65,7 @@ from pd_contract.names import BROKEN_CODES, LINKED_CODES
 from .core import AgentError
 from .devices import DeviceError, Devices, resolve_env
 from .identity import Identity, cluster_id_of, proxy_environment
+from .inference import OVERLOADED_RETRY_S
 from .metrics import AgentMetrics
 from .server import (
     METRICS,
@@ -146,6 +147,7 @@ class Front:
         self.terminating = False
         self.draining = False     # the instance refuses new requests (its ranks are told too)
         self.serving = 0          # requests the instance took on and has not answered yet
+        self.prefilling = 0       # of those, prefills
         self.switching_to: str | None = None   # the role the last switch_role asked for
         self.peer_urls: dict[str, str] = {}    # peer pod -> its agent, as linked (never a request's URL)
         self.failed = asyncio.Event()      # a rank process died: the pod restarts whole
@@ -459,11 +461,20 @@ class Front:
         """Every rank computes its shard and leaves it under its own CacheKey; a rank that fails
         frees the shards the others made."""
         self._admit("prompt")
+        # the ranks take every request the instance admits, so the bound is here: the waiting
+        # prefills beyond a running batch, as a single-rank agent counts them
+        bound = self.id.max_prefill_queue + max(1, self.id.cache_desc["shape"][0])
+        if self.prefilling >= bound:
+            raise AgentError("OVERLOADED", f"{self.id.pod} has {self.prefilling} prefills in hand (the bound, "
+                             f"PD_AGENT_MAX_PREFILL_QUEUE plus a batch); send the request elsewhere", 503,
+                             retry_after=OVERLOADED_RETRY_S)
         self.serving += 1
+        self.prefilling += 1
         try:
             return await self._prefill(req.model_copy(update={"admitted": True}))
         finally:
             self.serving -= 1
+            self.prefilling -= 1
 
     async def _prefill(self, req: PrefillRequest) -> PrefillResponse:
         res = await asyncio.gather(*(self.call(r, "POST", "/v1/prefill", req, timeout=SERVE_S)

@@ -36,6 +36,7 @@ class Identity:
     drain_timeout_s: float = 60.0    # SIGTERM: how long to wait for in-flight work and pending KV
     engine_start_s: float = 0.0      # simulator: delay before the engine initialises
     switchable: bool = True          # init with llm.EnableSwitchRole (the operator sets it when rebalancing)
+    max_prefill_queue: int = 1024    # prefills waiting beyond this are refused (OVERLOADED, 503), not queued
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "Identity":
@@ -94,6 +95,7 @@ class Identity:
             drain_timeout_s=_float(env, "PD_DRAIN_TIMEOUT_S", 60.0),
             engine_start_s=_float(env, "PD_SIM_ENGINE_START_S", 0.0),
             switchable=env.get("PD_ENABLE_SWITCH_ROLE", "1").lower() not in ("0", "false", "no"),
+            max_prefill_queue=_positive_int(env, "PD_AGENT_MAX_PREFILL_QUEUE", 1024),
         )
 
 
@@ -119,6 +121,16 @@ def _float(env: dict[str, str], name: str, default: float) -> float:
         return float(env.get(name) or default)
     except ValueError as e:
         raise ConfigError(f"{name} must be a number: {e}") from e
+
+
+def _positive_int(env: dict[str, str], name: str, default: int) -> int:
+    try:
+        v = int(env.get(name) or default)
+    except ValueError as e:
+        raise ConfigError(f"{name} must be an integer: {e}") from e
+    if v < 1:
+        raise ConfigError(f"{name} must be at least 1, got {v}")
+    return v
 
 
 def proxy_environment(env: dict[str, str] | None = None) -> dict[str, str]:

@@ -24,6 +24,7 @@ from .metrics import AgentMetrics
 from .timing import TimingModel
 
 BUSY_WINDOW_S = 10.0   # the prefill busy fraction covers this window
+OVERLOADED_RETRY_S = 1   # Retry-After of an OVERLOADED refusal: another pod now, this one a little later
 LATENCY_WINDOW_S = 30.0   # TTFT/TBT percentiles cover the requests finished in this window, so a
                           # ratio that just changed shows in them within one window
 CALLER_CODES = {"LLM_REPEAT_REQUEST", "LLM_PARAM_INVALID"}   # a prefill the caller got wrong: 409, not 507
@@ -146,6 +147,12 @@ class Inference:
     # ---- prefill (prompt role) ----------------------------------------------------------------
     async def prefill(self, req: PrefillRequest) -> PrefillResponse:
         self._admit("prompt", req.admitted)
+        # a multi-rank pod's agent bounds what it takes on; a rank never refuses its part of that
+        if len(self.prefill_q) >= self.core.id.max_prefill_queue and not req.admitted:
+            self.m.failed.labels("overloaded").inc()
+            raise AgentError("OVERLOADED", f"{self.core.id.pod} has {len(self.prefill_q)} prefills waiting (the "
+                             f"bound, PD_AGENT_MAX_PREFILL_QUEUE); send the request elsewhere", 503,
+                             retry_after=OVERLOADED_RETRY_S)
         if req.req_id in self.core.kv_pending or any(p.req.req_id == req.req_id for p in self.prefill_q):
             raise AgentError("LLM_REPEAT_REQUEST", f"req_id {req.req_id} is already prefilled or queued here", 409)
         fut = asyncio.get_running_loop().create_future()

@@ -134,7 +134,10 @@ async def error_middleware(request: web.Request, handler):
         return resp
     except AgentError as e:
         metrics.api_calls.labels(op, str(e.status)).inc()
-        return _error(e.status, e.code, str(e))
+        resp = _error(e.status, e.code, str(e))
+        if e.retry_after is not None:
+            resp.headers["Retry-After"] = str(e.retry_after)
+        return resp
     except RuntimeError as e:
         # the llm_datadist API raises RuntimeError before init, LLMException (a RuntimeError) after
         code = getattr(getattr(e, "status_code", None), "name", "ENGINE_ERROR")

@@ -156,3 +156,27 @@ def test_a_multi_rank_pod_takes_peer_notices_at_its_agent_and_ranks(agents, tmp_
     data = {"Authorization": f"Bearer {DATA}"}
     assert peer.post("/r/0/v1/notify", json=notice, headers=data).status_code == 403
     assert peer.post("/v1/notify", json=notice, headers=data).status_code == 403
+
+
+def test_a_multi_rank_pod_refuses_prefills_past_its_bound_for_another_pod(agents, tmp_path):
+    # a batch of prefills takes about half a minute here, so what the pod holds stays put while the test looks
+    env = {"PD_TENSOR_PARALLEL": "2", "PD_HCCN_CONF": str(tmp_path / "absent"),
+           "PD_DEVICE_ANNOTATION_FILE": str(tmp_path / "absent"), "PD_AGENT_DATA_TOKEN": DATA,
+           "PD_AGENT_MAX_PREFILL_QUEUE": "1", "PD_SIM_TIME_SCALE": "300"}
+    p = agents("prompt", 0, env=env)
+    data = {"Authorization": f"Bearer {DATA}"}
+
+    def prefill(req_id: int) -> None:
+        try:
+            httpx.post(f"{p.url}/v1/prefill", json={"req_id": req_id, "prompt_tokens": 256}, headers=data,
+                       trust_env=False, timeout=600)
+        except httpx.HTTPError:
+            pass   # cut when the test ends
+    # the bound: one waiting beyond a running batch (the default cache's batch is 4)
+    for i in range(5):
+        threading.Thread(target=prefill, args=(i,), daemon=True).start()
+    # the pod's in flight: the 5 it took on, and each of its 2 ranks' part of them
+    wait_for("5 prefills in hand", lambda: p.status()["load"]["in_flight"] == 5 + 2 * 5, timeout=20)
+    r = httpx.post(f"{p.url}/v1/prefill", json={"req_id": 9, "prompt_tokens": 256}, headers=data, trust_env=False,
+                   timeout=30)
+    assert r.status_code == 503 and r.json()["code"] == "OVERLOADED" and r.headers["Retry-After"] == "1", r.text

@@ -426,3 +426,36 @@ async def test_control_calls_with_bad_addresses_are_answered_not_failed(agent):
         peer = {"name": "p", "cluster_id": 0, "ip": "127.0.0.1", "port": 1, "agent_url": "http://[::1"}
         r = await c.post("/v1/verify", json={"peer": peer})
         assert r.status_code == 200 and r.json()["code"] == "PEER_AGENT_UNREACHABLE", r.text
+
+
+async def test_prefills_past_the_queue_bound_are_refused_for_another_pod(agent):
+    # a prefill takes about a minute here, so the queue holds still while the test looks at it
+    a = await agent(time_scale=1000.0, max_prefill_queue=1)
+    inf = a.core.inference
+    data, control = a.client(DATA), a.client(TOKEN)
+    tasks = []
+    try:
+        def body(req_id: int, **kw) -> dict:
+            return {"req_id": req_id, "prompt_tokens": 256, **kw}
+        tasks.append(asyncio.create_task(data.post("/v1/prefill", json=body(1))))
+        await asyncio.wait_for(_until(lambda: inf._prefill_busy == 1), WAIT_S)     # computing
+        tasks.append(asyncio.create_task(data.post("/v1/prefill", json=body(2))))
+        await asyncio.wait_for(_until(lambda: len(inf.prefill_q) == 1), WAIT_S)    # waiting: the bound
+        r = await data.post("/v1/prefill", json=body(3))
+        assert shaped(r, 503)["code"] == "OVERLOADED" and r.headers["Retry-After"] == "1"
+        # a multi-rank pod's agent admitted it for the instance: its rank takes its part
+        tasks.append(asyncio.create_task(control.post("/v1/prefill", json=body(4, admitted=True))))
+        await asyncio.wait_for(_until(lambda: len(inf.prefill_q) == 2), WAIT_S)
+        st = (await data.get("/v1/status")).json()
+        assert st["load"]["queue_depth"] == 2 and st["load"]["failed"] == 0
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await data.aclose()
+        await control.aclose()
+
+
+async def _until(cond) -> None:
+    while not cond():
+        await asyncio.sleep(0.01)
