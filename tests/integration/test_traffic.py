@@ -157,3 +157,42 @@ def test_deleted_pods_drain_and_fail_no_request(cluster: Cluster, namespace: str
     s = load.result()
     assert s["failed"] == 0, s["failed_by_reason"]
     assert force_unlinks(cluster, ns) == []
+
+
+def test_node_drain_respects_the_budgets_and_fails_no_request(cluster: Cluster, namespace: str, operator):
+    """`kubectl drain` of a node holding a prefill and a decoder, under load: each role's
+    PodDisruptionBudget lets one pod go at a time, the evicted engines drain as on SIGTERM and
+    come back on the other nodes, and no request fails."""
+    ns = namespace
+    cluster.apply(sample(**TRAFFIC_SPEC), ns)
+    settled(cluster, ns, "4/4", 4)
+    pods = cluster.get_json("pods", "-n", ns, "-l", "pdoperator.io/deployment=sim-small")["items"]
+    by_node: dict[str, set[str]] = {}
+    for p in pods:
+        by_node.setdefault(p["spec"]["nodeName"], set()).add(p["metadata"]["labels"]["pdoperator.io/role"])
+    # each group spreads over nodes: 2 prefills and 2 decoders on 3 nodes share at least one
+    node = next(n for n, roles in sorted(by_node.items()) if roles == {"prefill", "decoder"})
+    for role in ("prefill", "decoder"):
+        pdb = wait_for(f"the {role} budget observed", lambda: (o := cluster.get_json(
+            "pdb", f"sim-small-{role}", "-n", ns)).get("status", {}).get("currentHealthy") == 2 and o, timeout=30)
+        assert pdb["spec"]["minAvailable"] == 1 and pdb["status"]["disruptionsAllowed"] == 1
+    leaving = sorted(p["metadata"]["name"] for p in pods if p["spec"]["nodeName"] == node)
+    load = Load(cluster, ns, duration=900)
+    try:
+        time.sleep(5)
+        t0 = time.monotonic()
+        r = cluster.kubectl("drain", node, "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=180s",
+                            timeout=200, check=False)
+        assert r.returncode == 0, r.stdout + r.stderr
+        drained_s = time.monotonic() - t0
+        settled(cluster, ns, "4/4", 4)
+        moved = {p["metadata"]["name"]: p["spec"]["nodeName"] for p in cluster.get_json(
+            "pods", "-n", ns, "-l", "pdoperator.io/deployment=sim-small")["items"]}
+        print(f"\ndrained {node} ({', '.join(leaving)}) in {drained_s:.1f}s; now {json.dumps(moved)}")
+        assert all(moved[p] != node for p in leaving)
+        s = load.stop()
+    finally:
+        cluster.kubectl("uncordon", node, check=False)
+    assert s["failed"] == 0, s["failed_by_reason"]
+    assert s["completed"] == s["requests"] >= 30, s
+    assert force_unlinks(cluster, ns) == []
