@@ -74,9 +74,11 @@ from .server import (
     _json,
     _presented,
     _same,
+    app_runner,
     auth_middleware,
     control_fields,
     error_middleware,
+    read_body,
 )
 
 log = logging.getLogger("pd_agent.front")
@@ -664,7 +666,7 @@ class Front:
                                                                               "content-type")}
         try:
             resp = await self.http.request(request.method, f"{rk.url}/{request.match_info['tail']}",
-                                           content=await request.read(), headers=headers, timeout=30)
+                                           content=await read_body(request), headers=headers, timeout=30)
         except httpx.HTTPError as e:
             return _error(503, "RANK_UNREACHABLE", f"rank {r}: {e!r}")
         return web.Response(body=resp.content, status=resp.status_code,
@@ -764,7 +766,7 @@ async def serve_front(identity: Identity, tp: int, host: str, port: int) -> None
     http = httpx.AsyncClient(trust_env=False, timeout=RANK_CALL_S)
     front = Front(identity, tp, http)
     app = build_front_app(front, identity.token, identity.data_token, identity.peer_token)
-    runner = web.AppRunner(app, access_log=None)
+    runner = app_runner(app, identity)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     log.info("pod agent %s (%s, %d ranks, cluster_ids %d-%d) serving on %s:%d", identity.pod, identity.role, tp,

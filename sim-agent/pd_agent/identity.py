@@ -37,6 +37,7 @@ class Identity:
     engine_start_s: float = 0.0      # simulator: delay before the engine initialises
     switchable: bool = True          # init with llm.EnableSwitchRole (the operator sets it when rebalancing)
     max_prefill_queue: int = 1024    # prefills waiting beyond this are refused (OVERLOADED, 503), not queued
+    idle_timeout_s: float = 75.0     # an HTTP connection with no request in progress is closed after this
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "Identity":
@@ -96,6 +97,7 @@ class Identity:
             engine_start_s=_float(env, "PD_SIM_ENGINE_START_S", 0.0),
             switchable=env.get("PD_ENABLE_SWITCH_ROLE", "1").lower() not in ("0", "false", "no"),
             max_prefill_queue=_positive_int(env, "PD_AGENT_MAX_PREFILL_QUEUE", 1024),
+            idle_timeout_s=_float(env, "PD_AGENT_IDLE_TIMEOUT_S", 75.0),
         )
 
 

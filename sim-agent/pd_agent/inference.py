@@ -116,7 +116,8 @@ class Inference:
         self.m.running.set(running)
         pending = self.core.pending_kv()
         self.m.pending_kv.set(pending)
-        queued_tokens = sum(p.req.prompt_tokens for p in self.prefill_q)
+        # what the queue will compute: a prompt is cut at max_seq (a caller's number is only a claim)
+        queued_tokens = sum(min(p.req.prompt_tokens, self.max_seq) for p in self.prefill_q)
         # what a rebalancing policy reads: prefill busy over the last window, decoder batch use
         now = time.monotonic()
         busy = sum(min(e, now) - max(s, now - BUSY_WINDOW_S) for s, e in self._busy if e > now - BUSY_WINDOW_S)

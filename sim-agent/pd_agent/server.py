@@ -44,6 +44,7 @@ log = logging.getLogger("pd_agent")
 CORE = web.AppKey("core", AgentCore)
 METRICS = web.AppKey("metrics", AgentMetrics)
 HTTP = web.AppKey("http", httpx.AsyncClient)
+BODY_TIMEOUT_S = 30.0   # a request body (at most client_max_size) must arrive within this
 
 
 def _error(status: int, code: str, message: str, **extra) -> web.Response:
@@ -153,8 +154,22 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
 
 
+async def read_body(request: web.Request) -> bytes:
+    """The whole body: over client_max_size 413 (error_middleware), trickling past BODY_TIMEOUT_S 408."""
+    try:
+        return await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise AgentError("RequestTimeout", f"the request body did not arrive within {BODY_TIMEOUT_S:.0f}s",
+                         408) from None
+
+
+def app_runner(app: web.Application, identity: Identity) -> web.AppRunner:
+    """aiohttp keeps a connection that never sends a whole request for an hour; ours go sooner."""
+    return web.AppRunner(app, access_log=None, keepalive_timeout=identity.idle_timeout_s)
+
+
 async def _body(request: web.Request, model: type[BaseModel]) -> BaseModel:
-    raw = await request.read()   # over client_max_size: 413 (error_middleware)
+    raw = await read_body(request)
     try:
         # bytes: the encoding is JSON's (UTF-8), whatever charset Content-Type names
         data = json.loads(raw, parse_constant=_no_constant) if raw.strip() else {}
@@ -390,7 +405,7 @@ async def _serve(identity: Identity, host: str, port: int, rank: int | None = No
         loop.add_signal_handler(sig, stop.set)
     core = AgentCore(llm, identity)
     app = build_app(core, identity.token, data_token=identity.data_token, peer_token=identity.peer_token)
-    runner = web.AppRunner(app, access_log=None)
+    runner = app_runner(app, identity)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

@@ -180,3 +180,10 @@ def test_a_multi_rank_pod_refuses_prefills_past_its_bound_for_another_pod(agents
     r = httpx.post(f"{p.url}/v1/prefill", json={"req_id": 9, "prompt_tokens": 256}, headers=data, trust_env=False,
                    timeout=30)
     assert r.status_code == 503 and r.json()["code"] == "OVERLOADED" and r.headers["Retry-After"] == "1", r.text
+
+
+def test_a_connection_that_never_sends_a_whole_request_is_closed(agents):
+    a = agents("prompt", 0, env={"PD_AGENT_IDLE_TIMEOUT_S": "0.5"})
+    with socket.create_connection((a.ip, 8080), timeout=30) as s:
+        s.sendall(b"GET /v1/status HTTP/1.1\r\nHo")
+        assert s.recv(4096) == b""   # closed, not held for aiohttp's default hour

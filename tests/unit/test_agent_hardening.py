@@ -319,13 +319,15 @@ class Agent:
     async def raw(self, request: bytes) -> tuple[int, dict[str, str], bytes]:
         """An HTTP/1.1 request as bytes (headers a client library would not send)."""
         r, w = await asyncio.open_connection("127.0.0.1", self.port)
-        w.write(request)
-        await w.drain()
-        data = await asyncio.wait_for(r.read(), WAIT_S)
-        w.close()
-        head, _, body = data.partition(b"\r\n\r\n")
-        lines = head.decode("latin-1").split("\r\n")
-        headers = dict(line.split(": ", 1) for line in lines[1:])
+        try:
+            w.write(request)
+            await w.drain()
+            head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), WAIT_S)
+            lines = head.decode("latin-1").strip().split("\r\n")
+            headers = dict(line.split(": ", 1) for line in lines[1:])
+            body = await asyncio.wait_for(r.readexactly(int(headers.get("Content-Length", 0))), WAIT_S)
+        finally:
+            w.close()
         return int(lines[0].split()[1]), headers, body
 
 
@@ -459,3 +461,30 @@ async def test_prefills_past_the_queue_bound_are_refused_for_another_pod(agent):
 async def _until(cond) -> None:
     while not cond():
         await asyncio.sleep(0.01)
+
+
+async def test_a_body_that_trickles_in_is_cut_off(agent, monkeypatch):
+    import pd_agent.server
+    monkeypatch.setattr(pd_agent.server, "BODY_TIMEOUT_S", 0.2)
+    a = await agent()
+    status, _, body = await a.raw(b"POST /v1/prefill HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + DATA.encode()
+                                  + b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n"
+                                  + b"Connection: close\r\n\r\n{\"req_id\": ")
+    assert status == 408 and json.loads(body)["code"] == "RequestTimeout"
+
+
+async def test_queued_prompt_tokens_count_what_will_be_computed(agent):
+    a = await agent(time_scale=1000.0)
+    inf = a.core.inference
+    async with a.client(DATA) as c:
+        tasks = [asyncio.create_task(c.post("/v1/prefill", json={"req_id": 1, "prompt_tokens": 8}))]
+        try:
+            await asyncio.wait_for(_until(lambda: inf._prefill_busy == 1), WAIT_S)
+            tasks.append(asyncio.create_task(c.post("/v1/prefill", json={"req_id": 2, "prompt_tokens": 10 ** 30})))
+            await asyncio.wait_for(_until(lambda: len(inf.prefill_q) == 1), WAIT_S)
+            load = (await c.get("/v1/status")).json()["load"]
+            assert load["queued_prompt_tokens"] == inf.max_seq == 256
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
