@@ -3,11 +3,13 @@
 status in which a switch of that direction has reached that step. "Reached" includes a step
 the switch went through within one pass (a step already done when it began, such as Unlink
 for a prefill whose decoders let go of it while it drained): the status then shows a later
-step and the named one in stepsMs. Unset, nothing happens."""
+step and the named one in stepsMs. With PD_OPERATOR_FAULT_SIGNAL=KILL the process is killed
+with SIGKILL instead, as a node failure would. Unset, nothing happens."""
 from __future__ import annotations
 
 import logging
 import os
+import signal
 from typing import Callable
 
 from .switch import Switch
@@ -31,5 +33,7 @@ def from_env() -> Callable[[list[Switch]], None] | None:
         if reached(point, switches):
             log.error("%s reached and recorded: exiting as told", point)
             logging.shutdown()
+            if os.environ.get("PD_OPERATOR_FAULT_SIGNAL") == "KILL":
+                os.kill(os.getpid(), signal.SIGKILL)
             os._exit(EXIT_CODE)
     return check

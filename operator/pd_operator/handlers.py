@@ -5,6 +5,7 @@ No handler applies anything, so there is one reconciler, and no finalizer: owner
 clean up after a deleted PDDeployment."""
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import kopf
@@ -14,6 +15,7 @@ from .agentclient import AgentClient
 from .api import GROUP, PLURAL, VERSION
 from .builders import LABEL_DEPLOYMENT
 from .kube import Kube
+from .leader import Elector, LeaseSettings
 from .metrics import OperatorMetrics, serve
 from .reconcile import Controller
 
@@ -41,13 +43,23 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None
     memo.agents = AgentClient(metrics)
     memo.controller = Controller(memo.kube, memo.agents, metrics, after_record=memo.get("after_record"))
     memo.metrics_runner = await serve(metrics)
+    lease = LeaseSettings.from_env()
+    if lease is not None:
+        memo.controller.leading.clear()
+        memo.elector = Elector(memo.kube, lease, memo.controller.lead, memo.controller.follow)
+        memo.elector_task = asyncio.create_task(memo.elector.run(), name="leader-election")
     log.info("pd-operator started")
 
 
 @kopf.on.cleanup()
 async def cleanup(memo: kopf.Memo, **_) -> None:
+    if memo.get("elector_task"):
+        memo.elector_task.cancel()
+        await asyncio.gather(memo.elector_task, return_exceptions=True)
     if memo.get("controller"):
         await memo.controller.stop()
+    if memo.get("elector"):
+        await memo.elector.release()   # after the passes stopped: the next leader starts from status
     if memo.get("metrics_runner"):
         await memo.metrics_runner.cleanup()
     if memo.get("agents"):

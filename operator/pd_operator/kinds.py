@@ -38,5 +38,6 @@ OTHERS = (
     Kind("Pod", "v1", "pods"),
     Kind("Secret", "v1", "secrets"),
     Kind("Event", "v1", "events"),
+    Kind("Lease", "coordination.k8s.io/v1", "leases"),
 )
 BY_KIND = {k.kind: k for k in CHILDREN + OTHERS}

@@ -104,6 +104,13 @@ class Kube:
                 return None
             raise
 
+    async def replace(self, obj: dict) -> dict:
+        """PUT: with metadata.resourceVersion set, it fails (409) if the object changed since."""
+        meta = obj["metadata"]
+        return await self._req("PUT", object_path(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"]),
+                               f"replace {obj['kind']} {meta['name']}", json=obj,
+                               params={"fieldManager": FIELD_MANAGER})
+
     async def patch(self, api_version: str, kind: str, namespace: str, name: str, body: Any,
                     subresource: str = "") -> dict:
         path = object_path(api_version, kind, namespace, name) + (f"/{subresource}" if subresource else "")

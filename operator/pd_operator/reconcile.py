@@ -111,6 +111,10 @@ class Controller:
         self.wake: dict[Key, asyncio.Event] = {}
         self.tasks: dict[Key, asyncio.Task] = {}
         self.stopping = False
+        # set while this process may act: always without leader election, only while it holds
+        # the Lease with it (a standby keeps its caches warm and runs no pass)
+        self.leading = asyncio.Event()
+        self.leading.set()
         self.after_record = after_record   # called with the switches each recorded status holds
 
     # ---- fed by Kopf's watch events ------------------------------------------------------
@@ -164,6 +168,27 @@ class Controller:
         if ev:
             ev.set()
 
+    async def lead(self) -> None:
+        """This process became the leader: start from what the API server says, as a fresh
+        process would (switches in flight come back from status)."""
+        self.memory.clear()
+        self.relisted_at.clear()
+        self.leading.set()
+        for key in list(self.wake):
+            self.poke(key)
+
+    async def follow(self) -> None:
+        """Leadership lost: stop acting now (passes in flight are cancelled; what they recorded
+        is in status for the next leader) and wait to lead again."""
+        self.leading.clear()
+        tasks = list(self.tasks.items())
+        for _, t in tasks:
+            t.cancel()
+        await asyncio.gather(*(t for _, t in tasks), return_exceptions=True)
+        for key, _ in tasks:
+            if key in self.deployments and not self.stopping:
+                self.tasks[key] = asyncio.create_task(self._worker(key), name=f"pdd/{key[0]}/{key[1]}")
+
     async def stop(self) -> None:
         self.stopping = True
         for t in self.tasks.values():
@@ -173,6 +198,7 @@ class Controller:
     # ---- the worker ----------------------------------------------------------------------
     async def _worker(self, key: Key) -> None:
         while not self.stopping:
+            await self.leading.wait()
             self.wake[key].clear()
             t0 = time.perf_counter()
             try:

@@ -41,7 +41,7 @@ def condition(st: dict, ctype: str) -> dict:
 
 def leftovers(c: Cluster, ns: str) -> list[tuple[str, str]]:
     kinds = "pods,statefulsets,deployments,replicasets,services,secrets,configmaps,serviceaccounts,roles," \
-            "rolebindings,networkpolicies,pddeployments,leases"
+            "rolebindings,networkpolicies,pddeployments,leases,poddisruptionbudgets"
     items = c.get_json(kinds, "-n", ns)["items"]
     return sorted((i["kind"], i["metadata"]["name"]) for i in items
                   if (i["kind"], i["metadata"]["name"]) not in BACKGROUND)

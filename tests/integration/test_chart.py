@@ -71,11 +71,18 @@ def test_operator_installed_by_the_chart_runs_with_its_rbac(cluster: Cluster, cr
         wait_phase(cluster, namespace, "Ready", timeout=120, extra=lambda o: o["status"]["linksSummary"] == "4/4")
         wait_for("the gateway Ready", lambda: cluster.get_json("deployment", "sim-small-gateway", "-n", namespace)[
             "status"].get("readyReplicas") == 1, timeout=60)
-        pod = wait_for("the operator pod", lambda: cluster.get_json(
-            "pods", "-n", namespace, "-l", "app.kubernetes.io/name=pd-operator")["items"])[0]
-        logs = cluster.kubectl("logs", pod["metadata"]["name"], "-n", namespace).stdout
-        assert "pd-operator started" in logs and "Linked" in logs
-        assert "Forbidden" not in logs and "403" not in logs
+        pods = wait_for("the operator pods", lambda: cluster.get_json(
+            "pods", "-n", namespace, "-l", "app.kubernetes.io/name=pd-operator")["items"])
+        assert len(pods) == 2   # a leader and a standby
+        logs = {p["metadata"]["name"]: cluster.kubectl("logs", p["metadata"]["name"], "-n", namespace).stdout
+                for p in pods}
+        assert all("pd-operator started" in text for text in logs.values())
+        leaders = [n for n, text in logs.items() if "became the leader" in text]
+        assert len(leaders) == 1 and "Linked" in logs[leaders[0]], logs
+        holder = cluster.get_json("lease", f"{release}-pd-operator-leader", "-n", namespace)["spec"]["holderIdentity"]
+        assert holder.startswith(leaders[0] + "_")
+        assert not any("Forbidden" in text or "403" in text for text in logs.values())
+        pod = next(p for p in pods if p["metadata"]["name"] == leaders[0])
         # the operator's metrics, where the chart's Service points
         import httpx
         svc = cluster.get_json("service", f"{release}-pd-operator-metrics", "-n", namespace)
@@ -92,7 +99,11 @@ def rules_of(cluster: Cluster, *values: str) -> dict[tuple[str, str], list[dict]
     r = helm(cluster, "template", "x", CHART, "-n", "pd-system", "--kube-version", "1.36.0", *values)
     assert r.returncode == 0, r.stderr
     docs = [d for d in yaml.safe_load_all(r.stdout) if d and d["kind"] in ("ClusterRole", "Role")]
-    return {(d["kind"], d["metadata"].get("namespace", "")): d["rules"] for d in docs}
+    leader = [d for d in docs if d["metadata"]["name"].endswith("-leader")]
+    # leader election: its own Lease, read and written, nothing else
+    assert [d["rules"] for d in leader] == [[{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                                              "resourceNames": ["x-pd-operator-leader"], "verbs": ["get", "update"]}]]
+    return {(d["kind"], d["metadata"].get("namespace", "")): d["rules"] for d in docs if d not in leader}
 
 
 def test_chart_rbac_takes_only_what_the_operator_uses(cluster: Cluster) -> None:
