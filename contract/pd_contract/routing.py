@@ -19,13 +19,21 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 import httpx
+from pydantic import ValidationError
 
+from .agent_api import AgentStatus
 from .names import AGENT_PORT, LABEL_DEPLOYMENT, LABEL_ROLE, SWITCHING
 
 log = logging.getLogger("pd_routing")
 # a decoder that sends no token for this long has failed the request (a hung or stopped peer
 # must not hold a client forever)
 TOKEN_GAP_TIMEOUT_S = 120.0
+STATUS_TIMEOUT_S = 2.0
+# what a pod may send at most: a status (512 links of 8 ranks is under 1 MiB), a reply, a line
+# of the decode stream (a token or the summary); more is a broken or hostile pod, not memory to spend
+MAX_STATUS_BYTES = 4 << 20
+MAX_REPLY_BYTES = 64 << 10
+MAX_LINE_BYTES = 64 << 10
 # NOT_LINKED: the decoder has no (healthy) link to that prefill any more and pulled nothing, so
 # another decoder linked to it can take the request
 RETRYABLE = frozenset({"DRAINING", "ROLE_CHANGED", "NOT_LINKED", "ConnectError", "ConnectTimeout",
@@ -39,6 +47,10 @@ class Unavailable(Exception):
         super().__init__(f"no prefill/decoder pair could take the request ({reason}); refusals: {refusals}")
         self.reason = reason
         self.refusals = refusals
+
+
+class BadReport(Exception):
+    """A pod's status answer routing cannot use: that pod is skipped, the others are not."""
 
 
 class EngineError(Exception):
@@ -58,7 +70,9 @@ class Attempt:
 
 
 class Fleet:
-    def __init__(self, http: httpx.AsyncClient, token: str | None, discover: Callable[[], list[dict]]):
+    def __init__(self, http: httpx.AsyncClient, token: str | None, discover: Callable[[], list[dict]],
+                 on_bad_report: Callable[[str, str], None] | None = None,
+                 token_gap_timeout: float = TOKEN_GAP_TIMEOUT_S):
         self.http = http
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.discover = discover    # -> [{"name", "ip", "label", "leaving"}]
@@ -66,6 +80,32 @@ class Fleet:
         self.decoders: list[dict] = []
         self.refreshed_at = 0.0
         self.error = ""
+        self.bad: dict[str, str] = {}   # pod -> why its last status answer was not used
+        self.on_bad_report = on_bad_report   # (pod, why), at every bad answer: a counter
+        self.token_gap_timeout = token_gap_timeout
+
+    async def status(self, url: str) -> dict:
+        """A pod's /v1/status checked against the contract (AgentStatus), so what routing reads
+        has the right shape and types. Raises BadReport, or httpx.HTTPError when it does not answer."""
+        async with self.http.stream("GET", f"{url}/v1/status", headers=self.headers, timeout=STATUS_TIMEOUT_S) as r:
+            if r.status_code != 200:
+                raise BadReport(f"/v1/status answered HTTP {r.status_code}")
+            body = await read_capped(r, MAX_STATUS_BYTES, "/v1/status answer")
+        try:
+            return AgentStatus.model_validate_json(body).model_dump()
+        except ValidationError as e:
+            raise BadReport(f"/v1/status: {summary(e)}") from None
+
+    def _report(self, pod: str, why: str | None) -> None:
+        if why is None:
+            if self.bad.pop(pod, None) is not None:
+                log.info("pod %s: its status report is usable again", pod)
+            return
+        if self.on_bad_report:
+            self.on_bad_report(pod, why)
+        if self.bad.get(pod) != why:   # once per pod and new error, not once a second
+            log.warning("pod %s: not routed to, its status report is not usable: %s", pod, why)
+        self.bad[pod] = why
 
     async def refresh(self) -> None:
         try:
@@ -84,13 +124,21 @@ class Fleet:
         async def one(p: dict) -> dict | None:
             url = f"http://{p['ip']}:{AGENT_PORT}"
             try:
-                st = (await self.http.get(f"{url}/v1/status", headers=self.headers, timeout=2)).json()
-            except (httpx.HTTPError, ValueError):
+                # a whole deadline too (httpx's is per read): a pod dripping its answer must not
+                # hold up the refresh
+                st = await asyncio.wait_for(self.status(url), 2 * STATUS_TIMEOUT_S)
+            except (httpx.HTTPError, TimeoutError):
+                return None   # not answering (starting, gone, too slow): not a report
+            except BadReport as e:
+                self._report(p["name"], str(e))
                 return None
-            if not isinstance(st, dict) or not st.get("initialized"):
+            self._report(p["name"], None)
+            if not st["initialized"]:
                 return None
             return {**st, "url": url, "name": p["name"]}
         sts = [s for s in await asyncio.gather(*(one(p) for p in pods)) if s]
+        names = {p["name"] for p in pods}
+        self.bad = {k: v for k, v in self.bad.items() if k in names}
         self.prefills = [s for s in sts if s["role"] == "prompt" and not s["draining"]]
         self.decoders = [s for s in sts if s["role"] == "decoder" and not s["draining"]]
         self.refreshed_at = time.monotonic()
@@ -127,12 +175,66 @@ class Fleet:
         self.decoders = [s for s in self.decoders if s["url"] != url]
 
 
-def _reason(r: httpx.Response) -> tuple[str, str]:
+def summary(e: ValidationError) -> str:
+    """The first problem of a pydantic error, without the input (which may be large)."""
+    errs = e.errors(include_url=False, include_input=False)
+    where = ".".join(str(p) for p in errs[0]["loc"]) or "(body)"
+    more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
+    return f"{where}: {errs[0]['msg']}{more}"
+
+
+async def read_capped(r: httpx.Response, limit: int, what: str) -> bytes:
+    body = bytearray()
+    async for chunk in r.aiter_bytes():
+        body += chunk
+        if len(body) > limit:
+            raise BadReport(f"{what} is over {limit} bytes")
+    return bytes(body)
+
+
+async def lines_capped(r: httpx.Response, limit: int) -> AsyncIterator[bytes]:
+    """The response's lines (httpx's aiter_lines buffers a line however long it is)."""
+    buf = bytearray()
+    async for chunk in r.aiter_bytes():
+        buf += chunk
+        start = 0
+        while (end := buf.find(b"\n", start)) >= 0:
+            yield bytes(buf[start:end])
+            start = end + 1
+        del buf[:start]
+        if len(buf) > limit:
+            raise BadReport(f"a line of the decode stream is over {limit} bytes")
+    if buf:
+        yield bytes(buf)
+
+
+async def _reason(r: httpx.Response) -> tuple[str, str]:
+    """A refusal's code and message, from whatever the pod answered."""
     try:
-        body = r.json()
-        return body.get("code", str(r.status_code)), body.get("message", "")
-    except ValueError:
-        return str(r.status_code), r.text[:200]
+        raw = await read_capped(r, MAX_REPLY_BYTES, "the answer")
+    except BadReport as e:
+        return str(r.status_code), str(e)
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        body = None
+    if not isinstance(body, dict):
+        return str(r.status_code), raw[:200].decode(errors="replace")
+    return str(body.get("code", r.status_code))[:100], str(body.get("message", ""))[:1000]
+
+
+def _message(pod: str, line: bytes) -> dict:
+    """A line of the decode stream: a JSON object, else the decoder failed the request."""
+    try:
+        msg = json.loads(line)
+    except (ValueError, RecursionError):
+        raise EngineError(pod, "BAD_STREAM", "a line of the decode stream is not JSON") from None
+    if not isinstance(msg, dict):
+        raise EngineError(pod, "BAD_STREAM", "a line of the decode stream is not a JSON object")
+    if "error" in msg:
+        err = msg["error"] if isinstance(msg["error"], dict) else {}
+        raise EngineError(pod, str(err.get("code", "ENGINE_ERROR"))[:100], str(err.get("message", ""))[:1000])
+    return msg
 
 
 async def generate(fleet: Fleet, req_id: int, prompt_tokens: int, output_tokens: int, attempt: Attempt,
@@ -157,7 +259,7 @@ async def generate(fleet: Fleet, req_id: int, prompt_tokens: int, output_tokens:
 
     async def refused(r: httpx.Response, pod: dict) -> None:
         """A non-200 answer: retried elsewhere if the engine refused before doing anything."""
-        code, msg = _reason(r)
+        code, msg = await _reason(r)
         if code not in RETRYABLE:
             raise EngineError(pod["name"], code, msg)
         refuse(code, pod["url"])
@@ -172,15 +274,18 @@ async def generate(fleet: Fleet, req_id: int, prompt_tokens: int, output_tokens:
             continue
         t0 = time.monotonic()
         try:
-            r = await fleet.http.post(f"{p['url']}/v1/prefill", headers=fleet.headers,
-                                      json={"req_id": req_id, "prompt_tokens": prompt_tokens})
+            async with fleet.http.stream("POST", f"{p['url']}/v1/prefill", headers=fleet.headers,
+                                         json={"req_id": req_id, "prompt_tokens": prompt_tokens}) as r:
+                if r.status_code != 200:
+                    await refused(r, p)
+                    continue
+                await read_capped(r, MAX_REPLY_BYTES, "the prefill's answer")   # read, so the connection is reused
         except httpx.HTTPError as e:
             refuse(type(e).__name__, p["url"])
             await wait()
             continue
-        if r.status_code != 200:
-            await refused(r, p)
-            continue
+        except BadReport as e:
+            raise EngineError(p["name"], "BAD_REPLY", str(e)) from None
         attempt.prefill, attempt.prefill_ms = p["name"], (time.monotonic() - t0) * 1000
         break
     # decode: the cache waits on p, so only decoders linked to p can take it
@@ -197,19 +302,15 @@ async def generate(fleet: Fleet, req_id: int, prompt_tokens: int, output_tokens:
         started = False
         try:
             async with fleet.http.stream("POST", f"{d['url']}/v1/decode", headers=fleet.headers, json=body,
-                                         timeout=httpx.Timeout(None, connect=2, read=TOKEN_GAP_TIMEOUT_S)) as r:
+                                         timeout=httpx.Timeout(None, connect=2, read=fleet.token_gap_timeout)) as r:
                 if r.status_code != 200:
-                    await r.aread()
                     await refused(r, d)
                     continue
                 attempt.decoder = d["name"]
-                async for line in r.aiter_lines():
-                    if not line:
+                async for line in lines_capped(r, MAX_LINE_BYTES):
+                    if not line.strip():
                         continue
-                    msg = json.loads(line)
-                    if "error" in msg:
-                        raise EngineError(d["name"], msg["error"].get("code", "ENGINE_ERROR"),
-                                          msg["error"].get("message", ""))
+                    msg = _message(d["name"], line)
                     started = True
                     yield msg
                     if "done" in msg:
@@ -217,9 +318,11 @@ async def generate(fleet: Fleet, req_id: int, prompt_tokens: int, output_tokens:
                 raise EngineError(d["name"], "STREAM_ENDED", "the decoder's stream ended before the last token")
         except httpx.HTTPError as e:
             if started:
-                raise EngineError(d["name"], type(e).__name__, str(e)) from e
+                raise EngineError(d["name"], type(e).__name__, str(e) or type(e).__name__) from e
             refuse(type(e).__name__, d["url"])
             await wait()
+        except BadReport as e:
+            raise EngineError(d["name"], "BAD_STREAM", str(e)) from None
 
 
 # ---- where the engines are ----------------------------------------------------------------
