@@ -33,6 +33,8 @@ class GatewayMetrics:
                                     ["pod", "role", "result"], registry=r)
         self.retries = Counter("pd_gateway_refusals", "Refusals before the first token, retried on another pair",
                                ["reason"], registry=r)
+        self.bad_reports = Counter("pd_gateway_bad_reports", "Status answers of an engine pod that routing could not "
+                                   "use (malformed, wrong types, HTTP error): the pod is skipped", ["pod"], registry=r)
         self._ttft: collections.deque[float] = collections.deque(maxlen=WINDOW)
         self._tbt: collections.deque[float] = collections.deque(maxlen=WINDOW)
 

@@ -2,8 +2,14 @@
 
 OpenAI (`GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions`) and Anthropic
 (`POST /v1/messages`) wire formats, streamed (SSE) and not, over P-D routing (pd_contract.routing).
-Every error is the API's own error object, so a client always has something to read.
-Open endpoints: /healthz, /metrics, /stats (recent TTFT/TBT percentiles)."""
+Every error is the API's own error object, so a client always has something to read; a
+malformed request is a 4xx, refused before any engine works on it.
+Open endpoints: /healthz, /metrics, /stats (recent TTFT/TBT percentiles).
+
+Bounds (env, generous defaults): requests in flight per key (429) and in total (503), the
+body's size (413) and read time (408), the time to send a request's headers (the connection
+is closed), max_tokens against the model's context (400), the gap between tokens from a decoder
+(the stream ends with an error event)."""
 from __future__ import annotations
 
 import argparse
@@ -12,25 +18,63 @@ import json
 import logging
 import os
 import random
+import signal
 import time
 from dataclasses import dataclass
+from typing import Any, Callable, Coroutine
 
 import httpx
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from pd_contract.names import AGENT_PORT
-from pd_contract.routing import Attempt, EngineError, Fleet, Unavailable, fixed_finder, generate, pod_finder
+from pd_contract.routing import (
+    TOKEN_GAP_TIMEOUT_S,
+    Attempt,
+    EngineError,
+    Fleet,
+    Unavailable,
+    fixed_finder,
+    generate,
+    pod_finder,
+    summary,
+)
 
 from . import wire
-from .keys import Keys, RateLimits, from_env, from_secret
+from .keys import MIN_KEY_LENGTH, REFRESH_S, Keys, RateLimits, from_env, from_secret
 from .metrics import GatewayMetrics
 
 log = logging.getLogger("pd_gateway")
 PORT = 8000
 MAX_OUTPUT_TOKENS = 4096
+# the gateway has no tokenizer or model config: the context a request's max_tokens may not
+# exceed (the common 128k of current models) unless PD_GATEWAY_MAX_CONTEXT_TOKENS says otherwise
+MAX_CONTEXT_TOKENS = 131072
+# in flight: below the engine connection pool (2048), so the pods' status polls and prefills
+# always find a connection; a key gets a quarter, so one client cannot take every slot
+MAX_STREAMS = 1024
+MAX_STREAMS_PER_KEY = 256
+MAX_BODY_BYTES = 8 << 20       # a 2M-character prompt, JSON-escaped
+BODY_TIMEOUT_S = 60.0          # 8 MiB at 1 Mbit/s
+HEADER_TIMEOUT_S = 30.0        # also how long an idle keep-alive connection is kept
 PROXY_VARS = ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy", "ALL_PROXY")
+JSON_CHARSETS = ("utf-8", "utf8", "us-ascii", "ascii")   # JSON between systems is UTF-8 (RFC 8259)
+KNOWN = {"/v1/models": "GET", "/v1/chat/completions": "POST", "/v1/completions": "POST", "/v1/messages": "POST"}
+
+
+def _positive(env: dict[str, str], name: str, default: Any, cast: Callable[[str], Any] = int) -> Any:
+    raw = env.get(name)
+    if not raw:
+        return default
+    try:
+        value = cast(raw)
+    except ValueError:
+        raise SystemExit(f"pd_gateway: {name} must be a number, got {raw!r}") from None
+    if not value > 0:
+        raise SystemExit(f"pd_gateway: {name} must be positive, got {raw!r}")
+    return value
 
 
 @dataclass
@@ -43,6 +87,14 @@ class Config:
     rpm: dict | None = None
     agents: list[str] | None = None      # fixed agent URLs instead of discovery (outside a cluster)
     max_output_tokens: int = MAX_OUTPUT_TOKENS
+    max_context_tokens: int = MAX_CONTEXT_TOKENS
+    max_streams: int = MAX_STREAMS
+    max_streams_per_key: int = MAX_STREAMS_PER_KEY
+    max_body_bytes: int = MAX_BODY_BYTES
+    body_timeout_s: float = BODY_TIMEOUT_S
+    header_timeout_s: float = HEADER_TIMEOUT_S
+    token_gap_timeout_s: float = TOKEN_GAP_TIMEOUT_S
+    min_key_length: int = MIN_KEY_LENGTH
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "Config":
@@ -54,7 +106,48 @@ class Config:
                    keys_secret=env.get("PD_GATEWAY_KEYS_SECRET") or None,
                    rpm=json.loads(env.get("PD_GATEWAY_RPM") or "{}"),
                    agents=[u for u in env.get("PD_GATEWAY_AGENTS", "").split(",") if u] or None,
-                   max_output_tokens=int(env.get("PD_GATEWAY_MAX_OUTPUT_TOKENS", MAX_OUTPUT_TOKENS)))
+                   max_output_tokens=_positive(env, "PD_GATEWAY_MAX_OUTPUT_TOKENS", MAX_OUTPUT_TOKENS),
+                   max_context_tokens=_positive(env, "PD_GATEWAY_MAX_CONTEXT_TOKENS", MAX_CONTEXT_TOKENS),
+                   max_streams=_positive(env, "PD_GATEWAY_MAX_STREAMS", MAX_STREAMS),
+                   max_streams_per_key=_positive(env, "PD_GATEWAY_MAX_STREAMS_PER_KEY", MAX_STREAMS_PER_KEY),
+                   max_body_bytes=_positive(env, "PD_GATEWAY_MAX_BODY_BYTES", MAX_BODY_BYTES),
+                   body_timeout_s=_positive(env, "PD_GATEWAY_BODY_TIMEOUT_S", BODY_TIMEOUT_S, float),
+                   header_timeout_s=_positive(env, "PD_GATEWAY_HEADER_TIMEOUT_S", HEADER_TIMEOUT_S, float),
+                   token_gap_timeout_s=_positive(env, "PD_GATEWAY_UPSTREAM_READ_TIMEOUT_S", TOKEN_GAP_TIMEOUT_S,
+                                                 float),
+                   min_key_length=_positive(env, "PD_GATEWAY_MIN_KEY_LENGTH", MIN_KEY_LENGTH))
+
+
+class Streams:
+    """Requests in flight, per key and in total: past a bound a request is refused at once
+    rather than queued (for an engine connection, a batch slot) behind everyone else's."""
+
+    def __init__(self, per_key: int, total: int):
+        self.per_key, self.total = per_key, total
+        self.by_key: dict[str, int] = {}
+        self.count = 0
+
+    def take(self, key: str) -> str | None:
+        """None if taken (give it back), else which bound refused it: "key" or "total"."""
+        if self.by_key.get(key, 0) >= self.per_key:
+            return "key"
+        if self.count >= self.total:
+            return "total"
+        self.by_key[key] = self.by_key.get(key, 0) + 1
+        self.count += 1
+        return None
+
+    def give(self, key: str) -> None:
+        self.count -= 1
+        left = self.by_key[key] - 1
+        if left:
+            self.by_key[key] = left
+        else:
+            del self.by_key[key]
+
+
+def api_of(path: str) -> str:
+    return "anthropic" if "messages" in path else "openai"
 
 
 class Gateway:
@@ -64,22 +157,34 @@ class Gateway:
         self.limits = RateLimits(cfg.rpm or {})
         self.fleet = fleet
         self.m = metrics or GatewayMetrics()
+        self.streams = Streams(cfg.max_streams_per_key, cfg.max_streams)
+        self.tasks: dict[str, asyncio.Task] = {}
+        self.dead: dict[str, str] = {}   # background task -> how it ended
+        # a pod whose status routing cannot use is counted here (and logged by the fleet)
+        fleet.on_bad_report = lambda pod, why: self.m.bad_reports.labels(pod).inc()
+        fleet.token_gap_timeout = cfg.token_gap_timeout_s
 
     # ---- errors and auth ---------------------------------------------------------------------
     @staticmethod
     def error(api: str, status: int, message: str, etype: str, code: str | None = None,
-              headers: dict | None = None) -> web.Response:
-        body = wire.anthropic_error(status, message) if api == "anthropic" else wire.openai_error(message, etype, code)
+              headers: dict | None = None, param: str | None = None) -> web.Response:
+        body = (wire.anthropic_error(status, message) if api == "anthropic"
+                else wire.openai_error(message, etype, code, param))
         return web.json_response(body, status=status, headers=headers)
 
     def authenticate(self, request: web.Request, api: str, endpoint: str) -> tuple[str | None, web.Response | None]:
         got = request.headers.get("Authorization", "")
-        presented = got[7:].strip() if got.startswith("Bearer ") else request.headers.get("x-api-key", "").strip()
+        # the scheme is case-insensitive (RFC 9110)
+        presented = got[7:].strip() if got[:7].lower() == "bearer " else request.headers.get("x-api-key", "").strip()
         if not presented:
             return None, self.error(api, 401, "missing API key: send it as `Authorization: Bearer <key>` (OpenAI "
                                               "clients: api_key) or `x-api-key: <key>` (Anthropic clients)",
                                     "authentication_error", "missing_api_key")
         name = self.keys.name_of(presented)
+        if name is None and self.keys.error and not len(self.keys):
+            return None, self.error(api, 401, f"the gateway's API keys could not be loaded, so no key is "
+                                              f"accepted ({self.keys.error})", "authentication_error",
+                                    "keys_unavailable")
         if name is None:
             return None, self.error(api, 401, "invalid API key: it is not one of this gateway's keys (check for "
                                               "a typo, spaces, or a key from another deployment)",
@@ -93,20 +198,57 @@ class Gateway:
                                     headers={"Retry-After": str(max(1, round(wait)))})
         return name, None
 
-    async def parse(self, request: web.Request, model: type[BaseModel], api: str):
+    async def read_json(self, request: web.Request, api: str) -> tuple[Any, web.Response | None]:
+        """The body as JSON, bounded in size and read time; every way it can be wrong is a 4xx."""
+        limit = self.cfg.max_body_bytes
+        too_large = self.error(api, 413, f"the body is over {limit} bytes", "invalid_request_error",
+                               "request_too_large")
+        if request.content_length is not None and request.content_length > limit:
+            return None, too_large
+        charset = request.charset
+        if charset and charset.lower() not in JSON_CHARSETS:
+            return None, self.error(api, 415, f"charset {charset[:40]!r}: the body must be JSON in UTF-8",
+                                    "invalid_request_error", "unsupported_charset")
         try:
-            data = await request.json()
+            raw = await asyncio.wait_for(request.read(), self.cfg.body_timeout_s)
+        except TimeoutError:
+            err = self.error(api, 408, f"the body was not received within {self.cfg.body_timeout_s:g}s",
+                             "invalid_request_error", "request_timeout")
+            err.force_close()
+            return None, err
+        except web.HTTPRequestEntityTooLarge:
+            return None, too_large
+        except HttpProcessingError as e:   # a bad chunked or compressed body
+            return None, self.error(api, 400, f"the body could not be read: {e.message}", "invalid_request_error")
+        try:
+            return json.loads(raw.decode("utf-8")), None
+        except UnicodeDecodeError as e:
+            return None, self.error(api, 400, f"the body is not UTF-8 (byte {e.start})", "invalid_request_error")
+        except RecursionError:
+            return None, self.error(api, 400, "the body is not JSON: nested too deeply", "invalid_request_error")
         except ValueError as e:
             return None, self.error(api, 400, f"the body is not JSON: {e}", "invalid_request_error")
+
+    async def parse(self, request: web.Request, model: type[wire.ApiRequest], api: str):
+        data, err = await self.read_json(request, api)
+        if err:
+            return None, err
         try:
             body = model.model_validate(data)
         except ValidationError as e:
-            first = e.errors()[0]
-            field = ".".join(str(p) for p in first["loc"]) or "(body)"
-            return None, self.error(api, 400, f"{field}: {first['msg']}", "invalid_request_error", "invalid_value")
+            first = e.errors(include_url=False, include_input=False)[0]
+            return None, self.error(api, 400, summary(e), "invalid_request_error", "invalid_value",
+                                    param=".".join(str(p) for p in first["loc"]) or None)
+        except RecursionError:   # nested deep inside a field the models keep as is
+            return None, self.error(api, 400, "the body is nested too deeply", "invalid_request_error")
         if body.model != self.cfg.model:
             return None, self.error(api, 404, f"model {body.model!r} not found; this gateway serves "
                                               f"{self.cfg.model!r}", "invalid_request_error", "model_not_found")
+        for field, value in body.token_fields().items():
+            if value > self.cfg.max_context_tokens:
+                return None, self.error(api, 400, f"{field}: {value} is more than this model's context of "
+                                                  f"{self.cfg.max_context_tokens} tokens", "invalid_request_error",
+                                        "invalid_value", param=field)
         return body, None
 
     # ---- routes ------------------------------------------------------------------------------
@@ -118,43 +260,73 @@ class Gateway:
         return web.json_response(wire.models_reply(self.cfg.model))
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        name, err = self.authenticate(request, "openai", "chat")
-        if err:
-            return err
-        body, err = await self.parse(request, wire.ChatRequest, "openai")
-        if err:
-            return err
-        return await self.serve(request, name, "chat", body.prompt(), body.output_tokens(), body.stream,
-                                include_usage=bool((body.stream_options or {}).get("include_usage")))
+        return await self.complete(request, "openai", "chat", wire.ChatRequest)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        name, err = self.authenticate(request, "openai", "completions")
-        if err:
-            return err
-        body, err = await self.parse(request, wire.CompletionRequest, "openai")
-        if err:
-            return err
-        return await self.serve(request, name, "completions", body.text(), body.output_tokens(), body.stream,
-                                include_usage=bool((body.stream_options or {}).get("include_usage")))
+        return await self.complete(request, "openai", "completions", wire.CompletionRequest)
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
-        name, err = self.authenticate(request, "anthropic", "anthropic")
+        return await self.complete(request, "anthropic", "anthropic", wire.MessagesRequest)
+
+    async def complete(self, request: web.Request, api: str, endpoint: str,
+                       model: type[wire.ApiRequest]) -> web.StreamResponse:
+        name, err = self.authenticate(request, api, endpoint)
         if err:
             return err
-        body, err = await self.parse(request, wire.MessagesRequest, "anthropic")
-        if err:
-            return err
-        return await self.serve(request, name, "anthropic", body.prompt(), body.max_tokens, body.stream)
+        # taken before the body is read: refusing costs nothing, and bodies held in memory are bounded
+        bound = self.streams.take(name)
+        if bound is not None:
+            status = 429 if bound == "key" else 503
+            self.m.requests.labels(name, endpoint, str(status)).inc()
+            if bound == "key":
+                return self.error(api, 429, f"key {name!r} has {self.cfg.max_streams_per_key} requests in flight, "
+                                            f"the most a key may have; retry when one ends", "rate_limit_error",
+                                  "concurrency_limit_exceeded", headers={"Retry-After": "1"})
+            return self.error(api, 503, f"the gateway has {self.cfg.max_streams} requests in flight, the most it "
+                                        f"takes; retry shortly", "overloaded_error", "overloaded",
+                              headers={"Retry-After": "1"})
+        try:
+            body, err = await self.parse(request, model, api)
+            if err:
+                self.m.requests.labels(name, endpoint, str(err.status)).inc()
+                return err
+            return await self.serve(request, name, endpoint, body.text(), body.output_tokens(), bool(body.stream),
+                                    include_usage=body.include_usage())
+        finally:
+            self.streams.give(name)
 
     async def not_found(self, request: web.Request) -> web.Response:
-        api = "anthropic" if "messages" in request.path else "openai"
+        api = api_of(request.path)
+        method = KNOWN.get(request.path)
+        if method:
+            return self.error(api, 405, f"{request.path} takes {method}, not {request.method}",
+                              "invalid_request_error", "method_not_allowed", headers={"Allow": method})
         return self.error(api, 404, wire.path_hint(request.path), "invalid_request_error", "not_found")
+
+    @web.middleware
+    async def guard(self, request: web.Request, handler) -> web.StreamResponse:
+        """Whatever goes wrong in a handler, the client reads the API's own error object."""
+        try:
+            return await handler(request)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            etype = "invalid_request_error" if e.status < 500 else "server_error"
+            return self.error(api_of(request.path), e.status, e.reason, etype)
+        except ConnectionError:
+            raise   # the client went away: nobody to answer
+        except Exception as e:  # noqa: BLE001 - answered as a 500 in the API's shape, logged with its traceback
+            log.exception("%s %s failed", request.method, request.path)
+            return self.error(api_of(request.path), 500, f"the gateway failed on this request "
+                                                         f"({type(e).__name__}); it is logged", "server_error",
+                              "internal_error")
 
     # ---- one request -----------------------------------------------------------------------------
     async def serve(self, request: web.Request, key: str, api: str, prompt: str, max_tokens: int, stream: bool,
                     include_usage: bool = False) -> web.StreamResponse:
         t0 = time.monotonic()
         prompt_tokens = wire.approx_tokens(prompt)
+        seed = wire.seed(prompt)   # the prompt is digested once; each token then costs the same
         out_tokens = min(max_tokens, self.cfg.max_output_tokens)
         rid = wire.new_id("msg" if api == "anthropic" else ("chatcmpl" if api == "chat" else "cmpl"))
         attempt = Attempt()
@@ -166,14 +338,19 @@ class Gateway:
         try:
             async for msg in gen:
                 if "token" in msg:
+                    n = len(times)
+                    if n >= out_tokens:
+                        raise EngineError(attempt.decoder, "TOO_MANY_TOKENS",
+                                          f"the decoder sent more than the {out_tokens} tokens asked for")
                     times.append(time.monotonic())
-                    text = wire.piece(prompt, msg["token"])
-                    pieces.append(text)
+                    text = wire.piece(seed, n)
                     if stream:
                         if resp is None:
                             resp = await self._open_stream(request, api, rid, prompt_tokens)
                         await resp.write(self._chunk(api, rid, text))
-            n = len(pieces)
+                    else:
+                        pieces.append(text)
+            n = len(times)
             finish = "length" if n >= out_tokens else "stop"
             self._account(key, api, attempt, t0, times, prompt_tokens, n)
             if not stream:
@@ -197,11 +374,17 @@ class Gateway:
             if resp is None:   # nothing sent yet: a proper HTTP error
                 return self.error("anthropic" if api == "anthropic" else "openai", int(status), str(e),
                                   "server_error" if status == "502" else "overloaded_error", reason)
-            # mid-stream: the API's error event; the client sees the stream end with it
-            if api == "anthropic":
-                await resp.write(wire.sse(wire.anthropic_error(int(status), str(e)), "error"))
-            else:
-                await resp.write(wire.sse(wire.openai_error(str(e), "server_error", reason)))
+            await self._stream_error(resp, api, int(status), str(e), reason)
+            return resp
+        except ConnectionError:
+            raise   # the client went away
+        except Exception as e:
+            status = "500"
+            if resp is None:
+                raise   # the guard answers it
+            log.exception("request %s (key %s) failed mid-stream", rid, key)
+            await self._stream_error(resp, api, 500, f"the gateway failed on this request ({type(e).__name__}); "
+                                                     f"it is logged", "internal_error")
             return resp
         finally:
             await gen.aclose()
@@ -211,6 +394,14 @@ class Gateway:
                     self.m.pod_requests.labels(pod, role, "ok" if status == "200" else "failed").inc()
             for reason, n in attempt.refusals.items():
                 self.m.retries.labels(reason).inc(n)
+
+    @staticmethod
+    async def _stream_error(resp: web.StreamResponse, api: str, status: int, message: str, code: str) -> None:
+        """Mid-stream: the API's error event; the client sees the stream end with it."""
+        if api == "anthropic":
+            await resp.write(wire.sse(wire.anthropic_error(status, message), "error"))
+        else:
+            await resp.write(wire.sse(wire.openai_error(message, "server_error", code)))
 
     def _account(self, key: str, api: str, attempt: Attempt, t0: float, times: list[float], prompt: int,
                  completion: int) -> None:
@@ -267,10 +458,12 @@ class Gateway:
 
     # ---- open endpoints ------------------------------------------------------------------------
     async def healthz(self, request: web.Request) -> web.Response:
-        ok = len(self.keys) > 0
+        dead = [f"background task {name} died: {why}" for name, why in self.dead.items()]
+        ok = len(self.keys) > 0 and not dead
+        errors = [e for e in (self.keys.error, self.fleet.error) if e] + dead
+        errors += [f"pod {pod} is skipped: {why}" for pod, why in sorted(self.fleet.bad.items())]
         return web.json_response({"ok": ok, "keys": len(self.keys), "prefills": len(self.fleet.prefills),
-                                  "decoders": len(self.fleet.decoders),
-                                  "errors": [e for e in (self.keys.error, self.fleet.error) if e]},
+                                  "decoders": len(self.fleet.decoders), "errors": errors},
                                  status=200 if ok else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
@@ -280,7 +473,7 @@ class Gateway:
         return web.json_response(self.m.stats())
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=8 << 20)
+        app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[self.guard])
         app.add_routes([
             web.get("/healthz", self.healthz), web.get("/metrics", self.metrics), web.get("/stats", self.stats),
             web.get("/v1/models", self.models), web.post("/v1/chat/completions", self.chat),
@@ -289,11 +482,41 @@ class Gateway:
         app.router.add_route("*", "/{tail:.*}", self.not_found)
         return app
 
+    def runner(self) -> web.AppRunner:
+        # aiohttp's keep-alive timer runs from the connection's start (and from each answer) until
+        # a request's headers are complete: the only bound on a client sending them slowly
+        return web.AppRunner(self.app(), access_log=None, handler_cancellation=True,
+                             keepalive_timeout=self.cfg.header_timeout_s)
+
+    # ---- background tasks ----------------------------------------------------------------------
+    def watch(self, name: str, coro: Coroutine[Any, Any, None]) -> asyncio.Task:
+        """A loop that must run as long as the gateway: if it ends, /healthz says so."""
+        task = asyncio.create_task(coro, name=name)
+        task.add_done_callback(self._ended)
+        self.tasks[name] = task
+        return task
+
+    def _ended(self, task: asyncio.Task) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        self.dead[task.get_name()] = f"{type(exc).__name__}: {exc}" if exc else "it returned"
+        log.error("background task %s died; /healthz now fails", task.get_name(), exc_info=exc)
+
+    def start(self) -> None:
+        self.watch("fleet-refresh", self.fleet.run())
+        self.watch("keys-refresh", _refresh_keys(self.keys))
+
+    async def stop(self) -> None:
+        for t in self.tasks.values():
+            t.cancel()
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+
 
 async def _refresh_keys(keys: Keys) -> None:
     while True:
         await asyncio.to_thread(keys.refresh)
-        await asyncio.sleep(10)
+        await asyncio.sleep(REFRESH_S)
 
 
 async def serve(cfg: Config, host: str, port: int) -> None:
@@ -309,24 +532,23 @@ async def serve(cfg: Config, host: str, port: int) -> None:
         finder = pod_finder(cfg.namespace, cfg.deployment)
     else:
         raise SystemExit("pd_gateway: set PD_GATEWAY_DEPLOYMENT (or PD_GATEWAY_AGENTS)")
-    keys = Keys(from_secret(cfg.namespace, cfg.keys_secret) if cfg.keys_secret else from_env())
+    keys = Keys(from_secret(cfg.namespace, cfg.keys_secret) if cfg.keys_secret else from_env(),
+                min_length=cfg.min_key_length)
     await asyncio.to_thread(keys.refresh)
     fleet = Fleet(http, cfg.data_token, finder)
     gw = Gateway(cfg, keys, fleet)
-    tasks = [asyncio.create_task(fleet.run()), asyncio.create_task(_refresh_keys(keys))]
-    runner = web.AppRunner(gw.app(), access_log=None, handler_cancellation=True)
+    gw.start()
+    runner = gw.runner()
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     log.info("pd-gateway serving model %s on %s:%d (%d API keys)", cfg.model, host, port, len(keys))
     stop = asyncio.Event()
-    import signal
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("shutting down")
-    for t in tasks:
-        t.cancel()
+    await gw.stop()
     await runner.cleanup()
     await http.aclose()
 

@@ -11,9 +11,9 @@ import json
 import math
 import time
 import uuid
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 CHARS_PER_TOKEN = 4
 DEFAULT_MAX_TOKENS = 256
@@ -25,47 +25,127 @@ def approx_tokens(text: str) -> int:
     return max(1, math.ceil(len(text) / CHARS_PER_TOKEN))
 
 
-def piece(seed: str, i: int) -> str:
-    """The i-th piece of the simulated completion: deterministic for a prompt."""
-    h = int.from_bytes(hashlib.sha256(f"{seed}:{i}".encode()).digest()[:4], "big")
+def seed(prompt: str) -> bytes:
+    """A request's prompt digested once, so that each piece costs the same however long the
+    prompt is (the requests validate their text is encodable; surrogatepass keeps this total)."""
+    return hashlib.sha256(prompt.encode("utf-8", "surrogatepass")).digest()
+
+
+def piece(seed: bytes, i: int) -> str:
+    """The i-th piece of the simulated completion: deterministic for a prompt (its seed)."""
+    h = int.from_bytes(hashlib.sha256(seed + i.to_bytes(8, "big")).digest()[:4], "big")
     word = WORDS[h % len(WORDS)]
     return word if i == 0 else " " + word
 
 
+def _json_type(v: Any) -> str:
+    if v is None:
+        return "null"
+    return {bool: "boolean", int: "number", float: "number", str: "string", list: "array",
+            dict: "object"}.get(type(v), type(v).__name__)
+
+
+def _unicode(s: str) -> str:
+    """JSON may carry a lone surrogate ("\\ud800"): not text, and it could not be encoded later."""
+    try:
+        s.encode()
+    except UnicodeEncodeError as e:
+        raise ValueError(f"contains a lone surrogate ({s[e.start]!r} at character {e.start}), "
+                         "which is not valid Unicode") from None
+    return s
+
+
+def _content(v: Any) -> Any:
+    """Message content: a string, or a list of parts (objects; a part's `text` is a string)."""
+    if v is None:
+        return v
+    if isinstance(v, str):
+        return _unicode(v)
+    if not isinstance(v, list):
+        raise ValueError(f"must be a string or an array of content parts, not {_json_type(v)}")
+    for i, part in enumerate(v):
+        if not isinstance(part, dict):
+            raise ValueError(f"part {i} must be an object, not {_json_type(part)}")
+        if "text" in part:
+            if not isinstance(part["text"], str):
+                raise ValueError(f"part {i}: text must be a string, not {_json_type(part['text'])}")
+            try:
+                _unicode(part["text"])
+            except ValueError as e:
+                raise ValueError(f"part {i}: text {e}") from None
+    return v
+
+
+def _prompt(v: Any) -> Any:
+    if isinstance(v, str):
+        return _unicode(v)
+    if isinstance(v, list) and all(isinstance(p, str) for p in v):
+        for p in v:
+            _unicode(p)
+        return v
+    raise ValueError("must be a string or an array of strings")
+
+
+Text = Annotated[StrictStr, AfterValidator(_unicode)]
+Content = Annotated[Any, AfterValidator(_content)]
+
+
 def _text(content: Any) -> str:
-    """Message content: a string, or a list of parts of which the text ones count."""
+    """Message content (validated): a string, or a list of parts of which the text ones count."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        return "".join(p.get("text", "") for p in content)
     return ""
 
 
 class _Lenient(BaseModel):
     # Clients send many optional fields (temperature, top_p, tools, ...): accepted and ignored.
+    # The fields read here have their JSON type checked strictly ("5" is not a number).
     model_config = ConfigDict(extra="allow")
 
 
-class ChatRequest(_Lenient):
-    model: str
-    messages: list[dict] = Field(min_length=1)
-    stream: bool = False
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+class Message(_Lenient):
+    role: Text = ""
+    content: Content = None
+
+
+class ApiRequest(_Lenient):
+    """What the three APIs' requests have in common, as the gateway reads them."""
+    model: Text
+    stream: StrictBool | None = False
+
+    def text(self) -> str:
+        raise NotImplementedError
+
+    def output_tokens(self) -> int:
+        raise NotImplementedError
+
+    def include_usage(self) -> bool:
+        opts = getattr(self, "stream_options", None)
+        return bool(opts.get("include_usage")) if isinstance(opts, dict) else False
+
+    def token_fields(self) -> dict[str, int]:
+        """The fields that ask for output tokens, as sent (bounded by the model's context)."""
+        return {f: v for f in ("max_tokens", "max_completion_tokens") if isinstance(v := getattr(self, f, None), int)}
+
+
+class ChatRequest(ApiRequest):
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     stream_options: dict | None = None
 
-    def prompt(self) -> str:
-        return "\n".join(f"{m.get('role', '')}: {_text(m.get('content'))}" for m in self.messages)
+    def text(self) -> str:
+        return "\n".join(f"{m.role}: {_text(m.content)}" for m in self.messages)
 
     def output_tokens(self) -> int:
         return self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_TOKENS
 
 
-class CompletionRequest(_Lenient):
-    model: str
-    prompt: str | list[str]
-    stream: bool = False
-    max_tokens: int | None = Field(default=16, ge=1)
+class CompletionRequest(ApiRequest):
+    prompt: Annotated[Any, AfterValidator(_prompt)]
+    max_tokens: StrictInt | None = Field(default=16, ge=1)
     stream_options: dict | None = None
 
     def text(self) -> str:
@@ -75,17 +155,18 @@ class CompletionRequest(_Lenient):
         return self.max_tokens or 16
 
 
-class MessagesRequest(_Lenient):
+class MessagesRequest(ApiRequest):
     """Anthropic Messages API."""
-    model: str
-    messages: list[dict] = Field(min_length=1)
-    max_tokens: int = Field(ge=1)
-    system: str | list[dict] | None = None
-    stream: bool = False
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: StrictInt = Field(ge=1)
+    system: Content = None
 
-    def prompt(self) -> str:
+    def text(self) -> str:
         head = _text(self.system) if self.system else ""
-        return head + "\n".join(f"{m.get('role', '')}: {_text(m.get('content'))}" for m in self.messages)
+        return head + "\n".join(f"{m.role}: {_text(m.content)}" for m in self.messages)
+
+    def output_tokens(self) -> int:
+        return self.max_tokens
 
 
 # ---- errors -------------------------------------------------------------------------------
@@ -100,7 +181,8 @@ ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "n
 
 
 def anthropic_error(status: int, message: str) -> dict:
-    return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
+    etype = ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": etype, "message": message}}
 
 
 def path_hint(path: str) -> str:
