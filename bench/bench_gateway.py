@@ -30,7 +30,7 @@ from common import cpu_seconds  # noqa: E402
 
 from tests.agent_procs import TOKEN, AgentProc, next_ip  # noqa: E402
 
-KEY = "sk-bench"
+KEY = "sk-bench-gateway-0001"
 MODEL = "bench-model"
 OUTPUT_TOKENS = 4
 

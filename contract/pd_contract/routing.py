@@ -35,8 +35,8 @@ MAX_STATUS_BYTES = 4 << 20
 MAX_REPLY_BYTES = 64 << 10
 MAX_LINE_BYTES = 64 << 10
 # NOT_LINKED: the decoder has no (healthy) link to that prefill any more and pulled nothing, so
-# another decoder linked to it can take the request
-RETRYABLE = frozenset({"DRAINING", "ROLE_CHANGED", "NOT_LINKED", "ConnectError", "ConnectTimeout",
+# another decoder linked to it can take the request; OVERLOADED: that agent's prefill queue is full
+RETRYABLE = frozenset({"DRAINING", "ROLE_CHANGED", "NOT_LINKED", "OVERLOADED", "ConnectError", "ConnectTimeout",
                        "RemoteProtocolError", "ReadError", "NoLinkedPair"})
 
 
@@ -328,24 +328,45 @@ async def generate(fleet: Fleet, req_id: int, prompt_tokens: int, output_tokens:
 # ---- where the engines are ----------------------------------------------------------------
 
 def pod_finder(namespace: str, deployment: str, kubeconfig: str | None = None) -> Callable[[], list[dict]]:
-    """() -> the deployment's engine pods (name, ip, role label, leaving), listed afresh each call."""
+    """() -> the deployment's engine pods (name, ip, role label, leaving), listed afresh each call.
+    Labels alone do not make an engine: only pods its two StatefulSets control (by uid) count,
+    so a pod someone else labelled is never sent a request or the data token."""
     from kubernetes import client, config
     if kubeconfig:
-        api = client.CoreV1Api(config.new_client_from_config(config_file=kubeconfig))
+        api_client = config.new_client_from_config(config_file=kubeconfig)
     else:
         try:
             config.load_incluster_config()
         except config.ConfigException:
             config.load_kube_config()
-        api = client.CoreV1Api()
+        api_client = None
+    api, apps = client.CoreV1Api(api_client), client.AppsV1Api(api_client)
+    owners: dict = {"uids": set(), "at": -1e9}
+
+    def own_uids() -> set:
+        if time.monotonic() - owners["at"] > 10:   # StatefulSets are recreated rarely
+            uids = set()
+            for group in ("prefill", "decoder"):
+                try:
+                    sts = apps.read_namespaced_stateful_set(f"{deployment}-{group}", namespace, _request_timeout=5)
+                except client.ApiException as e:
+                    if e.status != 404:
+                        raise
+                    continue
+                if sts.metadata and sts.metadata.uid:
+                    uids.add(sts.metadata.uid)
+            owners.update(uids=uids, at=time.monotonic())
+        return owners["uids"]
 
     def find() -> list[dict]:
         pods = api.list_namespaced_pod(namespace, label_selector=f"{LABEL_DEPLOYMENT}={deployment}",
                                        _request_timeout=5).items
+        own = own_uids()
         out = []
         for p in pods:
             meta, st = p.metadata, p.status
-            if meta is None:
+            if meta is None or not any(r.controller and r.kind == "StatefulSet" and r.uid in own
+                                       for r in meta.owner_references or []):
                 continue
             out.append({"name": meta.name, "ip": st.pod_ip if st else None,
                         "label": (meta.labels or {}).get(LABEL_ROLE, ""),

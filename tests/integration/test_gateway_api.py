@@ -18,7 +18,7 @@ from tests.conftest import wait_for
 from tests.procs import end, spawn
 
 pytestmark = pytest.mark.integration
-KEYS = {"team-a": "sk-team-a-123", "team-b": "sk-team-b-456"}
+KEYS = {"team-a": "sk-team-a-0000000123", "team-b": "sk-team-b-0000000456"}
 MODEL = "llama-3-70b"
 DATA_TOKEN = "data-token-for-routers"
 
