@@ -274,17 +274,23 @@ class LocalCluster:
     def restart_apiserver(self, down_seconds: float = 1.0) -> None:
         """Stop kube-apiserver and start it again with the same flags: every client's watch
         breaks, and its watch cache starts over, so clients that resume list again."""
+        self.restart("kube-apiserver", down_seconds)
+
+    def restart(self, component: str, down_seconds: float = 1.0) -> None:
+        """Stop a control-plane process (kube-apiserver, etcd, ...) for `down_seconds`, start it
+        again with the same flags, and wait until the API server answers /readyz."""
         state = self.load_state()
-        if not state or "argv" not in state:
-            raise RuntimeError("no running local cluster (or one started before restarts were possible)")
-        self._stop_pid("kube-apiserver", state["pids"]["kube-apiserver"])
+        if not state or component not in state.get("argv", {}):
+            raise RuntimeError(f"no running local cluster with {component} (or one started before restarts were "
+                               f"possible)")
+        self._stop_pid(component, state["pids"][component])
         time.sleep(down_seconds)
-        out = open(self.paths.logs / "kube-apiserver.log", "ab")
-        p = subprocess.Popen(state["argv"]["kube-apiserver"], stdout=out, stderr=subprocess.STDOUT,
+        out = open(self.paths.logs / f"{component}.log", "ab")
+        p = subprocess.Popen(state["argv"][component], stdout=out, stderr=subprocess.STDOUT,
                              stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.paths.root)
-        state["pids"]["kube-apiserver"] = p.pid
+        state["pids"][component] = p.pid
         self.paths.state.write_text(json.dumps(state, indent=2))
-        _wait("kube-apiserver /readyz", lambda: self.apiserver_ready(state), 90, {"kube-apiserver": p})
+        _wait("kube-apiserver /readyz", lambda: self.apiserver_ready(state), 90, {component: p})
 
     def _kubectl(self, *args: str) -> str:
         state = self.load_state()

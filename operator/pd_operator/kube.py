@@ -1,9 +1,14 @@
 """A small async Kubernetes client (httpx) for the operator: server-side apply under one
 field manager, get/list/patch/delete. Credentials come from the same places the official
-client reads (in-cluster ServiceAccount, then kubeconfig)."""
+client reads (in-cluster ServiceAccount, then kubeconfig), and are read again when the API
+server answers 401: a projected ServiceAccount token rotates (hourly by default), a
+kubeconfig's tokenFile is replaced, an exec plugin's credential expires. Kopf's watches
+re-authenticate the same way (its login handler reloads the same sources on a 401)."""
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import ssl
 from typing import Any
 
@@ -14,6 +19,7 @@ from kubernetes import config as k8s_config
 from .kinds import BY_KIND
 
 FIELD_MANAGER = "pd-operator"   # the one field manager of every apply
+log = logging.getLogger("pd_operator.kube")
 
 
 class KubeError(Exception):
@@ -45,7 +51,14 @@ def object_path(api_version: str, kind: str, namespace: str | None, name: str | 
 
 class Kube:
     def __init__(self, cfg: k8s_client.Configuration | None = None):
-        cfg = cfg or _configuration()
+        self._fixed = cfg is not None   # credentials given by the caller are not re-read
+        self._http = self._client(cfg or _configuration())
+        self._reloading: asyncio.Lock = asyncio.Lock()
+        self._retired: list[httpx.AsyncClient] = []   # closed at close(): calls may still be in flight on them
+        self.reloads = 0
+
+    @staticmethod
+    def _client(cfg: k8s_client.Configuration) -> httpx.AsyncClient:
         ctx = ssl.create_default_context(cafile=cfg.ssl_ca_cert) if cfg.ssl_ca_cert else ssl.create_default_context()
         if cfg.cert_file:
             ctx.load_cert_chain(cfg.cert_file, cfg.key_file)
@@ -56,14 +69,30 @@ class Kube:
         token = cfg.api_key.get("authorization") or cfg.api_key.get("BearerToken")
         if token:
             headers["Authorization"] = token if token.startswith("Bearer ") else f"Bearer {token}"
-        self._http = httpx.AsyncClient(base_url=cfg.host, verify=ctx, headers=headers, trust_env=False,
-                                       timeout=httpx.Timeout(30, connect=10))
+        return httpx.AsyncClient(base_url=cfg.host, verify=ctx, headers=headers, trust_env=False,
+                                 timeout=httpx.Timeout(30, connect=10))
+
+    async def _reload(self, stale: httpx.AsyncClient) -> None:
+        """New credentials from their source, once for every call that saw the old ones fail."""
+        async with self._reloading:
+            if self._http is not stale:
+                return   # another call reloaded meanwhile
+            cfg = await asyncio.to_thread(_configuration)
+            self._http = self._client(cfg)
+            self.reloads += 1
+            self._retired.append(stale)
+            log.info("credentials read again after a 401 (reload %d)", self.reloads)
 
     async def close(self) -> None:
-        await self._http.aclose()
+        for http in [*self._retired, self._http]:
+            await http.aclose()
 
     async def _req(self, method: str, path: str, what: str, **kw) -> dict:
-        r = await self._http.request(method, path, **kw)
+        http = self._http
+        r = await http.request(method, path, **kw)
+        if r.status_code == 401 and not self._fixed:
+            await self._reload(http)
+            r = await self._http.request(method, path, **kw)
         if r.status_code >= 400:
             raise KubeError(r.status_code, r.text, what)
         return r.json() if r.content else {}
