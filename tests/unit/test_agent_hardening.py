@@ -36,7 +36,7 @@ from pd_agent.metrics import AgentMetrics
 from pd_agent.server import build_app
 from pd_agent.timing import TimingModel
 from tests.conftest import DEADLINE_SCALE, wait_for
-from tests.procs import spawn
+from tests.unit.test_sim import PromptPeer  # a prompt engine in its own process
 
 WAIT_S = 10 * DEADLINE_SCALE   # how long a test waits for what must happen (never a performance bound)
 TOKEN, DATA, PEER = "control-token", "data-token", "peer-token"
@@ -150,34 +150,6 @@ def test_silent_peers_are_dropped_and_idle_links_are_not(prompt_engine):
     link.close()
 
 
-class PromptPeer:
-    """A prompt engine in its own process (the library allows one engine per process)."""
-
-    def __init__(self, env: dict[str, str]):
-        import os
-        import subprocess
-        import sys
-        self.port = free_port()
-        self.proc = spawn([sys.executable, "-m", "llm_datadist_sim.peer", "0", f"127.0.0.1:{self.port}"],
-                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, **env})
-        assert self.read()["ready"]
-
-    def read(self) -> dict:
-        line = self.proc.stdout.readline()
-        assert line, "prompt peer died"
-        return json.loads(line)
-
-    def cmd(self, **kw) -> dict:
-        self.proc.stdin.write(json.dumps(kw) + "\n")
-        self.proc.stdin.flush()
-        return self.read()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-
-
 @pytest.fixture
 def decoder():
     made: list[LLMDataDist] = []
@@ -202,7 +174,7 @@ def info(port: int, ip: str = "127.0.0.1") -> LLMClusterInfo:
 
 def test_connections_over_the_bound_are_refused_while_pulls_go_on(decoder):
     desc = {"num_tensors": 2, "shape": [1, 64, 1, 16], "data_type": "DT_FLOAT16"}
-    p = PromptPeer({"PD_SIM_MAX_CONNECTIONS": "2", "PD_SIM_HANDSHAKE_TIMEOUT_S": "600"})
+    p = PromptPeer(0, {"PD_SIM_MAX_CONNECTIONS": "2", "PD_SIM_HANDSHAKE_TIMEOUT_S": "600"})
     held: list[socket.socket] = []
     try:
         d = decoder()
