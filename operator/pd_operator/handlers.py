@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 
 import kopf
 
@@ -29,8 +30,11 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None
     so every handler reaches the one Controller). `memo.after_record`, if set, is the fault
     point hook __main__ installed."""
     settings.posting.level = logging.WARNING
-    settings.watching.server_timeout = 300
-    settings.watching.client_timeout = 330
+    # A watch ends (and Kopf resumes it) every few minutes; a resumed watch is where rotated
+    # credentials are used, so the period bounds how long a revoked token's watch lives on.
+    watch_s = int(os.environ.get("PD_OPERATOR_WATCH_TIMEOUT_S", "300"))   # the API takes whole seconds
+    settings.watching.server_timeout = watch_s
+    settings.watching.client_timeout = watch_s + 30
     settings.watching.connect_timeout = 10
     settings.networking.request_timeout = 60
     settings.peering.standalone = True
