@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 KUBECONFIG_LOCAL := $(CURDIR)/.localcluster/kubeconfig
 BIN_DIR = $(shell hack/k8s-bins/build.sh --print-dir)
 
-.PHONY: help venv lint k8s-bins cluster-up cluster-down test test-unit test-integration test-e2e e2e-kind images lint-workflows crd crd-check demo bench bench-sim bench-links bench-switch bench-gateway bench-rebalance bench-policy-sim clean
+.PHONY: help venv lint k8s-bins cluster-up cluster-down test test-unit test-integration test-e2e e2e-kind images lint-workflows crd crd-check demo bench bench-sim bench-links bench-switch bench-gateway bench-rebalance bench-policy-sim soak clean
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
@@ -96,6 +96,9 @@ bench-rebalance: $(BENCH_STAMP) k8s-bins ## live switching vs fixed ratios vs Re
 
 bench-policy-sim: venv ## the policies on a discrete-event model of 4, 32 and 256 engines (seconds per trace)
 	$(PY) bench/bench_policy_sim.py $(if $(wildcard bench/results/rebalance.json),--compare bench/results/rebalance.json,)
+
+soak: venv k8s-bins ## pods, containers and operators killed, switches and scaling, malformed requests, under load (30 min; MINUTES=5: shorter)
+	$(PY) bench/soak.py --minutes $(or $(MINUTES),30)
 
 bench: bench-sim bench-links bench-switch bench-gateway ## every benchmark
 
