@@ -106,6 +106,11 @@ def test_the_api_server_away_and_etcd_restarting_under_load(cluster: Cluster, na
     from pd_localcluster.cluster import LocalCluster
     ns = namespace
     lc = LocalCluster(cluster.kubeconfig.parent)
+    # with leader election: a leader that cannot renew stops acting, and leads again after
+    operator.stop()
+    operator.start(PD_OPERATOR_LEADER_ELECTION="true", PD_OPERATOR_LEASE_NAMESPACE=ns,
+                   PD_OPERATOR_LEASE_DURATION_S="4", PD_OPERATOR_RENEW_DEADLINE_S="3",
+                   PD_OPERATOR_RETRY_PERIOD_S="0.5")
     cluster.apply(sample(**TRAFFIC_SPEC, rebalance=REBALANCE), ns)
     wait_phase(cluster, ns, "Ready", timeout=120, extra=lambda o: o["status"]["linksSummary"] == "4/4")
     load = Load(cluster, ns, duration=900)
@@ -126,7 +131,10 @@ def test_the_api_server_away_and_etcd_restarting_under_load(cluster: Cluster, na
     s = load.stop()
     print(f"\nAPI server away {back - t0:.0f}s (incl. its start); a switch after it done in {converged:.1f}s; "
           f"etcd restarted; loadgen {s['completed']}/{s['requests']}, {s['failed']} failed")
-    assert operator.starts == 1 and operator.proc.poll() is None
+    logs = operator.logs()
+    assert operator.starts == 2 and operator.proc.poll() is None   # the one restart is the test's own
+    assert "stopped acting, campaigning again" in logs
+    assert logs.count("became the leader") >= 2
     assert s["failed"] == 0, s["failed_by_reason"]
     assert s["completed"] == s["requests"] > 0
     assert force_unlinks(cluster, ns) == []
