@@ -207,14 +207,14 @@ def main() -> int:
                 print(f"[soak] {time.monotonic() - t0:7.1f}s not settled within 180 s: "
                       f"{json.dumps(bench.pdd(ns).get('status', {}).get('conditions', []))[:600]}", flush=True)
         # the last action settles, then the load stops and its requests in flight finish
-        settle(bench, ns, 300)
+        final = settle(bench, ns, 300, quiet=True) or bench.pdd(ns).get("status", {})
         mem1 = {**{n: rss_mib(p.pid) for n, p in ops.procs.items()}, "gateway": rss_mib(gw_pid)}
         load.send_signal(signal.SIGTERM)
         load.wait(120)
         stop_malformed.set()
         bad.join(15)
         summary = json.loads((logs / "loadgen.json").read_text())
-        return report(summary, requests_out, events, bad, ops, mem0, mem1, bench.pdd(ns)["status"])
+        return report(summary, requests_out, events, bad, ops, mem0, mem1, final)
     finally:
         stop_malformed.set()
         if load and load.poll() is None:
@@ -269,22 +269,32 @@ def act(bench: Bench, ns: str, ops: Operators, rng: random.Random, action: str) 
     return what
 
 
-def settle(bench: Bench, ns: str, timeout: float, quiet: bool = False) -> bool:
+def settle(bench: Bench, ns: str, timeout: float, quiet: bool = False, stable_s: float = 10) -> dict | None:
+    """The deployment Ready, every engine pod Ready, for `stable_s` in a row (right after a kill,
+    status may still say Ready until the operator has seen it): its status, else None."""
     deadline = time.monotonic() + timeout
+    since = None
     while time.monotonic() < deadline:
         try:
             obj = bench.pdd(ns)
+            pods = engine_pods(bench, ns)
         except Exception:  # noqa: BLE001 - the API may be briefly busy; keep waiting
-            obj = {}
+            obj, pods = {}, []
         st = obj.get("status", {})
         up, _, expected = st.get("linksSummary", "").partition("/")
-        if (st.get("phase") == "Ready" and not st.get("switches") and up and up == expected
-                and st.get("observedGeneration") == obj["metadata"]["generation"]):
-            return True
+        ok = (st.get("phase") == "Ready" and not st.get("switches") and up and up == expected
+              and st.get("observedGeneration") == obj["metadata"]["generation"] and pods
+              and all(pod_ready(p) for p in pods))
+        if not ok:
+            since = None
+        elif since is None:
+            since = time.monotonic()
+        elif time.monotonic() - since >= stable_s:
+            return st
         time.sleep(1)
     if not quiet:
-        raise TimeoutError(f"{ns}/sim-small not Ready within {timeout}s")
-    return False
+        raise TimeoutError(f"{ns}/sim-small not Ready within {timeout}s: {json.dumps(st)[:800]}")
+    return None
 
 
 def wait_gateway(bench: Bench, ns: str):
