@@ -239,8 +239,9 @@ def completion_chunk(rid: str, model: str, text: str, finish: str | None = None,
     return out
 
 
-def models_reply(model: str) -> dict:
-    return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "pd-operator"}]}
+def models_reply(*models: str) -> dict:
+    return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "pd-operator"}
+                                       for m in models]}
 
 
 def message_reply(rid: str, model: str, text: str, prompt: int, completion: int, stop: str) -> dict:
