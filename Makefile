@@ -28,9 +28,9 @@ $(LINT_STAMP): $(STAMP)
 	@touch $@
 
 # the decide side (pure modules) and the contract package are type-checked
-TYPED := $(addprefix operator/pd_operator/,api.py backoff.py builders.py cachedesc.py children.py conditions.py \
+TYPED := $(addprefix operator/pd_operator/,api.py api_gateway.py backoff.py builders.py cachedesc.py children.py conditions.py \
 	config.py decide.py diagnosis.py faultpoint.py gateway.py kinds.py links.py members.py objmeta.py policies.py \
-	rebalance.py replace.py reports.py state.py status.py switch.py) contract/pd_contract
+	rebalance.py replace.py reports.py sharedgateway.py state.py status.py switch.py) contract/pd_contract
 
 lint: $(LINT_STAMP) ## ruff over everything, mypy over the pure modules and the contract package
 	$(VENV)/bin/ruff check .
@@ -74,6 +74,7 @@ lint-workflows: ## actionlint the GitHub Actions workflows (built from its Go mo
 
 crd: venv ## regenerate the CRD (crds/ and the chart's copy) from the pydantic models
 	$(PY) -m pd_operator.crdgen --out crds/pddeployment.yaml --out charts/pd-operator/crds/pddeployment.yaml
+	$(PY) -m pd_operator.crdgen --kind PDGateway --out crds/pdgateway.yaml --out charts/pd-operator/crds/pdgateway.yaml
 
 demo: cluster-up ## the main job: operator (Helm chart) + examples/sim-small.yaml on the local cluster
 	@BIN_DIR="$(BIN_DIR)" PY="$(PY)" hack/demo.sh

@@ -15,6 +15,7 @@ from . import kinds
 from .agentclient import AgentClient
 from .api import GROUP, PLURAL, VERSION
 from .builders import LABEL_DEPLOYMENT
+from .gatewaycontroller import GatewayController
 from .kube import Kube
 from .leader import Elector, LeaseSettings
 from .metrics import OperatorMetrics, serve
@@ -46,6 +47,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None
     memo.kube = Kube()
     memo.agents = AgentClient(metrics)
     memo.controller = Controller(memo.kube, memo.agents, metrics, after_record=memo.get("after_record"))
+    memo.gateways = GatewayController(memo.kube, memo.controller.events, memo.controller.config,
+                                      memo.controller.leading)
     memo.metrics_runner = await serve(metrics)
     lease = LeaseSettings.from_env()
     if lease is not None:
@@ -60,6 +63,8 @@ async def cleanup(memo: kopf.Memo, **_) -> None:
     if memo.get("elector_task"):
         memo.elector_task.cancel()
         await asyncio.gather(memo.elector_task, return_exceptions=True)
+    if memo.get("gateways"):
+        await memo.gateways.stop()
     if memo.get("controller"):
         await memo.controller.stop()
     if memo.get("elector"):
@@ -78,6 +83,16 @@ async def deployment_event(event, memo: kopf.Memo, **_) -> None:
     c = memo.get("controller")
     if c and event.get("object"):
         c.on_deployment(event.get("type"), event["object"])
+    g = memo.get("gateways")
+    if g and event.get("object"):
+        g.on_deployment(event["object"]["metadata"]["namespace"])
+
+
+@kopf.on.event(GROUP, VERSION, "pdgateways")
+async def gateway_event(event, memo: kopf.Memo, **_) -> None:
+    g = memo.get("gateways")
+    if g and event.get("object"):
+        g.on_gateway(event.get("type"), event["object"])
 
 
 @kopf.on.event("", "v1", "pods", labels={LABEL_DEPLOYMENT: kopf.PRESENT})

@@ -35,6 +35,7 @@ CHILDREN = (
 )
 OTHERS = (
     Kind(KIND, f"{GROUP}/{VERSION}", "pddeployments"),
+    Kind("PDGateway", f"{GROUP}/{VERSION}", "pdgateways"),
     Kind("Pod", "v1", "pods"),
     Kind("Secret", "v1", "secrets"),
     Kind("Event", "v1", "events"),
