@@ -63,7 +63,7 @@ HEADER_TIMEOUT_S = 30.0        # also how long an idle keep-alive connection is 
 PROXY_VARS = ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy", "ALL_PROXY")
 JSON_CHARSETS = ("utf-8", "utf8", "us-ascii", "ascii")   # JSON between systems is UTF-8 (RFC 8259)
 KNOWN = {"/v1/models": "GET", "/v1/chat/completions": "POST", "/v1/completions": "POST", "/v1/messages": "POST",
-         "/v1/usage": "GET"}
+         "/v1/responses": "POST", "/v1/usage": "GET"}
 
 
 def _positive(env: dict[str, str], name: str, default: Any, cast: Callable[[str], Any] = int) -> Any:
@@ -333,6 +333,9 @@ class Gateway:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self.complete(request, "openai", "completions", wire.CompletionRequest)
 
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        return await self.complete(request, "openai", "responses", wire.ResponsesRequest)
+
     async def messages(self, request: web.Request) -> web.StreamResponse:
         return await self.complete(request, "anthropic", "anthropic", wire.MessagesRequest)
 
@@ -399,7 +402,8 @@ class Gateway:
         prompt_tokens = wire.approx_tokens(prompt)
         seed = wire.seed(prompt)   # the prompt is digested once; each token then costs the same
         out_tokens = min(max_tokens, self.cfg.max_output_tokens)
-        rid = wire.new_id("msg" if api == "anthropic" else ("chatcmpl" if api == "chat" else "cmpl"))
+        rid = wire.new_id({"anthropic": "msg", "chat": "chatcmpl", "responses": "resp"}.get(api, "cmpl"))
+        rs = wire.ResponsesStream(rid, model) if api == "responses" else None
         attempt = Attempt()
         gen = generate(route.fleet, random.getrandbits(63), prompt_tokens, out_tokens, attempt)
         pieces: list[str] = []
@@ -417,8 +421,8 @@ class Gateway:
                     text = wire.piece(seed, n)
                     if stream:
                         if resp is None:
-                            resp = await self._open_stream(request, api, rid, prompt_tokens, model)
-                        await resp.write(self._chunk(api, rid, text, model))
+                            resp = await self._open_stream(request, api, rid, prompt_tokens, model, rs)
+                        await resp.write(rs.delta(text) if rs else self._chunk(api, rid, text, model))
                     else:
                         pieces.append(text)
             n = len(times)
@@ -430,11 +434,17 @@ class Gateway:
                     return web.json_response(wire.chat_reply(rid, model, text, prompt_tokens, n, finish))
                 if api == "completions":
                     return web.json_response(wire.completion_reply(rid, model, text, prompt_tokens, n, finish))
+                if api == "responses":
+                    return web.json_response(wire.responses_reply(rid, model, text, prompt_tokens, n))
                 return web.json_response(wire.message_reply(rid, model, text, prompt_tokens, n,
                                                             "max_tokens" if finish == "length" else "end_turn"))
             if resp is None:
-                resp = await self._open_stream(request, api, rid, prompt_tokens, model)
-            await self._close_stream(resp, api, rid, prompt_tokens, n, finish, include_usage, model)
+                resp = await self._open_stream(request, api, rid, prompt_tokens, model, rs)
+            if rs:
+                await resp.write(rs.finish(prompt_tokens, n))
+                await resp.write_eof()
+            else:
+                await self._close_stream(resp, api, rid, prompt_tokens, n, finish, include_usage, model)
             return resp
         except (Unavailable, EngineError) as e:
             status = "503" if isinstance(e, Unavailable) else "502"
@@ -445,7 +455,7 @@ class Gateway:
                 why = f"model {model!r}" + (f" (deployment {route.deployment})" if route.deployment else "")
                 return self.error("anthropic" if api == "anthropic" else "openai", int(status), f"{why}: {e}",
                                   "server_error" if status == "502" else "overloaded_error", reason)
-            await self._stream_error(resp, api, int(status), str(e), reason)
+            await self._stream_error(resp, api, int(status), str(e), reason, rs)
             return resp
         except ConnectionError:
             raise   # the client went away
@@ -455,7 +465,7 @@ class Gateway:
                 raise   # the guard answers it
             log.exception("request %s (key %s) failed mid-stream", rid, key)
             await self._stream_error(resp, api, 500, f"the gateway failed on this request ({type(e).__name__}); "
-                                                     f"it is logged", "internal_error")
+                                                     f"it is logged", "internal_error", rs)
             return resp
         finally:
             await gen.aclose()
@@ -467,9 +477,12 @@ class Gateway:
                 self.m.retries.labels(reason).inc(n)
 
     @staticmethod
-    async def _stream_error(resp: web.StreamResponse, api: str, status: int, message: str, code: str) -> None:
+    async def _stream_error(resp: web.StreamResponse, api: str, status: int, message: str, code: str,
+                            rs: wire.ResponsesStream | None = None) -> None:
         """Mid-stream: the API's error event; the client sees the stream end with it."""
-        if api == "anthropic":
+        if rs is not None:
+            await resp.write(rs.failed(code, message))
+        elif api == "anthropic":
             await resp.write(wire.sse(wire.anthropic_error(status, message), "error"))
         else:
             await resp.write(wire.sse(wire.openai_error(message, "server_error", code)))
@@ -487,11 +500,13 @@ class Gateway:
         self.m.tokens.labels(key, "completion").inc(completion)
 
     async def _open_stream(self, request: web.Request, api: str, rid: str, prompt_tokens: int,
-                           model: str) -> web.StreamResponse:
+                           model: str, rs: wire.ResponsesStream | None = None) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
         await resp.prepare(request)
-        if api == "chat":
+        if rs is not None:
+            await resp.write(rs.start())
+        elif api == "chat":
             await resp.write(wire.sse(wire.chat_chunk(rid, model, {"role": "assistant", "content": ""})))
         elif api == "anthropic":
             await resp.write(wire.sse({"type": "message_start", "message": {
@@ -557,7 +572,7 @@ class Gateway:
             web.get("/healthz", self.healthz), web.get("/metrics", self.metrics), web.get("/stats", self.stats),
             web.get("/v1/models", self.models), web.post("/v1/chat/completions", self.chat),
             web.post("/v1/completions", self.completions), web.post("/v1/messages", self.messages),
-            web.get("/v1/usage", self.usage_report),
+            web.post("/v1/responses", self.responses), web.get("/v1/usage", self.usage_report),
         ])
         app.router.add_route("*", "/{tail:.*}", self.not_found)
         return app

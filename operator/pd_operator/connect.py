@@ -31,11 +31,12 @@ KEY_ENV = "PD_API_KEY"
 PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
 # the client documentation these forms follow
 VERSIONS = {
-    "codex": "Codex CLI 0.63 (docs/config.md: model_providers, env_key, wire_api)",
-    "cline": "Cline 3.38 (provider \"OpenAI Compatible\": Base URL, API Key, Model ID)",
-    "claude-code": "Claude Code 2.0 (settings.json \"env\"; ANTHROPIC_BASE_URL, ANTHROPIC_AUTH_TOKEN, ANTHROPIC_MODEL)",
-    "openai": "openai-python 2.x (OPENAI_BASE_URL, OPENAI_API_KEY)",
-    "anthropic": "anthropic-python 0.7x (ANTHROPIC_BASE_URL, ANTHROPIC_API_KEY)",
+    "codex": "Codex CLI 0.171 (config.toml model_providers; it speaks only the Responses API since 0.95, "
+             "so wire_api = \"responses\" and it POSTs <base_url>/responses)",
+    "cline": "Cline 4.1 extension / CLI 3.0 (provider openai-compatible; it POSTs <baseUrl>/chat/completions)",
+    "claude-code": "Claude Code 2.1 (settings.json \"env\"; it calls <ANTHROPIC_BASE_URL>/v1/messages)",
+    "openai": "openai-python 3.x (OPENAI_BASE_URL ends in /v1)",
+    "anthropic": "anthropic-python 2.x (ANTHROPIC_BASE_URL without /v1)",
 }
 
 
@@ -54,20 +55,26 @@ def render(client: str, root: str, key: str, model: str) -> str:
                 f"export ANTHROPIC_BASE_URL={root.rstrip('/')}\nexport ANTHROPIC_API_KEY={key}\n"
                 f"export ANTHROPIC_MODEL={model}   # pass as model= in each request\n")
     if client == "claude-code":
+        # AUTH_TOKEN goes as a bearer token (API_KEY would be x-api-key: the gateway takes either);
+        # the Haiku tier runs background tasks, so it is this model too
         settings = {"env": {"ANTHROPIC_BASE_URL": root.rstrip("/"), "ANTHROPIC_AUTH_TOKEN": key,
-                            "ANTHROPIC_MODEL": model, "ANTHROPIC_SMALL_FAST_MODEL": model}}
+                            "ANTHROPIC_MODEL": model, "ANTHROPIC_DEFAULT_HAIKU_MODEL": model}}
         return (f"// {VERSIONS['claude-code']}\n// ~/.claude/settings.json (or .claude/settings.json in a "
                 f"project); no /v1 in the Base URL\n" + json.dumps(settings, indent=2) + "\n")
     if client == "codex":
         return (f"# {VERSIONS['codex']}\n# ~/.codex/config.toml\n"
                 f"model = {json.dumps(model)}\nmodel_provider = \"pd-gateway\"\n\n"
                 f"[model_providers.pd-gateway]\nname = \"pd-gateway\"\nbase_url = {json.dumps(v1)}\n"
-                f"env_key = \"{KEY_ENV}\"\nwire_api = \"chat\"\n\n"
+                f"env_key = \"{KEY_ENV}\"\nwire_api = \"responses\"\n\n"
                 f"# and in the shell that runs codex:\n# export {KEY_ENV}={key}\n")
     if client == "cline":
-        settings = {"apiProvider": "openai", "openAiBaseUrl": v1, "openAiApiKey": key, "openAiModelId": model}
-        return (f"// {VERSIONS['cline']}\n// Settings > API Provider \"OpenAI Compatible\": Base URL {v1}, API Key, "
-                f"Model ID {model}; as Cline stores them:\n" + json.dumps(settings, indent=2) + "\n")
+        providers = {"version": 1, "lastUsedProvider": "openai-compatible", "modes": {}, "providers": {
+            "openai-compatible": {"settings": {"provider": "openai-compatible", "apiKey": key, "model": model,
+                                               "baseUrl": v1, "headers": {}}, "tokenSource": "manual"}}}
+        return (f"# {VERSIONS['cline']}\n# in the IDE: API Provider \"OpenAI Compatible\", Base URL {v1}, "
+                f"API Key, Model ID {model}; from a shell:\n"
+                f"cline auth --provider openai-compatible --apikey {key} --modelid {model} --baseurl {v1}\n"
+                f"# or as ~/.cline/data/settings/providers.json:\n" + json.dumps(providers, indent=2) + "\n")
     if client == "curl":
         body = json.dumps({"model": model, "max_tokens": 16, "messages": [{"role": "user", "content": "Hello"}]})
         return (f"curl -sS --noproxy '*' {v1}/chat/completions -H 'Authorization: Bearer {key}' "
@@ -104,7 +111,7 @@ def explain(status: int, body: str, url: str, key_source: str, model: str) -> st
         return f"429: {message}"
     if status == 503:
         return f"503: {message}. The model's deployment has no serving P-D pair now (kubectl get pdd)"
-    if status == 200 and isinstance(data, dict) and "choices" not in data and "content" not in data:
+    if status == 200 and isinstance(data, dict) and not {"choices", "content", "output"} & set(data):
         return ("200 but no `choices` in the answer: the client would fail \"reading choices\"; the Base URL "
                 "reaches something that is not an OpenAI-compatible endpoint")
     return f"HTTP {status}: {message or body[:200]}"
@@ -117,13 +124,15 @@ def check(client: str, root: str, key: str, model: str, key_source: str,
     anthropic_style = client in ("anthropic", "claude-code")
     if anthropic_style:
         url = root.rstrip("/") + "/v1/messages"
-        # Claude Code sends ANTHROPIC_AUTH_TOKEN as a bearer token, the SDK's api_key as x-api-key
-        auth = {"Authorization": f"Bearer {key}"} if client == "claude-code" else {"x-api-key": key}
-        headers = {**auth, "anthropic-version": "2023-06-01"}
+        # Claude Code sends ANTHROPIC_AUTH_TOKEN, and the Python SDK 2.x its api_key, as a bearer token
+        headers = {"Authorization": f"Bearer {key}", "anthropic-version": "2023-06-01"}
     else:
-        url = openai_base(root) + "/chat/completions"
+        url = openai_base(root) + ("/responses" if client == "codex" else "/chat/completions")
         headers = {"Authorization": f"Bearer {key}"}
-    body = {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "Say hello"}]}
+    body: dict = {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "Say hello"}]}
+    if client == "codex":   # the Responses API, as Codex sends it
+        body = {"model": model, "max_output_tokens": 4, "stream": False,
+                "input": [{"role": "user", "content": [{"type": "input_text", "text": "Say hello"}]}]}
     own = http is None
     http = http or httpx.Client(trust_env=True, timeout=30)
     t0 = time.monotonic()
@@ -139,8 +148,10 @@ def check(client: str, root: str, key: str, model: str, key_source: str,
     if r.status_code == 200:
         try:
             data = r.json()
-            tokens = data["usage"]["output_tokens" if anthropic_style else "completion_tokens"]
-            if not anthropic_style:
+            tokens = data["usage"]["output_tokens" if anthropic_style or client == "codex" else "completion_tokens"]
+            if client == "codex":
+                data["output"][0]["content"][0]["text"]
+            elif not anthropic_style:
                 data["choices"][0]["message"]["content"]
         except (ValueError, KeyError, IndexError, TypeError):
             return False, explain(200, r.text, url, key_source, model)

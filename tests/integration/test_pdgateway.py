@@ -161,13 +161,13 @@ def test_kubectl_pdd_connect(cluster: Cluster, shared):
     assert cfg["model"] == "llama-8b" and f"export {provider['env_key']}={KEYS['team-b']}" in r.stdout
     r = kubectl_pdd(cluster, "connect", "shared", "-n", ns, "--client", "cline", "--key-name", "team-a",
                     "--model", "qwen-7b")
-    cline = json.loads("\n".join(line for line in r.stdout.splitlines() if not line.startswith("//")))
-    assert cline["openAiApiKey"] == KEYS["team-a"] and cline["openAiModelId"] == "qwen-7b"
-    assert cline["openAiBaseUrl"] in {u + "/v1" for u in urls}
+    cline = json.loads(r.stdout[r.stdout.index("\n{") + 1:])["providers"]["openai-compatible"]["settings"]
+    assert cline["apiKey"] == KEYS["team-a"] and cline["model"] == "qwen-7b"
+    assert cline["baseUrl"] in {u + "/v1" for u in urls}
     r = kubectl_pdd(cluster, "connect", "shared", "-n", ns, "--client", "curl", "--key-name", "team-a")
     out = subprocess.run(shlex.split(r.stdout), capture_output=True, text=True, timeout=30)
     assert json.loads(out.stdout)["choices"][0]["message"]["content"], out.stdout + out.stderr
-    for client in ("openai", "claude-code"):
+    for client in ("openai", "claude-code", "codex", "cline", "anthropic"):
         r = kubectl_pdd(cluster, "connect", "shared", "-n", ns, "--client", client, "--key-name", "team-a", "--check")
         assert r.returncode == 0 and "check passed" in r.stderr, r.stdout + r.stderr
     r = kubectl_pdd(cluster, "connect", "shared", "-n", ns, "--client", "openai", "--check",

@@ -14,7 +14,8 @@ ROOT, KEY, MODEL = "http://gw.example:8000", "sk-team-a-0123456789", "llama-8b"
 
 
 def _json_after_comments(text: str) -> dict:
-    return json.loads("\n".join(line for line in text.splitlines() if not line.startswith("//")))
+    """The JSON document a snippet ends with (after its comment and command lines)."""
+    return json.loads(text[text.index("\n{") + 1:])
 
 
 def test_codex_config_toml():
@@ -23,11 +24,15 @@ def test_codex_config_toml():
     provider = cfg["model_providers"][cfg["model_provider"]]
     assert cfg["model"] == MODEL and provider["base_url"] == ROOT + "/v1"
     assert provider["env_key"] == "PD_API_KEY" and f"export PD_API_KEY={KEY}" in text
+    assert provider["wire_api"] == "responses"   # the only wire API Codex speaks since 0.95
 
 
 def test_cline_settings():
-    s = _json_after_comments(render("cline", ROOT, KEY, MODEL))
-    assert s == {"apiProvider": "openai", "openAiBaseUrl": ROOT + "/v1", "openAiApiKey": KEY, "openAiModelId": MODEL}
+    text = render("cline", ROOT, KEY, MODEL)
+    s = _json_after_comments(text)["providers"]["openai-compatible"]["settings"]
+    assert s == {"provider": "openai-compatible", "baseUrl": ROOT + "/v1", "apiKey": KEY, "model": MODEL, "headers": {}}
+    cmd = shlex.split(next(line for line in text.splitlines() if line.startswith("cline auth")))
+    assert cmd[cmd.index("--baseurl") + 1] == ROOT + "/v1" and cmd[cmd.index("--apikey") + 1] == KEY
 
 
 def test_claude_code_settings_have_no_v1():

@@ -240,3 +240,28 @@ async def test_counts_recorded_during_a_sync_are_kept():
 def test_a_bad_key_policy_is_an_error(raw, error):
     with pytest.raises(ValueError, match=error):
         policy.parse(raw)
+
+
+async def test_the_responses_api_as_codex_and_the_sdk_use_it(shared):
+    """Codex speaks only the Responses API: the text streams as output_text deltas, and the
+    message item and `response.completed` (with usage) close it."""
+    import httpx
+    import openai
+    s = await shared()
+    async with httpx.AsyncClient(trust_env=False) as http:
+        c = openai.AsyncOpenAI(base_url=s.url + "/v1", api_key=KEY, http_client=http)
+        r = await c.responses.create(model="qwen-7b", input="hello", max_output_tokens=5)
+        assert r.output_text and r.usage.output_tokens == 5 and r.model == "qwen-7b"
+        stream = await c.responses.create(
+            model="llama", instructions="be brief", max_output_tokens=3, stream=True,
+            input=[{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}])
+        events = [e async for e in stream]
+    types = [e.type for e in events]
+    assert types[0] == "response.created" and types[-1] == "response.completed"
+    assert types.count("response.output_text.delta") == 3
+    done = next(e for e in events if e.type == "response.output_item.done")
+    assert done.item.content[0].text == "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert events[-1].response.usage.output_tokens == 3
+    assert [e.sequence_number for e in events] == list(range(1, len(events) + 1))
+    bad = await s.post("/v1/responses", {"model": "qwen-7b", "input": 5})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "input"
