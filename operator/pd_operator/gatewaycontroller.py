@@ -32,6 +32,7 @@ class GatewayController:
         self.wake: dict[Key, asyncio.Event] = {}
         self.tasks: dict[Key, asyncio.Task] = {}
         self.served: dict[Key, list] = {}   # what each gateway routed at its last pass (for Events)
+        self.usage_made: set[tuple[Key, str]] = set()   # usage ConfigMaps created (by gateway uid)
         self.stopping = False
 
     def on_gateway(self, etype: str | None, body: dict) -> None:
@@ -113,7 +114,9 @@ class GatewayController:
             await self._write_status(gw, {**(gw.get("status") or {}), "conditions": conds, "phase": "Degraded"})
             await self.events.post(gw, "Warning", "NoGatewayImage", msg)
             return
-        await self.kube.create(usage_configmap(name, ns, owner))
+        if (key, owner["uid"]) not in self.usage_made:
+            await self.kube.create(usage_configmap(name, ns, owner))   # once: the replicas own its data
+            self.usage_made.add((key, owner["uid"]))
         for obj in objects(name, ns, spec, owner, r, image, keys_allowed=keys[0]):
             await self.kube.apply(obj)
         dep = await self.kube.get("apps/v1", "Deployment", ns, name)
