@@ -144,15 +144,17 @@ def test_one_url_one_key_two_models(cluster: Cluster, shared):
     wait_for("the removed key refused", lambda: httpx.get(f"{url}/v1/models", trust_env=False, headers={
         "Authorization": f"Bearer {KEYS['gone']}"}).status_code == 401, timeout=30)
     print(f"removed key refused {time.monotonic() - t0:.1f}s after the Secret changed")
+    connect_checks(cluster, ns, urls)
 
 
-def test_kubectl_pdd_connect(cluster: Cluster, shared):
+def connect_checks(cluster: Cluster, ns: str, urls: list[str]) -> None:
+    """`kubectl pdd connect`: each client's configuration parses and carries the three things,
+    the curl line works, --check passes, and explains a wrong key."""
     import shlex
     import subprocess
     import tomllib
 
     from tests.integration.test_gateway import kubectl_pdd
-    ns, urls, _ = shared
     r = kubectl_pdd(cluster, "connect", "shared", "-n", ns, "--client", "codex", "--key-name", "team-b")
     assert r.returncode == 0, r.stderr
     cfg = tomllib.loads(r.stdout)
