@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 DAY_S = 86400
+log = logging.getLogger("pd_gateway.policy")
 
 
 @dataclass(frozen=True)
@@ -24,11 +26,16 @@ class KeyPolicy:
         expires = d.get("expires")
         when = None
         if expires:
-            when = dt.datetime.fromisoformat(str(expires).replace("Z", "+00:00"))
+            try:
+                when = dt.datetime.fromisoformat(str(expires).replace("Z", "+00:00"))
+            except ValueError:   # a date Python cannot hold (year 0): the key is refused, not the gateway down
+                log.warning("a key's expires %r does not parse: the key is treated as expired", expires)
+                when = dt.datetime.min.replace(tzinfo=dt.timezone.utc)
             if when.tzinfo is None:
                 when = when.replace(tzinfo=dt.timezone.utc)
         models = d.get("models")
-        return cls(models=tuple(models) if models else None, requests_per_minute=d.get("requestsPerMinute") or None,
+        return cls(models=tuple(models) if models is not None else None,
+                   requests_per_minute=d.get("requestsPerMinute") or None,
                    tokens_per_day=d.get("tokensPerDay") or None, expires=when, admin=bool(d.get("admin")))
 
 
@@ -62,16 +69,17 @@ def _until_midnight(now: float) -> int:
 
 
 def expired(name: str, p: KeyPolicy, now: float) -> Refusal | None:
-    if p.expires is not None and now >= p.expires.timestamp():
+    if p.expires is not None and (p.expires.year < 1970 or now >= p.expires.timestamp()):
         return Refusal(401, "expired_api_key", f"API key {name!r} expired at {p.expires.isoformat()}; ask for a "
                        f"new key or a later `expires` in the gateway's keys", "authentication_error")
     return None
 
 
-def model_allowed(name: str, p: KeyPolicy, model: str) -> Refusal | None:
-    if p.models is not None and model not in p.models:
+def model_allowed(name: str, p: KeyPolicy, asked: str, same: tuple[str, ...] = ()) -> Refusal | None:
+    """`same`: the model's id and aliases; listing any of them allows them all."""
+    if p.models is not None and asked not in p.models and not set(same) & set(p.models):
         return Refusal(403, "model_not_allowed", f"model not allowed for this key: {name!r} may use "
-                       f"{', '.join(p.models)}, not {model!r}", "permission_error")
+                       f"{', '.join(p.models) or 'no model'}, not {asked!r}", "permission_error")
     return None
 
 

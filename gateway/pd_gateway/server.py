@@ -84,6 +84,7 @@ class Config:
     model: str
     namespace: str
     deployment: str | None = None
+    aliases: tuple[str, ...] = ()
     data_token: str | None = None
     keys_secret: str | None = None
     rpm: dict | None = None
@@ -106,6 +107,7 @@ class Config:
     def from_env(cls, env: dict[str, str] | None = None) -> "Config":
         env = dict(os.environ if env is None else env)
         return cls(model=env.get("PD_MODEL_NAME", "model"),
+                   aliases=tuple(json.loads(env.get("PD_MODEL_ALIASES") or "[]")),
                    namespace=env.get("POD_NAMESPACE", "default"),
                    deployment=env.get("PD_GATEWAY_DEPLOYMENT") or None,
                    data_token=env.get("PD_AGENT_DATA_TOKEN") or None,
@@ -180,7 +182,7 @@ class Gateway:
         self.clock = clock
         if routes is None:
             assert fleet is not None, "a fleet or routes"
-            routes = [Route(cfg.model, fleet, cfg.deployment)]
+            routes = [Route(cfg.model, fleet, cfg.deployment, cfg.aliases)]
         self.routes = routes
         self.by_model: dict[str, Route] = {}
         for r in routes:
@@ -226,14 +228,10 @@ class Gateway:
                                               "a typo, spaces, or a key from another deployment)",
                                     "authentication_error", "invalid_api_key")
         p = self.policies.get(name)
-        if p is not None:
-            now = self.clock()
-            refused = policy.expired(name, p, now) or policy.quota(
-                name, p, now, self.usage.requests_this_minute(name, now), self.usage.tokens_today(name, now))
-            if refused:
-                self.m.requests.labels(name, endpoint, str(refused.status)).inc()
-                return None, self.refuse(api, refused)
-            self.usage.admitted(name, now)
+        refused = p and policy.expired(name, p, self.clock())
+        if refused:
+            self.m.requests.labels(name, endpoint, str(refused.status)).inc()
+            return None, self.refuse(api, refused)
         wait = self.limits.admit(name)
         if wait is not None:
             self.m.requests.labels(name, endpoint, "429").inc()
@@ -297,7 +295,7 @@ class Gateway:
             return None, self.error(api, 404, f"model {body.model!r} not found; this gateway serves "
                                               f"{self.served()}", "invalid_request_error", "model_not_found")
         p = self.policies.get(key)
-        refused = p and policy.model_allowed(key, p, route.model)
+        refused = p and policy.model_allowed(key, p, body.model, (route.model, *route.aliases))
         if refused:
             return None, self.refuse(api, refused)
         for field, value in body.token_fields().items():
@@ -344,6 +342,15 @@ class Gateway:
         name, err = self.authenticate(request, api, endpoint)
         if err:
             return err
+        p = self.policies.get(name)
+        if p is not None:   # quotas count completions only (reading models or usage is free)
+            now = self.clock()
+            refused = policy.quota(name, p, now, self.usage.requests_this_minute(name, now),
+                                   self.usage.tokens_today(name, now))
+            if refused:
+                self.m.requests.labels(name, endpoint, str(refused.status)).inc()
+                return self.refuse(api, refused)
+            self.usage.admitted(name, now)
         # taken before the body is read: refusing costs nothing, and bodies held in memory are bounded
         bound = self.streams.take(name)
         if bound is not None:
@@ -408,6 +415,7 @@ class Gateway:
         gen = generate(route.fleet, random.getrandbits(63), prompt_tokens, out_tokens, attempt)
         pieces: list[str] = []
         times: list[float] = []
+        accounted = False
         resp: web.StreamResponse | None = None
         status = "200"
         try:
@@ -427,6 +435,7 @@ class Gateway:
                         pieces.append(text)
             n = len(times)
             finish = "length" if n >= out_tokens else "stop"
+            accounted = True
             self._account(key, api, attempt, t0, times, prompt_tokens, n, model)
             if not stream:
                 text = "".join(pieces)
@@ -469,6 +478,9 @@ class Gateway:
             return resp
         finally:
             await gen.aclose()
+            if not accounted and attempt.decoder:
+                # cut short (the client left, an engine failed): the tokens produced still count
+                self.usage.record(key, model, prompt_tokens, len(times), self.clock())
             self.m.requests.labels(key, api, status).inc()
             for role, pod in (("prefill", attempt.prefill), ("decoder", attempt.decoder)):
                 if pod:
@@ -614,7 +626,10 @@ class Gateway:
         for t in self.tasks.values():
             t.cancel()
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
-        await self.usage.sync(self.clock())   # what this replica counted since its last sync is not lost
+
+    async def flush(self) -> None:
+        """After the last request ended: what this replica counted since its last sync is written."""
+        await self.usage.sync(self.clock())
 
 
 async def _refresh_keys(keys: Keys) -> None:
@@ -637,10 +652,10 @@ async def serve(cfg: Config, host: str, port: int) -> None:
             routes.append(Route(r["model"], Fleet(http, token, pod_finder(cfg.namespace, r["deployment"])),
                                 r["deployment"], tuple(r.get("aliases") or ())))
     elif cfg.agents:
-        routes.append(Route(cfg.model, Fleet(http, cfg.data_token, fixed_finder(cfg.agents))))
+        routes.append(Route(cfg.model, Fleet(http, cfg.data_token, fixed_finder(cfg.agents)), None, cfg.aliases))
     elif cfg.deployment:
         routes.append(Route(cfg.model, Fleet(http, cfg.data_token, pod_finder(cfg.namespace, cfg.deployment)),
-                            cfg.deployment))
+                            cfg.deployment, cfg.aliases))
     else:
         raise SystemExit("pd_gateway: set PD_GATEWAY_DEPLOYMENT, PD_GATEWAY_ROUTES or PD_GATEWAY_AGENTS")
     keys = Keys(from_secret(cfg.namespace, cfg.keys_secret) if cfg.keys_secret else from_env(),
@@ -662,7 +677,8 @@ async def serve(cfg: Config, host: str, port: int) -> None:
     await stop.wait()
     log.info("shutting down")
     await gw.stop()
-    await runner.cleanup()
+    await runner.cleanup()   # requests in flight finish (and count) first
+    await gw.flush()
     await http.aclose()
 
 

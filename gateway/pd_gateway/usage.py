@@ -4,9 +4,11 @@ per minute, shared by every replica of a gateway through one object in the Kuber
 Why the API and not a Redis: the gateway already talks to it, it survives restarts of every
 gateway pod, and the chart needs nothing more to run. Each replica keeps what it counted since
 its last sync and adds it to the shared document every few seconds with an optimistic write
-(the object's resourceVersion; a conflict re-reads and adds again), so no count is lost or
-counted twice, and a quota holds across replicas to within a sync interval. The document keeps
-DAYS_KEPT days and the last two minutes, so it stays far below an object's size limit."""
+(the object's resourceVersion; a conflict re-reads and adds again), so a quota holds across
+replicas to within a sync interval. Counts survive a failed or interrupted write and a graceful
+shutdown; a write the API server applied but whose answer never arrived is added again (usage
+can be over-counted then, never lost). The document keeps DAYS_KEPT days and the last two
+minutes: 100 keys x 4 models x 8 days is about 200 KB, below an object's 1 MiB."""
 from __future__ import annotations
 
 import asyncio
@@ -19,7 +21,7 @@ from typing import Any, Protocol
 from .policy import day_of, minute_of
 
 log = logging.getLogger("pd_gateway.usage")
-DAYS_KEPT = 40
+DAYS_KEPT = 8
 SYNC_S = 3.0
 DATA_KEY = "usage.json"
 Doc = dict[str, Any]
@@ -97,7 +99,10 @@ class Usage:
 
     def report(self, key: str | None = None) -> dict:
         """{key: {day: {model: {requests, input, output}}}}, one key's or everyone's."""
-        total = add(add(self.remote, self.syncing), self.pending)
+        docs = self._both()
+        if key is not None:   # one key's share only, before any copying
+            docs = [{"days": {day: {key: keys[key]} for day, keys in d["days"].items() if key in keys}} for d in docs]
+        total = add(add(docs[0], docs[1]), docs[2])
         out: dict = {}
         for day, keys in sorted(total["days"].items()):
             for k, models in keys.items():
@@ -108,6 +113,15 @@ class Usage:
     async def sync(self, now: float) -> None:
         """Add what was counted here to the shared document; on failure keep it for the next sync."""
         if self.store is None:
+            return
+        if self.syncing != empty():
+            return   # a sync is in flight (the final one at shutdown overlapping the loop's)
+        if self.pending == empty():   # nothing counted here: read the others' counts, write nothing
+            try:
+                doc, _ = await asyncio.to_thread(self.store.load)
+                self.remote, self.synced_at, self.error = prune(doc, now), now, ""
+            except Exception as e:  # noqa: BLE001 - the next sync tries again
+                self.error = str(e)
             return
         self.syncing, self.pending = self.pending, empty()
         try:
@@ -121,9 +135,11 @@ class Usage:
                 self.remote, self.syncing, self.synced_at, self.error = merged, empty(), now, ""
                 return
             raise Conflict("the usage document kept changing under five writes in a row")
-        except Exception as e:  # noqa: BLE001 - counted usage is kept for the next sync
+        except BaseException as e:   # cancelled too: counted usage is kept for the next sync
             self.pending = add(self.syncing, self.pending)
             self.syncing = empty()
+            if not isinstance(e, Exception):
+                raise
             if str(e) != self.error:
                 log.warning("usage not synced (kept for the next try): %s", e)
             self.error = str(e)

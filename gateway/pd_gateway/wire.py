@@ -181,11 +181,11 @@ def _input(v: Any) -> Any:
             raise ValueError(f"item {i} must be an object, not {_json_type(item)}")
         try:
             _content(item.get("content"))
-            for f in ("output", "text"):
-                if f in item and not isinstance(item[f], str):
-                    raise ValueError(f"{f} must be a string, not {_json_type(item[f])}")
-                if f in item:
-                    _unicode(item[f])
+            _content(item.get("output"))   # a tool's output: a string or content parts (an image tool's)
+            if "text" in item:
+                if not isinstance(item["text"], str):
+                    raise ValueError(f"text must be a string, not {_json_type(item['text'])}")
+                _unicode(item["text"])
         except ValueError as e:
             raise ValueError(f"item {i}: {e}") from None
     return v
@@ -199,7 +199,7 @@ class ResponsesRequest(ApiRequest):
 
     def text(self) -> str:
         def one(it: dict) -> str:
-            body = _text(it.get("content")) or it.get("output") or it.get("text", "")
+            body = _text(it.get("content")) or _text(it.get("output")) or it.get("text", "")
             return f"{it.get('role', it.get('type', ''))}: {body}"
         items = [self.input] if isinstance(self.input, str) else [one(it) for it in self.input]
         return "\n".join(([self.instructions] if self.instructions else []) + items)

@@ -24,7 +24,7 @@ import httpx
 from pd_contract.names import GATEWAY_PORT, LABEL_GATEWAY, LABEL_PDGATEWAY
 
 from .api import GROUP, VERSION
-from .kube import Kube
+from .kube import Kube, KubeError
 
 CLIENTS = ("openai", "anthropic", "claude-code", "codex", "cline", "curl")
 KEY_ENV = "PD_API_KEY"
@@ -170,7 +170,11 @@ def _loopback(ip: str) -> bool:
 
 async def base_root(kube: Kube, ns: str, service: str, pod_label: tuple[str, str]) -> tuple[str, str]:
     """(root URL without /v1, how it was found)."""
-    for ing in await kube.list("networking.k8s.io/v1", "Ingress", ns):
+    try:
+        ingresses = await kube.list("networking.k8s.io/v1", "Ingress", ns)
+    except KubeError:   # not allowed to list them: look no further there
+        ingresses = []
+    for ing in ingresses:
         tls = bool(ing["spec"].get("tls"))
         for rule in ing["spec"].get("rules") or []:
             for path in (rule.get("http") or {}).get("paths") or []:
@@ -215,16 +219,21 @@ async def find(kube: Kube, ns: str, name: str) -> dict:
 
 
 async def resolve(kube: Kube, ns: str, name: str, key_name: str | None, model: str | None,
-                  base_url: str | None) -> dict:
+                  base_url: str | None, api_key: str | None = None) -> dict:
+    """`api_key`: a key the user holds (the Secret is not read: they may not be allowed to)."""
     g = await find(kube, ns, name)
-    secret = await kube.get("v1", "Secret", ns, g["secret"])
-    data = (secret or {}).get("data") or {}
-    if not data:
-        raise LookupError(f"Secret {g['secret']} (the gateway's keys) is missing or empty")
-    key_name = key_name or sorted(data)[0]
-    if key_name not in data:
-        raise LookupError(f"Secret {g['secret']} has no key named {key_name!r} (it has {', '.join(sorted(data))})")
-    key = base64.b64decode(data[key_name]).decode().strip()
+    if api_key:
+        key, key_name, source = api_key, key_name or "", "--api-key"
+    else:
+        secret = await kube.get("v1", "Secret", ns, g["secret"])
+        data = (secret or {}).get("data") or {}
+        if not data:
+            raise LookupError(f"Secret {g['secret']} (the gateway's keys) is missing or empty")
+        key_name = key_name or sorted(data)[0]
+        if key_name not in data:
+            raise LookupError(f"Secret {g['secret']} has no key named {key_name!r} (it has {', '.join(sorted(data))})")
+        key = base64.b64decode(data[key_name]).decode().strip()
+        source = f"Secret {g['secret']}, key {key_name!r}"
     allowed = (g["policy"].get(key_name) or {}).get("models")
     if model is None:
         candidates = [m for m in g["models"] if not allowed or m in allowed]
@@ -235,5 +244,5 @@ async def resolve(kube: Kube, ns: str, name: str, key_name: str | None, model: s
         root, how = base_url.rstrip("/").removesuffix("/v1"), "--base-url"
     else:
         root, how = await base_root(kube, ns, g["service"], g["pod_label"])
-    return {"root": root, "how": how, "key": key, "key_name": key_name, "model": model,
-            "key_source": f"Secret {g['secret']}, key {key_name!r}", "kind": g["kind"]}
+    return {"root": root, "how": how, "key": key, "key_name": key_name or "(--api-key)", "model": model,
+            "key_source": source, "kind": g["kind"]}

@@ -73,6 +73,7 @@ def gateway_objects(name: str, namespace: str, spec: PDDeploymentSpec, owner: di
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": "PD_GATEWAY_DEPLOYMENT", "value": name},
         {"name": "PD_MODEL_NAME", "value": spec.model.name},
+        {"name": "PD_MODEL_ALIASES", "value": json.dumps(spec.model.aliases or [])},
         {"name": "PD_GATEWAY_KEYS_SECRET", "value": gw.api_keys_secret},
         {"name": "PD_AGENT_DATA_TOKEN", "valueFrom": {"secretKeyRef": {"name": data_token_secret_name(name),
                                                                        "key": "token"}}},

@@ -18,7 +18,15 @@ from .config import OperatorConfig
 from .events import Events
 from .kube import Kube, KubeError
 from .reconcile import error_policy
-from .sharedgateway import keys_state, objects, owner_reference, routing, status, usage_configmap
+from .sharedgateway import (
+    keys_state,
+    objects,
+    owner_reference,
+    routing,
+    status,
+    usage_configmap,
+    usage_configmap_name,
+)
 
 log = logging.getLogger("pd_operator.gateways")
 Key = tuple[str, str]
@@ -32,7 +40,7 @@ class GatewayController:
         self.wake: dict[Key, asyncio.Event] = {}
         self.tasks: dict[Key, asyncio.Task] = {}
         self.served: dict[Key, list] = {}   # what each gateway routed at its last pass (for Events)
-        self.usage_made: set[tuple[Key, str]] = set()   # usage ConfigMaps created (by gateway uid)
+        self.deployment_seen: dict[Key, tuple] = {}   # PDDeployment -> what a gateway's routing reads of it
         self.stopping = False
 
     def on_gateway(self, etype: str | None, body: dict) -> None:
@@ -51,9 +59,21 @@ class GatewayController:
         if before is None or before["metadata"].get("generation") != body["metadata"].get("generation"):
             self.poke(key)
 
-    def on_deployment(self, namespace: str) -> None:
+    def on_deployment(self, etype: str | None, body: dict) -> None:
+        """Routing reads a deployment's spec, labels and existence: its status writes (many, during
+        switches) do not wake the gateways."""
+        meta = body["metadata"]
+        dkey = (meta["namespace"], meta["name"])
+        labels = tuple(sorted((meta.get("labels") or {}).items()))
+        seen = None if etype == "DELETED" else (meta.get("generation"), labels, bool(meta.get("deletionTimestamp")))
+        if self.deployment_seen.get(dkey) == seen:
+            return
+        if seen is None:
+            self.deployment_seen.pop(dkey, None)
+        else:
+            self.deployment_seen[dkey] = seen
         for key in list(self.gateways):
-            if key[0] == namespace:
+            if key[0] == dkey[0]:
                 self.poke(key)
 
     def poke(self, key: Key) -> None:
@@ -114,9 +134,26 @@ class GatewayController:
             await self._write_status(gw, {**(gw.get("status") or {}), "conditions": conds, "phase": "Degraded"})
             await self.events.post(gw, "Warning", "NoGatewayImage", msg)
             return
-        if (key, owner["uid"]) not in self.usage_made:
-            await self.kube.create(usage_configmap(name, ns, owner))   # once: the replicas own its data
-            self.usage_made.add((key, owner["uid"]))
+        # names this gateway would take that another owner already controls (a deployment's own
+        # gateway is `<deployment>-gateway`): refused, not fought over
+        taken = []
+        for kind, api_version, obj_name in (("Deployment", "apps/v1", name), ("Service", "v1", name),
+                                            ("ConfigMap", "v1", usage_configmap_name(name))):
+            existing = await self.kube.get(api_version, kind, ns, obj_name)
+            if existing is None:
+                if kind == "ConfigMap":   # created once, never applied: the replicas own its data
+                    await self.kube.create(usage_configmap(name, ns, owner))
+                continue
+            ctl = next((o for o in existing["metadata"].get("ownerReferences") or [] if o.get("controller")), None)
+            if not ctl or ctl.get("uid") != owner["uid"]:
+                taken.append(f"{kind} {obj_name}")
+        if taken:
+            msg = (f"{', '.join(taken)} already exist and belong to something else; rename this PDGateway "
+                   f"(a PDDeployment's own gateway is named <deployment>-gateway)")
+            conds = set_condition((gw.get("status") or {}).get("conditions"), "Ready", False, "NameTaken", msg, gen)
+            await self._write_status(gw, {**(gw.get("status") or {}), "conditions": conds, "phase": "Degraded"})
+            await self.events.post(gw, "Warning", "NameTaken", msg)
+            return
         for obj in objects(name, ns, spec, owner, r, image, keys_allowed=keys[0]):
             await self.kube.apply(obj)
         dep = await self.kube.get("apps/v1", "Deployment", ns, name)

@@ -85,7 +85,7 @@ async def deployment_event(event, memo: kopf.Memo, **_) -> None:
         c.on_deployment(event.get("type"), event["object"])
     g = memo.get("gateways")
     if g and event.get("object"):
-        g.on_deployment(event["object"]["metadata"]["namespace"])
+        g.on_deployment(event.get("type"), event["object"])
 
 
 @kopf.on.event(GROUP, VERSION, "pdgateways")

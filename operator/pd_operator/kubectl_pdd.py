@@ -350,12 +350,10 @@ def format_ranks(agent_status: dict | None, summary: dict | None = None, last_er
 
 async def connect(kube: Kube, ns: str, args: argparse.Namespace) -> int:
     try:
-        c = await resolve(kube, ns, args.name, args.key_name, args.model, args.base_url)
+        c = await resolve(kube, ns, args.name, args.key_name, args.model, args.base_url, args.api_key)
     except LookupError as e:
         print(f"kubectl pdd connect: {e}", file=sys.stderr)
         return 1
-    if args.api_key:   # a key the user holds, instead of one read from the Secret
-        c.update(key=args.api_key, key_name="(--api-key)", key_source="--api-key")
     print(f"# Base URL from {c['how']}; key {c['key_name']!r}; model {c['model']}", file=sys.stderr)
     sys.stdout.write(render(args.client, c["root"], c["key"], c["model"]))
     if not args.check:

@@ -10,6 +10,7 @@ reference). Two deployments claiming one model name (or alias) are both left out
 for that name and reported in a condition: no silent pick."""
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 
@@ -124,11 +125,13 @@ def objects(name: str, namespace: str, spec: PDGatewaySpec, owner: dict, r: Rout
         {"name": "PD_GATEWAY_KEY_POLICY", "value": key_policy_env(spec)},
         {"name": "PD_GATEWAY_USAGE_CONFIGMAP", "value": usage_configmap_name(name)},
     ]
-    for i, s in enumerate(r.served):
-        token_env = f"PD_DATA_TOKEN_{i}"
+    for s in r.served:
+        # named after the deployment, so another deployment joining does not rename the others'
+        token_env = f"PD_DATA_TOKEN_{hashlib.sha256(s.deployment.encode()).hexdigest()[:12].upper()}"
         routes.append({"model": s.model, "aliases": s.aliases, "deployment": s.deployment, "tokenEnv": token_env})
+        # optional: a deployment just selected may not have its token yet; its requests wait for it
         env.append({"name": token_env, "valueFrom": {"secretKeyRef": {
-            "name": data_token_secret_name(s.deployment), "key": "token"}}})
+            "name": data_token_secret_name(s.deployment), "key": "token", "optional": True}}})
     env.insert(1, {"name": "PD_GATEWAY_ROUTES", "value": json.dumps(routes, sort_keys=True)})
     container = {"name": "gateway", "image": image, "env": env,
                  "ports": [{"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"}],

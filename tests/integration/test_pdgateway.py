@@ -74,9 +74,11 @@ def test_one_url_one_key_two_models(cluster: Cluster, shared):
     assert can("get", "secret/shared-keys") == "yes" and can("get", "secret/sim-a-agent-token") == "no"
     assert can("patch", "configmap/shared-usage") == "yes" and can("patch", "configmap/sim-a-prefill") == "no"
 
+    import httpx2  # the anthropic SDK's own HTTP client package
     http = httpx.Client(trust_env=False)
+    http2 = httpx2.Client(trust_env=False)
     oa = openai.OpenAI(base_url=f"{url}/v1", api_key=KEYS["team-a"], http_client=http)
-    an = anthropic.Anthropic(base_url=url, api_key=KEYS["team-a"], http_client=http)
+    an = anthropic.Anthropic(base_url=url, api_key=KEYS["team-a"], http_client=http2)
     assert [m.id for m in oa.models.list().data] == ["llama-8b", "llama", "qwen-7b"]
     sent: dict[str, list[int]] = {"llama-8b": [0, 0, 0], "qwen-7b": [0, 0, 0]}   # requests, input, output
 
@@ -111,7 +113,7 @@ def test_one_url_one_key_two_models(cluster: Cluster, shared):
     with pytest.raises(openai.PermissionDeniedError, match="model not allowed for this key"):
         ob.chat.completions.create(model="qwen-7b", messages=[{"role": "user", "content": "x"}], max_tokens=1)
     with pytest.raises(anthropic.PermissionDeniedError, match="model not allowed for this key"):
-        anthropic.Anthropic(base_url=url, api_key=KEYS["team-b"], http_client=http).messages.create(
+        anthropic.Anthropic(base_url=url, api_key=KEYS["team-b"], http_client=http2).messages.create(
             model="qwen-7b", max_tokens=1, messages=[{"role": "user", "content": "x"}])
     # a small token quota, an expired key
     osmall = openai.OpenAI(base_url=f"{url}/v1", api_key=KEYS["small"], http_client=http, max_retries=0)

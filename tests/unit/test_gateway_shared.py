@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import json
 
 import pytest
 from aiohttp import web
@@ -215,6 +216,28 @@ async def test_a_failed_sync_keeps_the_counts_for_the_next():
     assert u.error == ""
 
 
+async def test_nothing_counted_nothing_written_and_a_cancelled_sync_keeps_its_counts():
+    class Counting(MemoryStore):
+        saves = 0
+
+        def save(self, doc, version):
+            import time
+            time.sleep(0.05)
+            Counting.saves += 1
+            super().save(doc, version)
+    store = Counting()
+    u = Usage(store)
+    await u.sync(NOW)
+    assert Counting.saves == 0 and u.synced_at == NOW
+    u.record("team-a", "m", 5, 5, NOW)
+    task = asyncio.create_task(u.sync(NOW))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert u.tokens_today("team-a", NOW) == 10 and u.pending["days"]
+
+
 async def test_counts_recorded_during_a_sync_are_kept():
     class Slow(MemoryStore):
         def save(self, doc, version):
@@ -233,13 +256,35 @@ async def test_counts_recorded_during_a_sync_are_kept():
     assert u.store.doc["days"]["2026-12-03"]["team-a"]["m"]["requests"] == 2
 
 
-@pytest.mark.parametrize("raw, error", [
-    ('["a"]', "must be a JSON object"),
-    ('{"k": {"expires": "tomorrow"}}', "Invalid isoformat"),
-])
-def test_a_bad_key_policy_is_an_error(raw, error):
-    with pytest.raises(ValueError, match=error):
-        policy.parse(raw)
+def test_a_bad_key_policy_is_an_error_but_a_bad_expiry_only_refuses_that_key():
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        policy.parse('["a"]')
+    for expires in ("tomorrow", "0000-01-01T00:00:00Z"):
+        p = policy.parse(json.dumps({"k": {"expires": expires}}))["k"]
+        assert policy.expired("k", p, NOW).status == 401
+
+
+async def test_quotas_count_completions_only_and_a_cut_stream_counts_its_tokens(shared):
+    s = await shared({"team-a": {"tokensPerDay": 40, "requestsPerMinute": 3}})
+    for _ in range(5):   # reading models and usage is free
+        assert (await s.http.get("/v1/models", headers={"Authorization": f"Bearer {KEY}"})).status_code == 200
+    async with s.http.stream("POST", "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                             json={**chat("llama-8b", 30), "stream": True}) as r:
+        async for line in r.aiter_lines():
+            if '"content":"' in line and '"content":""' not in line:
+                break   # the client leaves after its first token
+    await asyncio.sleep(0.2)
+    assert s.gw.usage.tokens_today("team-a", NOW) >= 12 + 1
+    r = await s.http.get("/v1/usage", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200 and r.json()["usage"]["team-a"]["2026-12-03"]["llama-8b"]["requests"] == 1
+
+
+async def test_a_key_may_list_an_alias_and_an_empty_list_allows_nothing(shared):
+    s = await shared({"team-a": {"models": ["llama"]}, "team-b": {"models": []}})
+    assert (await s.post("/v1/chat/completions", chat("llama-8b"))).status_code == 200
+    assert (await s.post("/v1/chat/completions", chat("qwen-7b"))).status_code == 403
+    r = await s.post("/v1/chat/completions", chat("llama-8b"), key=OTHER)
+    assert r.status_code == 403 and "may use no model" in r.json()["error"]["message"]
 
 
 async def test_the_responses_api_as_codex_and_the_sdk_use_it(shared):

@@ -65,10 +65,16 @@ def test_objects_least_privilege_and_routes():
             "resourceNames": ["a-prefill", "a-decoder", "b-prefill", "b-decoder"]} in rules
     assert all("list" not in r["verbs"] or r["resources"] == ["pods"] for r in rules)
     env = {e["name"]: e for e in objs["Deployment"]["spec"]["template"]["spec"]["containers"][0]["env"]}
-    assert json.loads(env["PD_GATEWAY_ROUTES"]["value"]) == [
-        {"model": "llama-8b", "aliases": ["llama"], "deployment": "a", "tokenEnv": "PD_DATA_TOKEN_0"},
-        {"model": "qwen-7b", "aliases": [], "deployment": "b", "tokenEnv": "PD_DATA_TOKEN_1"}]
-    assert env["PD_DATA_TOKEN_1"]["valueFrom"]["secretKeyRef"] == {"name": "b-agent-data-token", "key": "token"}
+    routes = json.loads(env["PD_GATEWAY_ROUTES"]["value"])
+    assert [(r["model"], r["aliases"], r["deployment"]) for r in routes] == [("llama-8b", ["llama"], "a"),
+                                                                             ("qwen-7b", [], "b")]
+    assert env[routes[1]["tokenEnv"]]["valueFrom"]["secretKeyRef"] == {"name": "b-agent-data-token", "key": "token",
+                                                                       "optional": True}
+    # a deployment joining does not rename the others' token variables (no needless restart)
+    more = routing([dep("0-first", "mistral"), dep("a", "llama-8b", ["llama"]), dep("b", "qwen-7b")], None)
+    env2 = {e["name"] for e in objects("shared", "t", spec, owner, more, "img", True)[3]["spec"]["template"]["spec"][
+        "containers"][0]["env"]}
+    assert {r["tokenEnv"] for r in routes} <= env2
     assert json.loads(env["PD_GATEWAY_KEY_POLICY"]["value"]) == {"team-a": {"models": ["llama-8b"],
                                                                            "tokensPerDay": 1000}}
     assert objs["Service"]["metadata"]["name"] == "shared" and objs["Service"]["spec"]["ports"][0]["port"] == 8000
