@@ -16,6 +16,7 @@ from .api_gateway import KIND, parse_spec
 from .conditions import set_condition
 from .config import OperatorConfig
 from .events import Events
+from .gateway import data_token_secret_name
 from .kube import Kube, KubeError
 from .reconcile import error_policy
 from .sharedgateway import (
@@ -123,7 +124,11 @@ class GatewayController:
         deployments = await self.kube.list(f"{GROUP}/{VERSION}", DEPLOYMENT_KIND, ns)
         secret = await self.kube.get("v1", "Secret", ns, spec.api_keys_secret)
         keys = keys_state(secret, spec.api_keys_secret)
-        r = routing(deployments, spec.selector)
+        tokens = set()
+        for d in deployments:   # a deployment is routed once its data token exists (pods read it at start)
+            if await self.kube.get("v1", "Secret", ns, data_token_secret_name(d["metadata"]["name"])) is not None:
+                tokens.add(d["metadata"]["name"])
+        r = routing(deployments, spec.selector, tokens)
         owner = owner_reference(name, gw["metadata"]["uid"])
         image = self.config.gateway_image
         if not image:

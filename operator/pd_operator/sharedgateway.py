@@ -55,9 +55,13 @@ class Routing:
     served: list[Served]                      # what the gateway routes
     conflicts: dict[str, list[str]]           # model name -> the deployments claiming it
     invalid: dict[str, str]                   # deployment -> why its spec cannot be used
+    waiting: list[str] = field(default_factory=list)   # selected, its data token not there yet
 
 
-def routing(deployments: list[dict], selector: Selector | None) -> Routing:
+def routing(deployments: list[dict], selector: Selector | None, tokens: set[str] | None = None) -> Routing:
+    """`tokens`: the deployments whose data-token Secret exists (None: all). A gateway pod reads
+    the token at its start, so a deployment is routed once its token exists (the routes change,
+    and the gateway rolls)."""
     claims: dict[str, list[str]] = {}
     picked: list[tuple[str, str, list[str]]] = []
     invalid: dict[str, str] = {}
@@ -75,12 +79,15 @@ def routing(deployments: list[dict], selector: Selector | None) -> Routing:
             claims.setdefault(n, []).append(meta["name"])
         picked.append((meta["name"], spec.model.name, list(spec.model.aliases or [])))
     conflicts = {n: ds for n, ds in claims.items() if len(ds) > 1}
-    served = []
+    served, waiting = [], []
     for dep, model, aliases in picked:
         if model in conflicts:
             continue
+        if tokens is not None and dep not in tokens:
+            waiting.append(dep)
+            continue
         served.append(Served(model, dep, [a for a in aliases if a not in conflicts and a != model]))
-    return Routing(served, conflicts, invalid)
+    return Routing(served, conflicts, invalid, waiting)
 
 
 def owner_reference(name: str, uid: str) -> dict:
@@ -183,6 +190,9 @@ def status(gw: dict, r: Routing, keys: tuple[bool, str, str], dep_obj: dict | No
     elif r.invalid:
         conds = set_condition(conds, "ModelsServed", False, "InvalidDeployment", "; ".join(
             f"{d}: {why}" for d, why in sorted(r.invalid.items())), gen)
+    elif not r.served and r.waiting:
+        conds = set_condition(conds, "ModelsServed", False, "WaitingForDeployments",
+                              f"{', '.join(r.waiting)}: their data-scope token does not exist yet", gen)
     elif not r.served:
         conds = set_condition(conds, "ModelsServed", False, "NoDeployments",
                               "spec.selector selects no PDDeployment in this namespace", gen)

@@ -51,13 +51,24 @@ def shared(cluster: Cluster, namespace: str, operator):
                    "spec": {"apiKeysSecret": "shared-keys", "replicas": 2, "keys": POLICY}}, ns)
     wait_phase(cluster, ns, "Ready", name="sim-a", timeout=150, extra=lambda o: o["status"]["linksSummary"] == "4/4")
     wait_phase(cluster, ns, "Ready", name="sim-b", timeout=90, extra=lambda o: o["status"]["linksSummary"] == "1/1")
-    gw = wait_for("the PDGateway Ready", lambda: (o if (o := cluster.get_json("pdgw", "shared", "-n", ns))
-                                                   .get("status", {}).get("phase") == "Ready" else None), timeout=120)
-    urls = wait_for("two gateway pods Ready", lambda: len(u := gateway_urls(cluster, ns)) == 2 and u, timeout=60)
-    for u in urls:
-        wait_for("the gateway sees both fleets", lambda: all(
-            m["decoders"] >= 1 for m in httpx.get(f"{u}/healthz", trust_env=False).json()["models"].values()),
-            timeout=30)
+    def settled():
+        """Ready, serving both models, its rollout done (the routes change as the deployments'
+        tokens appear), and each pod seeing both fleets."""
+        o = cluster.get_json("pdgw", "shared", "-n", ns)
+        if o.get("status", {}).get("phase") != "Ready" or len(o["status"].get("models") or []) != 2:
+            return None
+        d = cluster.get_json("deployment", "shared", "-n", ns)
+        st = d.get("status", {})
+        if not (st.get("observedGeneration") == d["metadata"]["generation"]
+                and st.get("updatedReplicas") == st.get("readyReplicas") == st.get("replicas") == 2):
+            return None
+        urls = gateway_urls(cluster, ns)
+        if len(urls) != 2 or not all(all(m["decoders"] >= 1 for m in httpx.get(
+                f"{u}/healthz", trust_env=False, timeout=5).json().get("models", {"-": {"decoders": 0}}).values())
+                for u in urls):
+            return None
+        return o, urls
+    gw, urls = wait_for("the PDGateway Ready, rolled out, seeing both fleets", settled, timeout=150)
     return ns, urls, gw
 
 
@@ -131,11 +142,11 @@ def test_one_url_one_key_two_models(cluster: Cluster, shared):
     got = {m: [c["requests"], c["input"], c["output"]] for m, c in own["usage"]["team-a"][day].items()}
     print(f"\nsent {sent}; usage {got}")
     assert got == sent and set(own["usage"]) == {"team-a"}
-    other = urls[1]
-    everyone = wait_for("the other replica to have the usage", lambda: (
-        u if (u := http.get(f"{other}/v1/usage", headers={"Authorization": f"Bearer {KEYS['ops']}"}).json())[
-            "usage"].get("team-a", {}).get(day) == own["usage"]["team-a"][day] else None), timeout=30)
-    assert {"team-a", "team-b", "small"} <= set(everyone["usage"])
+    admin = {"Authorization": f"Bearer {KEYS['ops']}"}
+    here = http.get(f"{url}/v1/usage", headers=admin).json()["usage"]
+    assert {"team-a", "team-b", "small"} <= set(here)
+    wait_for("the other replica to have the same usage", lambda: http.get(
+        f"{urls[1]}/v1/usage", headers=admin).json()["usage"] == here, timeout=30)
     cm = cluster.get_json("configmap", "shared-usage", "-n", ns)
     assert json.loads(cm["data"]["usage.json"])["days"][day]["team-a"]["qwen-7b"]["requests"] == sent["qwen-7b"][0]
 

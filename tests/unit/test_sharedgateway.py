@@ -119,3 +119,11 @@ def test_the_checked_in_crds_are_generated():
     for kind, name in (("PDGateway", "pdgateway.yaml"), ("PDDeployment", "pddeployment.yaml")):
         assert (REPO / "crds" / name).read_text() == crdgen.render(kind), "run `make crd`"
         assert (REPO / "charts" / "pd-operator" / "crds" / name).read_text() == crdgen.render(kind)
+
+
+def test_a_deployment_is_routed_once_its_token_exists():
+    r = routing([dep("a", "m"), dep("b", "n")], None, tokens={"a"})
+    assert [s.deployment for s in r.served] == ["a"] and r.waiting == ["b"]
+    gw = {"metadata": {"name": "g", "namespace": "t", "generation": 1}}
+    st = status(gw, routing([dep("b", "n")], None, tokens=set()), (True, "KeysSecretReady", "ok"), None)
+    assert {c["type"]: c for c in st["conditions"]}["ModelsServed"]["reason"] == "WaitingForDeployments"
