@@ -4,15 +4,19 @@ record (status) → act (server-side apply of its objects; the usage ConfigMap c
 
 A pass runs on any event of the PDGateway or of a PDDeployment of its namespace, and every
 RESYNC_S otherwise (the keys Secret's label and the gateway pods' readiness are not watched).
-Only the leader acts, as for PDDeployments."""
+Only the leader acts, as for PDDeployments. What rarely changes is not asked for every pass: a
+deployment's data-token Secret once seen is checked again every RECHECK_S (Secrets are read by
+name, never listed), and the objects are applied when they change or every RECHECK_S (drift)."""
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from .api import GROUP, VERSION
 from .api import KIND as DEPLOYMENT_KIND
 from .api_gateway import KIND, parse_spec
+from .children import digest
 from .conditions import set_condition
 from .config import OperatorConfig
 from .events import Events
@@ -32,6 +36,7 @@ from .sharedgateway import (
 log = logging.getLogger("pd_operator.gateways")
 Key = tuple[str, str]
 RESYNC_S = 5.0
+RECHECK_S = 60.0
 
 
 class GatewayController:
@@ -42,12 +47,15 @@ class GatewayController:
         self.tasks: dict[Key, asyncio.Task] = {}
         self.served: dict[Key, list] = {}   # what each gateway routed at its last pass (for Events)
         self.deployment_seen: dict[Key, tuple] = {}   # PDDeployment -> what a gateway's routing reads of it
+        self.token_seen: dict[Key, float] = {}        # PDDeployment -> when its data token was last seen
+        self.applied: dict[Key, tuple[str, float]] = {}   # PDGateway -> (digest of its objects, when applied)
         self.stopping = False
 
     def on_gateway(self, etype: str | None, body: dict) -> None:
         key = (body["metadata"]["namespace"], body["metadata"]["name"])
         if etype == "DELETED" or body["metadata"].get("deletionTimestamp"):
             self.gateways.pop(key, None)
+            self.applied.pop(key, None)
             task = self.tasks.pop(key, None)
             if task:
                 task.cancel()
@@ -125,9 +133,17 @@ class GatewayController:
         secret = await self.kube.get("v1", "Secret", ns, spec.api_keys_secret)
         keys = keys_state(secret, spec.api_keys_secret)
         tokens = set()
+        now = time.monotonic()
         for d in deployments:   # a deployment is routed once its data token exists (pods read it at start)
-            if await self.kube.get("v1", "Secret", ns, data_token_secret_name(d["metadata"]["name"])) is not None:
-                tokens.add(d["metadata"]["name"])
+            dname = d["metadata"]["name"]
+            if now - self.token_seen.get((ns, dname), -RECHECK_S) < RECHECK_S or \
+                    await self.kube.get("v1", "Secret", ns, data_token_secret_name(dname)) is not None:
+                self.token_seen.setdefault((ns, dname), now)
+                tokens.add(dname)
+            else:
+                self.token_seen.pop((ns, dname), None)
+        for k in [k for k in self.token_seen if now - self.token_seen[k] >= RECHECK_S]:
+            del self.token_seen[k]   # seen long enough ago: read again next pass
         r = routing(deployments, spec.selector, tokens)
         owner = owner_reference(name, gw["metadata"]["uid"])
         image = self.config.gateway_image
@@ -141,13 +157,15 @@ class GatewayController:
             return
         # names this gateway would take that another owner already controls (a deployment's own
         # gateway is `<deployment>-gateway`): refused, not fought over
-        taken = []
+        taken, missing = [], False
         for kind, api_version, obj_name in (("Deployment", "apps/v1", name), ("Service", "v1", name),
                                             ("ConfigMap", "v1", usage_configmap_name(name))):
             existing = await self.kube.get(api_version, kind, ns, obj_name)
             if existing is None:
                 if kind == "ConfigMap":   # created once, never applied: the replicas own its data
                     await self.kube.create(usage_configmap(name, ns, owner))
+                else:
+                    missing = True
                 continue
             ctl = next((o for o in existing["metadata"].get("ownerReferences") or [] if o.get("controller")), None)
             if not ctl or ctl.get("uid") != owner["uid"]:
@@ -159,8 +177,13 @@ class GatewayController:
             await self._write_status(gw, {**(gw.get("status") or {}), "conditions": conds, "phase": "Degraded"})
             await self.events.post(gw, "Warning", "NameTaken", msg)
             return
-        for obj in objects(name, ns, spec, owner, r, image, keys_allowed=keys[0]):
-            await self.kube.apply(obj)
+        objs = objects(name, ns, spec, owner, r, image, keys_allowed=keys[0])
+        want = digest({"items": objs})
+        last = self.applied.get(key)
+        if missing or last is None or last[0] != want or now - last[1] >= RECHECK_S:
+            for obj in objs:
+                await self.kube.apply(obj)
+            self.applied[key] = (want, now)
         dep = await self.kube.get("apps/v1", "Deployment", ns, name)
         st = status(gw, r, keys, dep)
         if st != (gw.get("status") or {}):

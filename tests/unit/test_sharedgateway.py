@@ -127,3 +127,55 @@ def test_a_deployment_is_routed_once_its_token_exists():
     gw = {"metadata": {"name": "g", "namespace": "t", "generation": 1}}
     st = status(gw, routing([dep("b", "n")], None, tokens=set()), (True, "KeysSecretReady", "ok"), None)
     assert {c["type"]: c for c in st["conditions"]}["ModelsServed"]["reason"] == "WaitingForDeployments"
+
+
+async def test_a_pass_reads_and_applies_what_changed_only(monkeypatch):
+    """Data-token Secrets once seen, and objects once applied, are not asked for or applied again
+    every pass; a missing object, a change, or RECHECK_S later, they are."""
+    import asyncio
+
+    from pd_operator import gatewaycontroller as gc
+    from pd_operator.config import OperatorConfig
+    from pd_operator.events import Events
+    from tests.unit.controller_fakes import FakeKube, Log
+
+    log = Log()
+    kube = FakeKube(log)
+    gets: list[tuple[str, str]] = []
+    real_get = kube.get
+
+    async def get(api_version, kind, namespace, name):
+        gets.append((kind, name))
+        return await real_get(api_version, kind, namespace, name)
+    kube.get = get  # type: ignore[method-assign]
+    clock = [1000.0]
+    monkeypatch.setattr(gc.time, "monotonic", lambda: clock[0])
+    for d in (dep("a", "llama-8b"), dep("b", "qwen-7b")):
+        d["apiVersion"], d["kind"] = "pdoperator.io/v1alpha1", "PDDeployment"
+        kube._store(d)
+        kube._store({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": f"{d['metadata']['name']}"
+                     "-agent-data-token", "namespace": "t"}, "data": {"token": "eA=="}})
+    kube._store({"apiVersion": "pdoperator.io/v1alpha1", "kind": "PDGateway",
+                 "metadata": {"name": "shared", "namespace": "t", "generation": 1},
+                 "spec": {"apiKeysSecret": "keys"}})
+    ctl = gc.GatewayController(kube, Events(kube), OperatorConfig(gateway_image="img/pd-gateway:1"),  # type: ignore[arg-type]
+                               asyncio.Event())
+
+    def applied() -> int:
+        return sum(1 for c in log if c[0] == "apply")
+
+    def token_gets() -> int:
+        return sum(1 for k, n in gets if k == "Secret" and n.endswith("-agent-data-token"))
+
+    await ctl.reconcile(("t", "shared"))
+    first_applies, first_gets = applied(), token_gets()
+    assert first_applies >= 5 and first_gets == 2
+    clock[0] += 5
+    await ctl.reconcile(("t", "shared"))
+    assert applied() == first_applies and token_gets() == first_gets, "nothing changed: nothing read or applied"
+    del kube.objects[("Service", "t", "shared")]     # someone deleted it
+    await ctl.reconcile(("t", "shared"))
+    assert applied() == 2 * first_applies and ("Service", "t", "shared") in kube.objects
+    clock[0] += gc.RECHECK_S
+    await ctl.reconcile(("t", "shared"))
+    assert token_gets() == 2 * first_gets and applied() == 3 * first_applies, "read and applied again after a while"
