@@ -12,6 +12,7 @@ notices go agent to agent), and the datadist port from the deployment's own pods
 the deployment's own pods (agent and datadist ports) and DNS only."""
 from __future__ import annotations
 
+import copy
 import json
 
 from pd_contract.names import AGENT_PORT, GATEWAY_PORT, LABEL_DEPLOYMENT, LABEL_GATEWAY, LABEL_KEYS, LABEL_PDGATEWAY
@@ -56,19 +57,12 @@ def gateway_objects(name: str, namespace: str, spec: PDDeploymentSpec, owner: di
     n = gateway_name(name)
     labels = {**common_labels(name), "app.kubernetes.io/component": "gateway"}
     pod_labels = {"app.kubernetes.io/name": "pd-gateway", "app.kubernetes.io/instance": name, LABEL_GATEWAY: name}
-    sa = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": object_meta(n, namespace, owner, labels)}
-    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
-            "metadata": object_meta(n, namespace, owner, labels),
-            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
-                      # a pod counts only if one of these controls it (labels alone do not make a member)
-                      {"apiGroups": ["apps"], "resources": ["statefulsets"], "verbs": ["get"],
-                       "resourceNames": [f"{name}-prefill", f"{name}-decoder"]}]
-            + ([{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"],
-                 "resourceNames": [gw.api_keys_secret]}] if keys_allowed else [])}
-    binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-               "metadata": object_meta(n, namespace, owner, labels),
-               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": n},
-               "subjects": [{"kind": "ServiceAccount", "name": n, "namespace": namespace}]}
+    rules = [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+             # a pod counts only if one of these controls it (labels alone do not make a member)
+             {"apiGroups": ["apps"], "resources": ["statefulsets"], "verbs": ["get"],
+              "resourceNames": [f"{name}-prefill", f"{name}-decoder"]}] + \
+        ([{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"],
+           "resourceNames": [gw.api_keys_secret]}] if keys_allowed else [])
     env = [
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": "PD_GATEWAY_DEPLOYMENT", "value": name},
@@ -79,23 +73,40 @@ def gateway_objects(name: str, namespace: str, spec: PDDeploymentSpec, owner: di
                                                                        "key": "token"}}},
         {"name": "PD_GATEWAY_RPM", "value": json.dumps(gw.rate_limits or {}, sort_keys=True)},
     ]
-    container = {"name": "gateway", "image": gateway_image(spec, image), "imagePullPolicy": spec.image_pull_policy,
-                 "env": env, "ports": [{"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"}],
-                 "readinessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 2,
-                                    "failureThreshold": 3, "timeoutSeconds": 2}}
-    if gw.resources:
-        container["resources"] = gw.resources.model_dump(exclude_none=True)
+    return workload(n, object_meta(n, namespace, owner, labels), rules, env, gateway_image(spec, image),
+                    gw.replicas if keys_allowed else 0, {LABEL_GATEWAY: name}, pod_labels,
+                    gw.resources.model_dump(exclude_none=True) if gw.resources else None, spec.image_pull_policy)
+
+
+def workload(n: str, meta: dict, rules: list[dict], env: list, image: str, replicas: int,
+             select: dict[str, str], pod_labels: dict[str, str], resources: dict | None = None,
+             pull_policy: str | None = None) -> list[dict]:
+    """A gateway's objects, whichever kind it serves (a deployment's own, or a PDGateway's): its
+    ServiceAccount with `rules`, the Deployment of hardened pods selected by `select`, the Service."""
+    namespace = meta["namespace"]
+    m = lambda: copy.deepcopy(meta)  # noqa: E731 - each object its own metadata
+    sa = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": m()}
+    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": m(), "rules": rules}
+    binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": m(),
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": n},
+               "subjects": [{"kind": "ServiceAccount", "name": n, "namespace": namespace}]}
+    container: dict = {"name": "gateway", "image": image}
+    if pull_policy:
+        container["imagePullPolicy"] = pull_policy
+    container.update({"env": env, "ports": [{"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"}],
+                      "readinessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 2,
+                                         "failureThreshold": 3, "timeoutSeconds": 2}})
+    if resources:
+        container["resources"] = resources
     pod_spec = {"serviceAccountName": n, "containers": [container], "terminationGracePeriodSeconds": 30,
                 "enableServiceLinks": False, "automountServiceAccountToken": True}
     harden(pod_spec, container)
-    deployment = {
-        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": object_meta(n, namespace, owner, labels),
-        "spec": {"replicas": gw.replicas if keys_allowed else 0, "selector": {"matchLabels": {LABEL_GATEWAY: name}},
-                 "template": {"metadata": {"labels": pod_labels}, "spec": pod_spec}},
-    }
-    service = {"apiVersion": "v1", "kind": "Service", "metadata": object_meta(n, namespace, owner, labels),
-               "spec": {"selector": {LABEL_GATEWAY: name},
-                        "ports": [{"name": "http", "port": GATEWAY_PORT, "targetPort": "http"}]}}
+    deployment = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": m(),
+                  "spec": {"replicas": replicas, "selector": {"matchLabels": select},
+                           "template": {"metadata": {"labels": pod_labels}, "spec": pod_spec}}}
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": m(),
+               "spec": {"selector": dict(select), "ports": [{"name": "http", "port": GATEWAY_PORT,
+                                                             "targetPort": "http"}]}}
     return [sa, role, binding, deployment, service]
 
 

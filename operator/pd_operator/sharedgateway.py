@@ -19,8 +19,7 @@ from pd_contract.names import GATEWAY_PORT, LABEL_KEYS, LABEL_PDGATEWAY
 from .api import GROUP, VERSION, parse_spec
 from .api_gateway import KIND, PDGatewaySpec, Selector
 from .conditions import set_condition
-from .gateway import data_token_secret_name
-from .objmeta import harden
+from .gateway import data_token_secret_name, workload
 
 
 def usage_configmap_name(name: str) -> str:
@@ -119,13 +118,6 @@ def objects(name: str, namespace: str, spec: PDGatewaySpec, owner: dict, r: Rout
     if keys_allowed:
         rules.append({"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"],
                       "resourceNames": [spec.api_keys_secret]})
-    sa = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(name, namespace, owner, name)}
-    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
-            "metadata": _meta(name, namespace, owner, name), "rules": rules}
-    binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-               "metadata": _meta(name, namespace, owner, name),
-               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-               "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}]}
     routes, env = [], [
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": "PD_GATEWAY_KEYS_SECRET", "value": spec.api_keys_secret},
@@ -140,24 +132,10 @@ def objects(name: str, namespace: str, spec: PDGatewaySpec, owner: dict, r: Rout
         env.append({"name": token_env, "valueFrom": {"secretKeyRef": {
             "name": data_token_secret_name(s.deployment), "key": "token", "optional": True}}})
     env.insert(1, {"name": "PD_GATEWAY_ROUTES", "value": json.dumps(routes, sort_keys=True)})
-    container = {"name": "gateway", "image": image, "env": env,
-                 "ports": [{"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"}],
-                 "readinessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 2,
-                                    "failureThreshold": 3, "timeoutSeconds": 2}}
-    if spec.resources:
-        container["resources"] = spec.resources.model_dump(exclude_none=True)
-    pod_spec = {"serviceAccountName": name, "containers": [container], "terminationGracePeriodSeconds": 30,
-                "enableServiceLinks": False, "automountServiceAccountToken": True}
-    harden(pod_spec, container)
     pod_labels = {"app.kubernetes.io/name": "pd-gateway", "app.kubernetes.io/instance": name, LABEL_PDGATEWAY: name}
-    deployment = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(name, namespace, owner, name),
-                  "spec": {"replicas": spec.replicas if keys_allowed else 0,
-                           "selector": {"matchLabels": {LABEL_PDGATEWAY: name}},
-                           "template": {"metadata": {"labels": pod_labels}, "spec": pod_spec}}}
-    service = {"apiVersion": "v1", "kind": "Service", "metadata": _meta(name, namespace, owner, name),
-               "spec": {"selector": {LABEL_PDGATEWAY: name},
-                        "ports": [{"name": "http", "port": GATEWAY_PORT, "targetPort": "http"}]}}
-    return [sa, role, binding, deployment, service]
+    return workload(name, _meta(name, namespace, owner, name), rules, env, image,
+                    spec.replicas if keys_allowed else 0, {LABEL_PDGATEWAY: name}, pod_labels,
+                    spec.resources.model_dump(exclude_none=True) if spec.resources else None)
 
 
 def usage_configmap(name: str, namespace: str, owner: dict) -> dict:
