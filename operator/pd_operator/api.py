@@ -135,6 +135,11 @@ class LoadThresholds(Model):
     decode_busy_low: float = Field(default=0.5, ge=0, description="(running + waiting) / max batch: idle")
 
 
+PERCENT = r"^(100|[1-9][0-9]?)%$"
+Count = Annotated[int, Field(ge=1, le=1024, strict=True)]   # strict: "25" is neither a count nor a percentage
+Percent = Annotated[str, Field(pattern=PERCENT)]
+
+
 class Rebalance(Model):
     model_config = ConfigDict(json_schema_extra=rules(
         ("self.policy != 'Manual' || has(self.manual)",
@@ -148,6 +153,11 @@ class Rebalance(Model):
         ("self.policy != 'SLO' || has(self.targets)",
          "spec.rebalance.targets (ttftP90Ms, tbtP90Ms) are required when spec.rebalance.policy is SLO",
          ".targets"),
+        ("!has(self.maxConcurrentSwitches) || (type(self.maxConcurrentSwitches) == int ? "
+         "self.maxConcurrentSwitches >= 1 && self.maxConcurrentSwitches <= 1024 : "
+         "string(self.maxConcurrentSwitches).matches('" + PERCENT + "'))",
+         "spec.rebalance.maxConcurrentSwitches must be a number from 1 to 1024 or a percentage from 1% to 100%",
+         ".maxConcurrentSwitches"),
     ))
     policy: Literal["Manual", "Schedule", "Load", "SLO"]
     min_prefill: int = Field(default=1, ge=0, le=1024)
@@ -159,7 +169,9 @@ class Rebalance(Model):
         default="Switch", description="Switch: move roles between running engines (switch_role). Replace: move one "
                                       "replica between the groups (a new pod starts, then one of the other group "
                                       "drains and goes), for engines that cannot switch roles")
-    max_concurrent_switches: int = Field(default=1, ge=1, le=64, description="role switches in flight at once")
+    max_concurrent_switches: Count | Percent = Field(
+        default=1, description="role switches in flight at once: a number, or a percentage of the engines rounded "
+                               "down (at least one), like maxUnavailable")
     evaluation_interval_seconds: int = Field(default=15, ge=1, le=86400,
                                              description="how often Load and SLO re-decide the prefill count")
     signal_max_age_seconds: int = Field(default=30, ge=1, le=3600,
@@ -169,6 +181,13 @@ class Rebalance(Model):
     targets: Targets | None = None
     schedule: list[ScheduleEntry] | None = Field(default=None, max_length=64)
     manual: Manual | None = None
+
+    def max_in_flight(self, total: int) -> int:
+        """maxConcurrentSwitches for a fleet of `total` engines: a percentage rounds down, to at least one."""
+        m = self.max_concurrent_switches
+        if isinstance(m, str):
+            return max(1, total * int(m.rstrip("%")) // 100)
+        return m
 
 
 class GatewaySpec(Model):

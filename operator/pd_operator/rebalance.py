@@ -90,7 +90,7 @@ def limits(spec: PDDeploymentSpec, cooldown_until: float) -> Limits:
     if rb is None:
         return Limits(cooldown_until=cooldown_until)
     return Limits(min_prefill=rb.min_prefill, min_decoder=rb.min_decoder,
-                  max_in_flight=rb.max_concurrent_switches, cooldown_until=cooldown_until)
+                  max_in_flight=rb.max_in_flight(spec.total), cooldown_until=cooldown_until)
 
 
 def drain_timeout(spec: PDDeploymentSpec) -> float:

@@ -192,3 +192,19 @@ BIG = parse_spec({**BASE, "prefill": {"replicas": 16}, "decoder": {"replicas": 1
 def test_load_moves_a_large_fleet_by_its_demand(case, signals, current, want):
     v = policies.evaluate(BIG, signals, current, limits(BIG, 0), 0)
     assert v.target == want, (case, v)
+
+
+@pytest.mark.parametrize("value, total, want", [
+    (1, 4, 1), (8, 256, 8), ("25%", 4, 1), ("25%", 32, 8), ("25%", 256, 64), ("10%", 4, 1), ("100%", 6, 6),
+    ("33%", 10, 3),
+])
+def test_max_concurrent_switches_is_a_number_or_a_percentage_of_the_fleet(value, total, want):
+    s = parse_spec({**BASE, "prefill": {"replicas": total // 2}, "decoder": {"replicas": total - total // 2},
+                    "rebalance": {"policy": "Load", "maxConcurrentSwitches": value}})
+    assert limits(s, 0).max_in_flight == want
+
+
+@pytest.mark.parametrize("value", [0, "0%", "101%", "25", "1.5%", "x%", 2000])
+def test_max_concurrent_switches_refuses_what_is_neither(value):
+    with pytest.raises(ValueError):
+        parse_spec({**BASE, "rebalance": {"policy": "Load", "maxConcurrentSwitches": value}})
