@@ -12,11 +12,12 @@ It models what the simulated serving (pd_agent.inference) does, with the same ti
   second), the prefill with the least queued prompt tokens, then the decoder with the least
   running + queued, ties broken at random; draining engines are not chosen.
 - switching as the operator does it: the policy is evaluated every pass (Manual, Schedule) or
-  every evaluationIntervalSeconds (Load, SLO) on signals read from the engines; switch.choose
-  picks the pod; Drain ends when the engine holds no request and no unpulled cache, then the
-  control-plane steps cost `switch_s` (what `make bench-switch` measures) and the cooldown
-  starts. Replace (replace.plan) adds an engine that serves after `engine_start_s`, then
-  drains and removes one of the other role.
+  every evaluationIntervalSeconds (the others) on signals read from the engines (rebalance.
+  decide_target, with its cooldown between decisions); switch.retarget stops what still drains
+  and overshoots a new target (at once, here); switch.choose starts the move's switches; Drain
+  ends when the engine holds no request and no unpulled cache, then the control-plane steps cost
+  `switch_s` (what `make bench-switch` measures). Replace (replace.plan) adds engines that serve
+  after `engine_start_s`, then drains and removes as many of the other role.
 
 Between two events that change a decoder's batch, its steps are summed in closed form (the
 step time grows linearly with the contexts), so the cost is per request, not per token."""
@@ -35,7 +36,7 @@ from pd_operator import policies
 from pd_operator import replace as rp
 from pd_operator import switch as sw
 from pd_operator.api import PDDeploymentSpec
-from pd_operator.rebalance import decide_target, limits
+from pd_operator.rebalance import PERIODIC, decide_target, limits
 
 BUSY_WINDOW_S = 10.0
 REFRESH_S = 1.0
@@ -318,6 +319,9 @@ class FleetSim:
                                     in_flight=e.in_flight()))
         return out
 
+    def _engine(self, name: str) -> Engine:
+        return next(x for x in self.engines if x.name == name)
+
     def _pass(self) -> None:
         spec, rb = self.spec, self.spec.rebalance
         wall = self.wall0 + self.now
@@ -325,27 +329,32 @@ class FleetSim:
             self._advance(wall)
             cands = self._candidates()
             current = sw.prefill_count(cands)
-            sig = self.signals() if rb.policy in ("Load", "SLO") else policies.Signals()
+            sig = self.signals() if rb.policy in PERIODIC else policies.Signals()
             v, _, self.book = decide_target(spec, self.book, sig, current, wall)
             if v is not None and (not self.decisions or self.decisions[-1]["reason"] != v.reason
                                   or self.decisions[-1].get("target") != v.target):
                 self.decisions.append({"t": round(self.now, 1), "reason": v.reason, "target": v.target})
-            lim = limits(spec, self.book.cooldown_until)
+            lim = limits(spec, self.book.retry_after)
             target = sw.clamp_target(self.book.target, spec.total, lim) if self.book.target is not None else None
             if rb.method == "Replace":
                 self._replace(target, lim, wall)
             else:
-                d = sw.choose(cands, [s for s, _ in self.switching.values()], target, lim, wall, "policy")
-                if d.start is not None:
-                    e = next(x for x in self.engines if x.name == d.start.pod)
-                    e.draining = True
-                    self.switching[e.name] = (d.start, None)
+                # a move in progress follows the target: what still drains and overshoots it stops at once
+                for s in sw.retarget([s for s, _ in self.switching.values()], cands, target, wall):
+                    if s.step == sw.ABORT:
+                        self._engine(s.pod).draining = False
+                        del self.switching[s.pod]
+                d = sw.choose(self._candidates(), [s for s, _ in self.switching.values()], target, lim, wall,
+                              "policy")
+                for s in d.starts:
+                    self._engine(s.pod).draining = True
+                    self.switching[s.pod] = (s, None)
         if self.now < self.duration or not self._all_done():
             self.at(self.now + PASS_S, "pass")
 
     def _advance(self, wall: float) -> None:
         for name, (s, drained) in list(self.switching.items()):
-            e = next(x for x in self.engines if x.name == name)
+            e = self._engine(name)
             if drained is None:
                 if e.idle():
                     self.switching[name] = (s, self.now)
@@ -353,26 +362,30 @@ class FleetSim:
                 e.role, e.draining = s.to, False
                 del self.switching[name]
                 self.n_switches += 1
-                self.book.cooldown_until = wall + self.spec.rebalance.cooldown_seconds
+                started = s.started - self.wall0
+                self.book.last = {"pod": name, "from": s.from_, "to": s.to, "result": "Completed",
+                                  "drainMs": round((drained - started) * 1000),
+                                  "totalMs": round((self.now - started) * 1000)}
 
     def _replace(self, target: int | None, lim: sw.Limits, wall: float) -> None:
         live = [e for e in self.engines if not e.gone and not e.leaving]
         starting = [e for e in live if e.serving_at > self.now]
         sizes = self.sizes or {"prefill": sum(e.role == "prefill" for e in live),
                                "decoder": sum(e.role == "decoder" for e in live)}
-        unsettled = "a new pod is starting" if starting else None
-        new, _ = rp.plan(sizes, target, lim, wall, unsettled, "policy")
+        unsettled = "new pods are starting" if starting else None
+        new, _ = rp.plan(sizes, target, lim, wall, unsettled, "policy", self.spec.total)
         if new is None:
             return
         if new.get("growing"):
             g = new["growing"]
-            self.engines.append(Engine(f"{g}-r{len(self.engines)}", g, g, serving_at=self.now + self.start_s))
+            for _ in range(new["prefill"] + new["decoder"] - self.spec.total):
+                self.engines.append(Engine(f"{g}-r{len(self.engines)}", g, g, serving_at=self.now + self.start_s))
         else:
             shrink = "decoder" if sizes.get("growing") == "prefill" else "prefill"
-            victim = [e for e in live if e.role == shrink][-1]
-            victim.leaving = True
-            self.n_replaced += 1
-            self.book.cooldown_until = wall + self.spec.rebalance.cooldown_seconds
+            k = sizes["prefill"] + sizes["decoder"] - self.spec.total
+            for victim in [e for e in live if e.role == shrink][-k:]:
+                victim.leaving = True
+                self.n_replaced += 1
         self.sizes = new
 
     def _sample(self) -> None:

@@ -330,10 +330,10 @@ class PDDeploymentSpec(Model):
     def group_sizes(self, decided: dict | None = None) -> dict[str, int]:
         """The StatefulSets' sizes: the groups' replicas, or spec.replicas spread over them; with
         `method: Replace`, the sizes the operator decided and recorded (status.rebalance.groupSizes)
-        while they still add up to this total (plus the one pod a replacement adds for a while)."""
+        while they still add up to this total (plus the pods a replacement adds for a while)."""
         if decided and self.rebalance is not None and self.rebalance.method == "Replace":
             n = decided.get("prefill", 0) + decided.get("decoder", 0)
-            if n == self.total + (1 if decided.get("growing") else 0):
+            if n == self.total or (decided.get("growing") and self.total < n <= 2 * self.total):
                 return {"prefill": decided["prefill"], "decoder": decided["decoder"]}
         p, d = self.prefill.replicas, self.decoder.replicas
         if self.replicas is None or self.replicas == p + d:
@@ -467,13 +467,17 @@ class GroupSizes(Model):
     prefill: int
     decoder: int
     growing: Literal["prefill", "decoder"] | None = Field(
-        default=None, description="a replacement in flight: this group got its new pod; the other shrinks next")
+        default=None, description="a replacement in flight: this group got its new pods; the other shrinks by "
+                                  "as many next")
 
 
 class RebalanceStatus(Model):
     target_prefill: int | None = Field(default=None, description="prefill-role pods the policy wants")
     group_sizes: GroupSizes | None = Field(default=None, description="method Replace: the groups' decided sizes")
-    cooldown_until: str | None = None
+    cooldown_until: str | None = Field(default=None, description="a periodic policy changes the target again "
+                                                                  "from then (cooldownSeconds after it last did)")
+    retry_after: str | None = Field(default=None, description="no switch starts before then: a switch gave up on "
+                                                              "its drain")
 
 
 class PDDeploymentStatus(Model):

@@ -16,10 +16,11 @@ from pd_contract.names import LABEL_ROLE
 from . import links as lk
 from . import policies
 from .api import PDDeploymentSpec
-from .switch import SWITCHING, Book, Candidate, Decision, Intent, Limits, Switch, View, iso, planning_role
+from .switch import ABORT, SWITCHING, Book, Candidate, Decision, Intent, Limits, Switch, View, iso, planning_role
 
 # Verdicts that freeze the ratio say so in the Rebalancing condition while nothing switches.
 FREEZES = ("CapacityExhausted", "SignalsStale", "NoSignals", "InvalidSchedule")
+PERIODIC = ("Load", "SLO")      # evaluated every evaluationIntervalSeconds, on the engines' signals
 
 
 def signals(engines: list[lk.Engine], reports: dict, reported_at: dict[str, float], now: float,
@@ -56,23 +57,32 @@ def signals(engines: list[lk.Engine], reports: dict, reported_at: dict[str, floa
 
 def decide_target(spec: PDDeploymentSpec, book: Book, sig: policies.Signals, current: int, wall: float
                   ) -> tuple[policies.Verdict | None, bool, Book]:
-    """Evaluate the policy when due (Manual and Schedule every pass, Load and SLO every
+    """Evaluate the policy when due (Manual and Schedule every pass, the others every
     evaluationIntervalSeconds). Returns the verdict of this evaluation (None: not due), whether
     the target changed, and the book with the target and the decision recorded (a new Book:
-    the one given is not changed)."""
+    the one given is not changed). The cooldown runs between decisions: a periodic policy that
+    changed the target does not change it again for cooldownSeconds (the move's switches meanwhile
+    run back to back); Manual and Schedule apply at once."""
     rb = spec.rebalance
     assert rb is not None, "decided only with spec.rebalance set"
-    periodic = rb.policy in ("Load", "SLO")
+    periodic = rb.policy in PERIODIC
     if periodic and wall < book.next_evaluation:
         return None, False, book
     v = policies.evaluate(spec, sig, current, limits(spec, 0.0), wall)
     # a verdict that holds keeps the target recorded (or none: no switching)
     target = v.target if v.target is not None else book.target
+    cooldown_until = book.cooldown_until
+    if periodic and target != book.target and book.target is not None and wall < book.cooldown_until:
+        v = replace(v, message=f"{v.message}; held at {book.target} until {iso(book.cooldown_until)} "
+                               f"(cooldownSeconds)")
+        target = book.target
+    elif periodic and target != book.target:
+        cooldown_until = wall + rb.cooldown_seconds
     record = {"policy": rb.policy, "reason": v.reason, "message": v.message, "currentPrefill": current,
               **({"targetPrefill": target} if target is not None else {}),
               **({"numbers": {k: str(x) for k, x in v.numbers.items()}} if v.numbers else {})}
     old = {k: x for k, x in (book.decision or {}).items() if k != "at"}
-    new = replace(book, switches=list(book.switches), target=target,
+    new = replace(book, switches=list(book.switches), target=target, cooldown_until=cooldown_until,
                   next_evaluation=wall + rb.evaluation_interval_seconds if periodic else book.next_evaluation,
                   decision={**record, "at": iso(wall)} if periodic or old != record else book.decision)
     return v, target != book.target, new
@@ -85,12 +95,13 @@ def condition_for(decision: Decision, verdict_reason: str | None, verdict_messag
     return decision
 
 
-def limits(spec: PDDeploymentSpec, cooldown_until: float) -> Limits:
+def limits(spec: PDDeploymentSpec, hold_until: float) -> Limits:
+    """The switcher's limits; no switch starts before `hold_until` (Book.retry_after)."""
     rb = spec.rebalance
     if rb is None:
-        return Limits(cooldown_until=cooldown_until)
+        return Limits(cooldown_until=hold_until)
     return Limits(min_prefill=rb.min_prefill, min_decoder=rb.min_decoder,
-                  max_in_flight=rb.max_in_flight(spec.total), cooldown_until=cooldown_until)
+                  max_in_flight=rb.max_in_flight(spec.total), cooldown_until=hold_until)
 
 
 def drain_timeout(spec: PDDeploymentSpec) -> float:
@@ -161,7 +172,7 @@ def candidates(engines: list[lk.Engine], switches: list[Switch], refused: set[st
         if e.terminating:
             continue
         sw = by_pod.get(e.pod)
-        role = sw.to if sw else ((e.engine_role if e.agent_ok else None) or e.label)
+        role = (sw.from_ if sw.step == ABORT else sw.to) if sw else ((e.engine_role if e.agent_ok else None) or e.label)
         available = (sw is None and e.ready and e.agent_ok and not e.leaving and e.label == e.engine_role)
         out.append(Candidate(pod=e.pod, uid=e.uid, group=e.group, role=role, available=available,
                              switchable=bool(e.switchable) and e.pod not in refused, in_flight=e.in_flight))

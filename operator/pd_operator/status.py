@@ -64,6 +64,7 @@ class Observed:
     last_switch: dict | None = None                     # status.lastSwitch
     decision: Decision | None = None                    # this pass's switch decision (None: no rebalance)
     cooldown_until: str | None = None
+    retry_after: str | None = None
     last_decision: dict | None = None                   # status.lastDecision
     selector: str | None = None                         # the engine pods' label selector (scale subresource)
     desired_pods: int | None = None                     # what the StatefulSets were sized to
@@ -307,6 +308,8 @@ def build_status(spec: PDDeploymentSpec, obs: Observed, previous: dict | None, a
         rb: dict[str, object] = {"targetPrefill": obs.decision.target, "groupSizes": obs.group_sizes}
         if obs.cooldown_until:
             rb["cooldownUntil"] = obs.cooldown_until
+        if obs.retry_after:
+            rb["retryAfter"] = obs.retry_after
         rb = {k: v for k, v in rb.items() if v is not None}
         if rb:   # never `{}`: server-side apply turns an empty map into null (kubernetes#135841)
             out["rebalance"] = rb

@@ -156,17 +156,29 @@ def test_replace_grows_then_shrinks_within_min_counts():
     from pd_operator import replace
     from pd_operator.switch import Limits
     lim = Limits()
-    new, d = replace.plan({"prefill": 2, "decoder": 2}, 3, lim, 100.0, None, "Manual")
+    new, d = replace.plan({"prefill": 2, "decoder": 2}, 3, lim, 100.0, None, "Manual", 4)
     assert new == {"prefill": 3, "decoder": 2, "growing": "prefill"} and d.reason == "Replacing"
-    keep, d = replace.plan(new, 3, lim, 101.0, "pods not ready: x-prefill-2", "Manual")
+    keep, d = replace.plan(new, 3, lim, 101.0, "pods not ready: x-prefill-2", "Manual", 4)
     assert keep is None and "starting" in d.message
-    done, d = replace.plan(new, 3, lim, 102.0, None, "Manual")
-    assert done == {"prefill": 3, "decoder": 1} and "removing one decoder" in d.message
-    assert replace.plan(done, 3, lim, 103.0, None, "m")[1].reason == "AtTarget"
-    assert replace.plan(done, 4, lim, 103.0, None, "m")[1].reason == "MinCount"
-    assert replace.plan(done, 2, Limits(cooldown_until=200), 103.0, None, "m")[1].reason == "Cooldown"
-    back, _ = replace.plan(done, 2, lim, 300.0, None, "m")
+    done, d = replace.plan(new, 3, lim, 102.0, None, "Manual", 4)
+    assert done == {"prefill": 3, "decoder": 1} and "removing 1 decoder" in d.message
+    assert replace.plan(done, 3, lim, 103.0, None, "m", 4)[1].reason == "AtTarget"
+    assert replace.plan(done, 4, lim, 103.0, None, "m", 4)[1].reason == "MinCount"
+    assert replace.plan(done, 2, Limits(cooldown_until=200), 103.0, None, "m", 4)[1].reason == "Cooldown"
+    back, _ = replace.plan(done, 2, lim, 300.0, None, "m", 4)
     assert back == {"prefill": 3, "decoder": 2, "growing": "decoder"}
+
+
+def test_replace_moves_whole_up_to_max_in_flight():
+    from pd_operator import replace
+    from pd_operator.switch import Limits
+    new, d = replace.plan({"prefill": 16, "decoder": 16}, 24, Limits(max_in_flight=8), 0.0, None, "m", 32)
+    assert new == {"prefill": 24, "decoder": 16, "growing": "prefill"} and "8 new prefill pods" in d.message
+    done, d = replace.plan(new, 24, Limits(max_in_flight=8), 1.0, None, "m", 32)
+    assert done == {"prefill": 24, "decoder": 8} and "removing 8 decoder" in d.message
+    capped, _ = replace.plan({"prefill": 16, "decoder": 16}, 30, Limits(max_in_flight=64, min_decoder=4), 0.0,
+                             None, "m", 32)
+    assert capped == {"prefill": 28, "decoder": 16, "growing": "prefill"}, "the min count caps the move"
 
 
 def test_replace_sizes_are_a_function_of_spec_and_record():
@@ -174,6 +186,7 @@ def test_replace_sizes_are_a_function_of_spec_and_record():
     assert s.group_sizes({"prefill": 4, "decoder": 2}) == {"prefill": 4, "decoder": 2}
     assert s.group_sizes({"prefill": 4, "decoder": 3, "growing": "prefill"}) == {"prefill": 4, "decoder": 3}
     assert s.group_sizes({"prefill": 5, "decoder": 3}) == {"prefill": 3, "decoder": 3}, "a stale record is dropped"
+    assert s.group_sizes({"prefill": 6, "decoder": 3, "growing": "prefill"}) == {"prefill": 6, "decoder": 3}
     assert spec("Manual", manual={"prefill": 2}).group_sizes({"prefill": 4, "decoder": 2}) == \
         {"prefill": 3, "decoder": 3}, "method Switch ignores it"
 
@@ -208,3 +221,20 @@ def test_max_concurrent_switches_is_a_number_or_a_percentage_of_the_fleet(value,
 def test_max_concurrent_switches_refuses_what_is_neither(value):
     with pytest.raises(ValueError):
         parse_spec({**BASE, "rebalance": {"policy": "Load", "maxConcurrentSwitches": value}})
+
+
+def test_the_cooldown_runs_between_decisions_that_change_the_target():
+    s = spec("Load", evaluationIntervalSeconds=10, cooldownSeconds=30)
+    up, down = sig(p_busy=0.95, d_run=1), sig(p_busy=0.1, d_run=4, d_wait=3)
+    v, changed, book = decide_target(s, Book(), up, 3, 1000.0)
+    assert changed and book.target == 4 and book.cooldown_until == 1030.0
+    v, changed, book = decide_target(s, book, down, 4, 1010.0)
+    assert not changed and book.target == 4 and "held at 4 until" in book.decision["message"]
+    assert v.reason == "DecodeBound", "the verdict is reported, the target held"
+    v, changed, book = decide_target(s, book, up, 4, 1020.0)
+    assert not changed and book.cooldown_until == 1030.0, "a verdict that keeps the target starts no cooldown"
+    v, changed, book = decide_target(s, book, down, 4, 1030.0)
+    assert changed and book.target == 3 and book.cooldown_until == 1060.0
+    m = spec("Manual", manual={"prefill": 2}, cooldownSeconds=600)
+    _, _, mb = decide_target(m, Book(target=4, cooldown_until=2000.0), Signals(), 4, 1000.0)
+    assert mb.target == 2, "Manual and Schedule apply at once"
