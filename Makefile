@@ -29,8 +29,9 @@ $(LINT_STAMP): $(STAMP)
 
 # the decide side (pure modules) and the contract package are type-checked
 TYPED := $(addprefix operator/pd_operator/,api.py backoff.py builders.py cachedesc.py capacity.py children.py conditions.py \
-	config.py decide.py diagnosis.py faultpoint.py forecast.py gateway.py goodput.py kinds.py links.py members.py \
-	objmeta.py policies.py rebalance.py replace.py reports.py state.py status.py switch.py) contract/pd_contract
+	config.py decide.py demand.py diagnosis.py faultpoint.py forecast.py gateway.py goodput.py kinds.py links.py \
+	members.py objmeta.py policies.py rebalance.py replace.py reports.py signals.py state.py status.py switch.py) \
+	contract/pd_contract
 
 lint: $(LINT_STAMP) ## ruff over everything, mypy over the pure modules and the contract package
 	$(VENV)/bin/ruff check .

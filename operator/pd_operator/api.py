@@ -135,6 +135,23 @@ class LoadThresholds(Model):
     decode_busy_low: float = Field(default=0.5, ge=0, description="(running + waiting) / max batch: idle")
 
 
+class GoodputSettings(Model):
+    """Policy Goodput: how the demand is forecast over the time a move takes."""
+    model_config = ConfigDict(json_schema_extra=rules(
+        ("self.predictor != 'Seasonal' || has(self.seasonalPeriodSeconds)",
+         "spec.rebalance.goodput.seasonalPeriodSeconds is required when the predictor is Seasonal",
+         ".seasonalPeriodSeconds"),
+    ))
+    predictor: Literal["Trend", "Kalman", "Seasonal"] = Field(
+        default="Trend", description="Trend: a line through the recent demand; Kalman: a local linear trend "
+                                     "filtered over all of it; Seasonal: the demand a period earlier, shifted by "
+                                     "how far its level moved since")
+    window_seconds: int = Field(default=60, ge=5, le=86400, description="the recent demand Trend fits and "
+                                                                         "Seasonal compares levels over")
+    seasonal_period_seconds: int | None = Field(default=None, ge=10, le=604800,
+                                                description="Seasonal: the period of the demand")
+
+
 PERCENT = r"^(100|[1-9][0-9]?)%$"
 Count = Annotated[int, Field(ge=1, le=1024, strict=True)]   # strict: "25" is neither a count nor a percentage
 Percent = Annotated[str, Field(pattern=PERCENT)]
@@ -150,8 +167,8 @@ class Rebalance(Model):
          "spec.rebalance.schedule needs at least one entry when spec.rebalance.policy is Schedule", ".schedule"),
         ("!has(self.schedule) || self.schedule.all(e, e.prefill >= self.minPrefill)",
          "every spec.rebalance.schedule[].prefill must be >= spec.rebalance.minPrefill", ".schedule"),
-        ("self.policy != 'SLO' || has(self.targets)",
-         "spec.rebalance.targets (ttftP90Ms, tbtP90Ms) are required when spec.rebalance.policy is SLO",
+        ("!(self.policy in ['SLO', 'Goodput']) || has(self.targets)",
+         "spec.rebalance.targets (ttftP90Ms, tbtP90Ms) are required when spec.rebalance.policy is SLO or Goodput",
          ".targets"),
         ("!has(self.maxConcurrentSwitches) || (type(self.maxConcurrentSwitches) == int ? "
          "self.maxConcurrentSwitches >= 1 && self.maxConcurrentSwitches <= 1024 : "
@@ -159,7 +176,7 @@ class Rebalance(Model):
          "spec.rebalance.maxConcurrentSwitches must be a number from 1 to 1024 or a percentage from 1% to 100%",
          ".maxConcurrentSwitches"),
     ))
-    policy: Literal["Manual", "Schedule", "Load", "SLO"]
+    policy: Literal["Manual", "Schedule", "Load", "SLO", "Goodput"]
     min_prefill: int = Field(default=1, ge=0, le=1024)
     min_decoder: int = Field(default=1, ge=0, le=1024)
     cooldown_seconds: int = Field(default=60, ge=0, le=86400)
@@ -173,11 +190,13 @@ class Rebalance(Model):
         default=1, description="role switches in flight at once: a number, or a percentage of the engines rounded "
                                "down (at least one), like maxUnavailable")
     evaluation_interval_seconds: int = Field(default=15, ge=1, le=86400,
-                                             description="how often Load and SLO re-decide the prefill count")
+                                             description="how often Load, SLO and Goodput re-decide the prefill "
+                                                         "count")
     signal_max_age_seconds: int = Field(default=30, ge=1, le=3600,
                                         description="older load signals freeze the ratio instead of driving it")
     time_zone: str = Field(default="UTC", max_length=64, description="IANA time zone of the schedule")
     load: LoadThresholds = Field(default_factory=LoadThresholds, json_schema_extra={"default": {}})
+    goodput: GoodputSettings = Field(default_factory=GoodputSettings, json_schema_extra={"default": {}})
     targets: Targets | None = None
     schedule: list[ScheduleEntry] | None = Field(default=None, max_length=64)
     manual: Manual | None = None

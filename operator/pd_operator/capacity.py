@@ -2,7 +2,8 @@
 
 - Prefill: prompt tokens computed per second of busy time, the median over the prefills busy
   long enough in the report's window to say (an idle engine says nothing about its speed, and a
-  median ignores one that was slowed by something else).
+  median ignores one that was slowed by something else); under a light load, all the prefills'
+  busy time pooled.
 - Decode: the step time as a function of the batch and the context it holds,
   T = a * context + b * batch + c ms (the form of REFERENCE §B), fitted over the recent steps
   the decoders report, pooled (they run the same model on the same hardware). The fit is least
@@ -17,7 +18,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Sequence
 
-MIN_BUSY_S = 0.5          # a prefill busy less than this in the window is not measured
+MIN_BUSY_S = 0.5          # a prefill busy less than this in the window is not measured on its own
+MIN_POOLED_S = 0.05       # ... but pooled with the others, if together they were busy this long
 MAX_SAMPLES = 600         # steps the fit reads (evenly thinned beyond this)
 HUBER_K = 1.5             # residuals beyond 1.5 robust standard deviations weigh less
 PRIOR_WEIGHT = 1e-4       # the previous fit's pull, per sample (it settles only what the steps leave open)
@@ -46,9 +48,13 @@ def prefill_rate(busy: Sequence[tuple[float, float]], previous: float | None = N
     """(prompt tokens per busy second, engines measured) from each prefill's (tokens computed,
     busy seconds) in the window; the previous estimate when none was busy enough."""
     rates = [tokens / s for tokens, s in busy if s >= MIN_BUSY_S and tokens > 0]
-    if not rates:
-        return previous, 0
-    return statistics.median(rates), len(rates)
+    if rates:
+        return statistics.median(rates), len(rates)
+    # a light load keeps every prefill mostly idle: their busy time together still says it
+    tokens, seconds = sum(t for t, s in busy if t > 0), sum(s for t, s in busy if t > 0)
+    if seconds >= MIN_POOLED_S:
+        return tokens / seconds, sum(1 for t, s in busy if t > 0 and s > 0)
+    return previous, 0
 
 
 def fit_steps(steps: Sequence[tuple[int, int, float]], previous: StepFit | None = None) -> StepFit | None:

@@ -309,7 +309,7 @@ def advance_switches(spec: PDDeploymentSpec, mem: Memory, book: sw_.Book, pods: 
         cands = rb.candidates(engines, kept, set(mem.switch_refused))
         current = sw_.prefill_count(cands)
         sig = rb.signals(mesh, mem.reports, mem.reported_at, now, mem.gateway_stats) \
-            if spec.rebalance.policy in ("Load", "SLO") else policies.Signals()
+            if spec.rebalance.policy in rb.PERIODIC else policies.Signals()
         verdict, changed, evaluated = rb.decide_target(spec, book, sig, current, wall)
         mem.book = book = evaluated
         if verdict is not None:

@@ -20,7 +20,7 @@ from .switch import ABORT, SWITCHING, Book, Candidate, Decision, Intent, Limits,
 
 # Verdicts that freeze the ratio say so in the Rebalancing condition while nothing switches.
 FREEZES = ("CapacityExhausted", "SignalsStale", "NoSignals", "InvalidSchedule")
-PERIODIC = ("Load", "SLO")      # evaluated every evaluationIntervalSeconds, on the engines' signals
+PERIODIC = ("Load", "SLO", "Goodput")   # evaluated every evaluationIntervalSeconds, on the engines' signals
 
 
 def signals(engines: list[lk.Engine], reports: dict, reported_at: dict[str, float], now: float,
@@ -36,11 +36,16 @@ def signals(engines: list[lk.Engine], reports: dict, reported_at: dict[str, floa
         ages.append(now - reported_at.get(e.pod, now))
         if e.role == "prefill":
             prefills.append(policies.PrefillLoad(busy=ld.prefill_busy, queue=ld.queue_depth,
-                                                 queued_tokens=ld.queued_prompt_tokens))
+                                                 queued_tokens=ld.queued_prompt_tokens, window_s=ld.window_s,
+                                                 arrived=ld.requests_arrived, arrived_tokens=ld.prompt_tokens_arrived,
+                                                 computed_tokens=ld.prefill_tokens, busy_s=ld.prefill_busy_s))
         else:
             decoders.append(policies.DecoderLoad(running=ld.running, waiting=ld.decode_queue,
                                                  max_batch=max(1, ld.max_batch), kv_used=ld.kv_used_bytes,
-                                                 kv_capacity=ld.kv_capacity_bytes))
+                                                 kv_capacity=ld.kv_capacity_bytes, window_s=ld.window_s,
+                                                 output_tokens=ld.output_tokens, completed=ld.decodes_completed,
+                                                 context_tokens=ld.context_tokens,
+                                                 steps=tuple((x.batch, x.context_tokens, x.ms) for x in ld.steps)))
             if ld.ttft_p90_ms is not None:
                 ttft.append(ld.ttft_p90_ms)
             if ld.tbt_p90_ms is not None:
@@ -68,7 +73,7 @@ def decide_target(spec: PDDeploymentSpec, book: Book, sig: policies.Signals, cur
     periodic = rb.policy in PERIODIC
     if periodic and wall < book.next_evaluation:
         return None, False, book
-    v = policies.evaluate(spec, sig, current, limits(spec, 0.0), wall)
+    v = policies.evaluate(spec, sig, current, limits(spec, 0.0), wall, book.learned, book.last)
     # a verdict that holds keeps the target recorded (or none: no switching)
     target = v.target if v.target is not None else book.target
     cooldown_until = book.cooldown_until
@@ -83,6 +88,7 @@ def decide_target(spec: PDDeploymentSpec, book: Book, sig: policies.Signals, cur
               **({"numbers": {k: str(x) for k, x in v.numbers.items()}} if v.numbers else {})}
     old = {k: x for k, x in (book.decision or {}).items() if k != "at"}
     new = replace(book, switches=list(book.switches), target=target, cooldown_until=cooldown_until,
+                  learned=v.learned if v.learned is not None else book.learned,
                   next_evaluation=wall + rb.evaluation_interval_seconds if periodic else book.next_evaluation,
                   decision={**record, "at": iso(wall)} if periodic or old != record else book.decision)
     return v, target != book.target, new

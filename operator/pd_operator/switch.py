@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime as dt
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 STEPS = ("Drain", "Unlink", "SwitchRole", "Relink", "Verify", "Undrain")
 ABORT = "Abort"
@@ -356,6 +357,7 @@ class Book:
     decision: dict | None = None       # status.lastDecision
     next_evaluation: float = 0.0       # Load and SLO: when to decide again
     sizes: dict | None = None          # method Replace: the groups' decided sizes
+    learned: Any = None                # policy Goodput: demand history and capacity (memory only)
 
     def copy(self) -> "Book":
         return replace(self, switches=list(self.switches))

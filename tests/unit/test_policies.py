@@ -1,5 +1,6 @@
 """Rebalancing policies (pure): table-driven."""
 import datetime as dt
+from dataclasses import replace
 
 import pytest
 import yaml
@@ -238,3 +239,70 @@ def test_the_cooldown_runs_between_decisions_that_change_the_target():
     m = spec("Manual", manual={"prefill": 2}, cooldownSeconds=600)
     _, _, mb = decide_target(m, Book(target=4, cooldown_until=2000.0), Signals(), 4, 1000.0)
     assert mb.target == 2, "Manual and Schedule apply at once"
+
+
+GOODPUT = spec("Goodput", targets={"ttftP90Ms": 3000, "tbtP90Ms": 60}, evaluationIntervalSeconds=10,
+               cooldownSeconds=20)
+
+
+def measured(rps, prompt, output, n_p=3, n_d=3, queued=0, waiting=0, steps=True, window=10.0):
+    """Signals as agents report them for `rps` requests/s of a mix, timed by the timing models."""
+    from pd_agent.timing import TimingModel
+    t = TimingModel()
+    n = round(rps * window / n_p)      # prompts each prefill took on; one at a time under a light load
+    batch = 1 if n * t.prefill_ms([prompt]) / 1000 < window / 2 else 4
+    busy = min(window, n / batch * t.prefill_ms([prompt] * batch) / 1000)
+    pre = [PrefillLoad(busy=busy / window, queue=queued // max(1, prompt), queued_tokens=queued // n_p,
+                       window_s=window, arrived=n, arrived_tokens=n * prompt, computed_tokens=n * prompt,
+                       busy_s=busy)] * n_p
+    ctx = prompt + output // 2
+    st = tuple((b, b * ctx, t.decode_step_ms([ctx] * b)) for b in (1, 2, 3, 4) for _ in range(4)) if steps else ()
+    dec = [DecoderLoad(running=2, waiting=waiting // n_d, max_batch=4, window_s=window,
+                       output_tokens=round(rps * window / n_d) * output, completed=round(rps * window / n_d),
+                       context_tokens=2 * ctx, steps=st)] * n_d
+    return Signals(prefills=pre, decoders=dec, age_s=1.0)
+
+
+@pytest.mark.parametrize("case, signals, current, want, reason", [
+    ("decode-heavy on 3P3D: fewer prefills", measured(3.0, 300, 150), 3, 1, "GoodputGain"),
+    ("prompt-heavy on 1P5D: more prefills", measured(4.0, 3000, 20, 1, 5), 1, (3, 4), "GoodputGain"),
+    ("light load: any split does", measured(0.2, 300, 150), 3, None, "AtBest"),
+    ("no decode step measured yet", measured(3.0, 300, 150, steps=False), 3, None, "Measuring"),
+    ("agents without the window fields", Signals(prefills=[PrefillLoad(busy=0.5)] * 3,
+                                                 decoders=[DecoderLoad(running=2, max_batch=4)] * 3), 3, None,
+     "Measuring"),
+    ("stale", replace(measured(3.0, 300, 150), age_s=99), 3, None, "SignalsStale"),
+    ("no signals", Signals(), 3, None, "NoSignals"),
+])
+def test_goodput(case, signals, current, want, reason):
+    v = policies.evaluate(GOODPUT, signals, current, limits(GOODPUT, 0), 1000.0)
+    assert v.reason == reason, (case, v.message)
+    if want is not None:
+        assert v.target in (want if isinstance(want, tuple) else (want,)), (case, v)
+    else:
+        assert v.target is None
+
+
+def test_goodput_decision_carries_its_numbers_and_learns():
+    v, changed, book = decide_target(GOODPUT, Book(), measured(3.0, 300, 150), 3, 1000.0)
+    assert changed and book.target == 1
+    n = book.decision["numbers"]
+    for key in ("requestsPerS", "promptTokensPerS", "outputTokensPerS", "decodeConcurrency", "prefillTokensPerBusyS",
+                "decodeStepMs", "predictor", "forecastRequestsPerS", "moveS", "goodputNow", "goodputAtBest",
+                "bestPrefill", "gain", "cost"):
+        assert key in n, key
+    assert float(n["goodputAtBest"]) > float(n["goodputNow"])
+    assert book.learned.capacity.step is not None and len(book.learned.history) == 1
+    # the capacity it measured carries an evaluation whose prefills were idle
+    idle = replace(measured(3.0, 300, 150), prefills=[replace(p, busy_s=0.0, computed_tokens=0)
+                                                      for p in measured(3.0, 300, 150).prefills])
+    v, _, book = decide_target(GOODPUT, book, idle, 1, 1010.0)
+    assert v.reason != "Measuring" and len(book.learned.history) == 2
+
+
+def test_goodput_needs_targets_at_admission():
+    import json
+
+    from pd_operator import crdgen
+    rules = json.dumps(crdgen.crd())
+    assert "self.policy in ['SLO', 'Goodput']" in rules
