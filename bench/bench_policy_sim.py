@@ -1,9 +1,9 @@
 """`make bench-policy-sim`: the rebalancing policies on a discrete-event model of the fleet
 (bench/fleetsim.py: the simulator's timing models, batching, routing and drain rules, driven
 by the operator's own policy and switch functions) at 4, 32 and 256 engines, each trace, the
-same seven runs as `make bench-rebalance`, in seconds. With --compare RESULT.json (what
-`make bench-rebalance` wrote) the 4-engine goodputs are printed beside the cluster's (goal:
-within 15%).
+runs of `make bench-rebalance` with a grid of fixed ratios (every split of 4 engines, sixteenths
+of a larger fleet), in seconds to minutes. With --compare RESULT.json (what `make bench-rebalance`
+wrote) the 4-engine goodputs are printed beside the cluster's (goal: within 15%).
 
     python bench/bench_policy_sim.py [--sizes 4,32,256] [--traces shift] [--compare bench/results/rebalance.json]"""
 from __future__ import annotations
@@ -40,7 +40,7 @@ def simulate(kind: str, n: int, only: list[str] | None = None, switch_s: float =
     rows = trace_rows(kind, n)
     out = {}
     for run in sc.runs(n, 0, 1.0, kind):
-        if only and run.name not in only:
+        if only and run.name not in only and not ("fixed" in only and run.rebalance is None):
             continue
         doc = sc.pddeployment(run, "sim", "bench")
         spec = PDDeploymentSpec.model_validate(doc["spec"])
@@ -58,7 +58,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="4,32,256")
     ap.add_argument("--traces", default=",".join(sc.TRACES))
-    ap.add_argument("--runs", default=None, help="comma-separated subset of " + ",".join(sc.RUNS))
+    ap.add_argument("--runs", default=None, help="comma-separated subset of " + ",".join(sc.RUNS)
+                    + " (fixed: every fixed ratio)")
     ap.add_argument("--switch-s", type=float, default=0.4, help="control-plane seconds of a switch (bench-switch)")
     ap.add_argument("--compare", default=None, help="a bench-rebalance result JSON: print its goodput beside")
     ap.add_argument("--out", default=str(sc.BENCH / "results" / "policy-sim.json"))

@@ -1,10 +1,10 @@
 """`make bench-rebalance`: what live switching buys, side by side with fixed ratios and with
 the peers' way (replacing pods), on the local cluster with the operator as a process.
 
-For each trace (bench/traces, bench/scenarios.py says how they are made) seven PDDeployments
+For each trace (bench/traces, bench/scenarios.py says how they are made) eight PDDeployments
 of 4 engines serve the same trace at the same time, each with its own load generator:
-fixed 1P3D, 2P2D and 3P1D; Schedule (entries written for the trace); Load; SLO; Load with
-`method: Replace` (a new engine pays ENGINE_START_S before it serves). Time is compressed by
+fixed 1P3D, 2P2D and 3P1D; Schedule (entries written for the trace); Load; SLO; Goodput; Load
+with `method: Replace` (a new engine pays ENGINE_START_S before it serves). Time is compressed by
 --compress: the simulator's time scale, the trace, the policies' intervals and cooldowns and
 the engine start-up are all divided by it, and every number is printed back in trace time.
 
@@ -35,7 +35,7 @@ from common import REPO, Bench  # noqa: E402
 from fleetsim import timeline  # noqa: E402
 
 RESULTS = sc.BENCH / "results"
-QUICK_RUNS = ["fixed-2P2D", "Load", "Load+Replace"]
+QUICK_RUNS = ["fixed-2P2D", "Load", "Goodput", "Load+Replace"]
 
 
 def kname(run: str) -> str:
@@ -92,7 +92,8 @@ def run_trace(bench: Bench, kind: str, compress: float, only: list[str] | None, 
         time.sleep(max(0.0, start - time.time()))
         for r in runs:
             if r.rebalance and r.rebalance["policy"] == "Schedule":
-                entries = sc.runs(4, minute, compress, kind)[3].rebalance["schedule"]
+                entries = next(x for x in sc.runs(4, minute, compress, kind) if x.name == "Schedule").rebalance[
+                    "schedule"]
                 bench.custom.patch_namespaced_custom_object(
                     "pdoperator.io", "v1alpha1", ns, "pddeployments", kname(r.name),
                     {"spec": {"rebalance": {"policy": "Schedule", "schedule": entries, "manual": None}}})

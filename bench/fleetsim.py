@@ -8,6 +8,9 @@ It models what the simulated serving (pd_agent.inference) does, with the same ti
 - decode: continuous batching of up to max_batch requests; each step costs
   TimingModel.decode_step_ms of the running contexts and gives every running request a token;
   the KV pull costs kv_transfer_ms before the request joins the decoder's queue.
+- the load report: each engine feeds the agent's own load meter (pd_agent.loadmeter) on the
+  model's clock, and the policies read it through the operator's own mapping (rebalance.
+  prefill_load, decoder_load), so Goodput measures demand and capacity as on a cluster;
 - routing as pd-gateway routes (pd_contract.routing): engine loads as of the last refresh (every
   second), the prefill with the least queued prompt tokens, then the decoder with the least
   running + queued, ties broken at random; draining engines are not chosen.
@@ -31,12 +34,14 @@ import random
 from dataclasses import dataclass, field
 
 from pd_agent.inference import LATENCY_WINDOW_S
+from pd_agent.loadmeter import LoadMeter
 from pd_agent.timing import TimingModel
+from pd_contract.agent_api import Load
 from pd_operator import policies
 from pd_operator import replace as rp
 from pd_operator import switch as sw
 from pd_operator.api import PDDeploymentSpec
-from pd_operator.rebalance import PERIODIC, decide_target, limits
+from pd_operator.rebalance import PERIODIC, decide_target, decoder_load, limits, prefill_load
 
 BUSY_WINDOW_S = 10.0
 REFRESH_S = 1.0
@@ -78,6 +83,7 @@ class Engine:
     version: int = 0
     ttft: collections.deque = field(default_factory=lambda: collections.deque(maxlen=2000))   # (at, ms)
     tbt: collections.deque = field(default_factory=lambda: collections.deque(maxlen=8000))
+    meter: LoadMeter = field(default_factory=LoadMeter)   # the agent's load report window, on the model's clock
 
     def serving(self, now: float) -> bool:
         return not self.gone and not self.draining and not self.leaving and now >= self.serving_at
@@ -177,6 +183,7 @@ class FleetSim:
             self.pending.append(r)
             return
         p.queue.append(r)
+        p.meter.arrived(r.prompt, self.now)
         self._prefill_next(p)
 
     # ---- prefill ------------------------------------------------------------------------------
@@ -189,10 +196,11 @@ class FleetSim:
         e.busy.append((self.now, self.now + dt))
         if len(e.busy) > 256:
             del e.busy[:128]
-        self.at(self.now + dt, "prefilled", e, batch)
+        self.at(self.now + dt, "prefilled", e, batch, dt)
 
-    def _prefilled(self, e: Engine, batch: list[Req]) -> None:
+    def _prefilled(self, e: Engine, batch: list[Req], dt: float) -> None:
         e.batch_n = 0
+        e.meter.prefilled(sum(r.prompt for r in batch), dt, self.now)
         for r in batch:
             d = self._pick("decoder")
             if d is None:      # every decoder went away meanwhile: the cache waits for the next refresh
@@ -207,6 +215,7 @@ class FleetSim:
         d.pulling -= 1
         r.ctx, r.remaining = r.prompt, r.output
         d.wait.append(r)
+        d.meter.arrived(r.prompt, self.now)
         if len(d.running) < self.mb:
             self._decode_replan(d)
 
@@ -257,6 +266,11 @@ class FleetSim:
         first = t0 + self._cum(s0, b, 1)
         end = t0 + self._cum(s0, b, k)
         mean_step = (end - t0) / k * 1000
+        # the report's steps: the first and the last of the run (the rest only count their tokens)
+        d.meter.step(b, s0, self._cum(s0, b, 1) * 1000, first)
+        if k > 1:
+            d.meter.step(b, s0 + b * (k - 1), (end - t0 - self._cum(s0, b, k - 1)) * 1000, end)
+        d.meter.generated(b * max(0, k - 2), end)
         still = []
         for r in d.running:
             if r.first is None:
@@ -265,6 +279,7 @@ class FleetSim:
             r.remaining -= k
             if r.remaining <= 0:
                 r.last = end
+                d.meter.completed(end)
                 d.ttft.append((end, (r.first - r.arrival) * 1000))
             else:
                 still.append(r)
@@ -295,10 +310,13 @@ class FleetSim:
             if e.role == "prefill":
                 busy = sum(min(b, now) - max(a, now - BUSY_WINDOW_S) for a, b in e.busy if b > now - BUSY_WINDOW_S
                            and a < now)
-                pre.append(policies.PrefillLoad(busy=min(1.0, busy / BUSY_WINDOW_S), queue=len(e.queue),
-                                                queued_tokens=sum(r.prompt for r in e.queue)))
+                pre.append(prefill_load(e.meter.fill(Load(
+                    prefill_busy=min(1.0, busy / BUSY_WINDOW_S), queue_depth=len(e.queue),
+                    queued_prompt_tokens=sum(r.prompt for r in e.queue)), now)))
             else:
-                dec.append(policies.DecoderLoad(running=len(e.running), waiting=len(e.wait), max_batch=self.mb))
+                e.meter.context_tokens = sum(r.ctx for r in e.running)
+                dec.append(decoder_load(e.meter.fill(Load(running=len(e.running), decode_queue=len(e.wait),
+                                                          max_batch=self.mb), now)))
                 for window, into in ((e.ttft, ttft), (e.tbt, tbt)):
                     while window and window[0][0] < now - LATENCY_WINDOW_S:
                         window.popleft()

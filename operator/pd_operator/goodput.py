@@ -16,7 +16,9 @@ Each engine is modelled as its own queue, as routing on loads a second old makes
 `choose` picks the prefill count of the highest predicted goodput (among near ties, the one
 with the most headroom in its busier role), and moves only if what the move gains over its
 horizon exceeds what its drains cost: engines that drain serve nothing for the time the move
-takes, which the model prices as the goodput lost by the split without them."""
+takes, which the model prices as the goodput lost by the split without them. When every split
+predicts the same (a backlog none clears within the horizon predicts nothing anywhere), a
+split whose busier role is at capacity moves to the one with the most headroom (Relieve)."""
 from __future__ import annotations
 
 import math
@@ -27,6 +29,7 @@ from .capacity import Capacity
 TIE = 0.002          # goodputs within this fraction of the best count as equal
 MIN_GAIN = 0.01      # a move must gain at least this fraction of the current goodput (noise)
 SATURATED = 0.98     # the utilisation whose waits stand for any beyond it
+PRESSED = 0.1        # a split whose busier role has less headroom than this moves to relieve it
 
 
 @dataclass(frozen=True)
@@ -50,8 +53,8 @@ class Prediction:
     goodput: float                 # requests/s meeting both targets
     ttft_ok: float                 # fraction of requests within the TTFT target
     tbt_ms: float                  # the step time at the batch the load keeps
-    prefill_use: float             # utilisation of each role (1: at capacity)
-    decode_use: float
+    prefill_use: float             # utilisation of each role (1: at capacity), its backlog spread over
+    decode_use: float              # the horizon counted in
 
     @property
     def headroom(self) -> float:
@@ -152,7 +155,8 @@ def predict(prefills: int, decoders: int, demand: Demand, cap: Capacity, max_bat
     ttft_ok = (1.0 - min(1.0, _sum_tail(wp, wd, budget))) * _transient_ok(wp, budget / 2, horizon) * \
         _transient_ok(wd, budget / 2, horizon)
     tbt_ok = 1.0 if step_ms <= targets.tbt_ms else max(0.0, 1.0 - (step_ms - targets.tbt_ms) / (0.2 * targets.tbt_ms))
-    return Prediction(prefills, lam * ttft_ok * tbt_ok, ttft_ok, step_ms, use_p, use_d)
+    spread = (lambda w: w.w0 / horizon) if horizon > 0 else (lambda w: 0.0)
+    return Prediction(prefills, lam * ttft_ok * tbt_ok, ttft_ok, step_ms, use_p + spread(wp), use_d + spread(wd))
 
 
 @dataclass(frozen=True)
@@ -163,7 +167,7 @@ class Choice:
     gain: float                    # requests the move gains over the horizon (after it is done)
     cost: float                    # requests its drains lose while it is made
     move_s: float
-    reason: str                    # Move | NoGain | AtBest
+    reason: str                    # Move | Relieve | NoGain | AtBest
 
 
 def choose(total: int, current: int, lo: int, hi: int, demand: Demand, cap: Capacity, max_batch: int,
@@ -174,14 +178,21 @@ def choose(total: int, current: int, lo: int, hi: int, demand: Demand, cap: Capa
     top = max(x.goodput for x in preds)
     near = [x for x in preds if x.goodput >= top * (1 - TIE)]
     best = max(near, key=lambda x: (x.headroom, -abs(x.prefill - current)))
-    if best.prefill == current or now.goodput >= top * (1 - TIE):
+    if best.prefill == current:
+        return Choice(now, best, current, 0.0, 0.0, move_s, "AtBest")
+    if now.goodput >= top * (1 - TIE):
+        # as good as the best over the horizon; but a role run past what it can carry (a backlog no
+        # split clears within the horizon predicts nothing anywhere) needs the capacity all the same
+        if now.headroom < PRESSED and best.headroom > now.headroom + PRESSED:
+            return Choice(now, best, best.prefill, 0.0, 0.0, move_s, "Relieve")
         return Choice(now, best, current, 0.0, 0.0, move_s, "AtBest")
     k = abs(best.prefill - current)
-    # while it moves, the k engines that drain serve neither role
+    # while it moves, the k engines that drain serve neither role: what that costs against staying
     during = predict(current - k if best.prefill < current else current, total - current - (
         k if best.prefill > current else 0), demand, cap, max_batch, targets, move_s)
+    stay = predict(current, total - current, demand, cap, max_batch, targets, move_s)
     gain = (best.goodput - now.goodput) * max(0.0, horizon - move_s)
-    cost = max(0.0, now.goodput - during.goodput) * move_s
+    cost = max(0.0, stay.goodput - during.goodput) * move_s
     pays = gain > cost and best.goodput - now.goodput >= MIN_GAIN * max(now.goodput, 1e-9)
     return Choice(now, best, best.prefill if pays else current, gain, cost, move_s, "Move" if pays else "NoGain")
 

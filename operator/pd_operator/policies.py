@@ -245,6 +245,8 @@ def goodput(spec: PDDeploymentSpec, sig: Signals, current: int, total: int, limi
         return Verdict(None, "Measuring", f"{m.missing}; the ratio is frozen until it is measured",
                        learned=m.learned)
     d, hist = m.demand, m.learned.history
+    if d.requests_per_s <= 0 and not d.prompt_backlog and not d.decode_backlog:
+        return Verdict(None, "Idle", "no request arrived in the last window; holding", learned=m.learned)
     sides = [gp.drain_seconds(to, d, cap, current, total - current, m.max_batch) for to in ("prefill", "decoder")]
     move_s = _control_s(last_switch) + max(sides)
     at = now + move_s
@@ -252,8 +254,11 @@ def goodput(spec: PDDeploymentSpec, sig: Signals, current: int, total: int, limi
     def ahead(i: int) -> float:
         return fc.forecast(g.predictor, [(h[0], h[i]) for h in hist], at, g.window_seconds, period)
 
-    fd = replace(d, requests_per_s=ahead(1), prompt_tokens=ahead(2) or d.prompt_tokens,
-                 output_tokens=ahead(3) or d.output_tokens)
+    # the rate is forecast; the mix (tokens per request) changes in steps a line cannot foresee, so
+    # it is the last window's, unless the predictor knows the demand's season
+    fd = replace(d, requests_per_s=ahead(1))
+    if g.predictor == "Seasonal":
+        fd = replace(fd, prompt_tokens=ahead(2) or d.prompt_tokens, output_tokens=ahead(3) or d.output_tokens)
     horizon = max(float(rb.cooldown_seconds + rb.evaluation_interval_seconds), 2 * move_s)
     lo, hi = max(1, limits.min_prefill), total - max(1, limits.min_decoder)
     c = gp.choose(total, current, lo, min(hi, total - 1), fd, cap, m.max_batch,
@@ -279,6 +284,10 @@ def goodput(spec: PDDeploymentSpec, sig: Signals, current: int, total: int, limi
         return _bounded(c.target, total, limits, Verdict(
             c.target, "GoodputGain", f"{text}: gains {c.gain:.0f} requests over {horizon:.0f}s, the drains cost "
                                      f"{c.cost:.0f}", nums, learned=m.learned))
+    if c.reason == "Relieve":
+        return _bounded(c.target, total, limits, Verdict(
+            c.target, "Relieve", f"{text}: a role is at capacity ({max(c.now.prefill_use, c.now.decode_use):.0%}); "
+                                 f"{c.best.prefill} prefills leave the most headroom", nums, learned=m.learned))
     if c.reason == "AtBest":
         return Verdict(None, "AtBest", f"{text}: as good as it gets", nums, learned=m.learned)
     return Verdict(None, "MoveDoesNotPay", f"{text}: gains {c.gain:.0f} requests over {horizon:.0f}s, the drains "

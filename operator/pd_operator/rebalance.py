@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from pd_contract.agent_api import Load
 from pd_contract.names import LABEL_ROLE
 
 from . import links as lk
@@ -35,17 +36,9 @@ def signals(engines: list[lk.Engine], reports: dict, reported_at: dict[str, floa
         ld = s.load
         ages.append(now - reported_at.get(e.pod, now))
         if e.role == "prefill":
-            prefills.append(policies.PrefillLoad(busy=ld.prefill_busy, queue=ld.queue_depth,
-                                                 queued_tokens=ld.queued_prompt_tokens, window_s=ld.window_s,
-                                                 arrived=ld.requests_arrived, arrived_tokens=ld.prompt_tokens_arrived,
-                                                 computed_tokens=ld.prefill_tokens, busy_s=ld.prefill_busy_s))
+            prefills.append(prefill_load(ld))
         else:
-            decoders.append(policies.DecoderLoad(running=ld.running, waiting=ld.decode_queue,
-                                                 max_batch=max(1, ld.max_batch), kv_used=ld.kv_used_bytes,
-                                                 kv_capacity=ld.kv_capacity_bytes, window_s=ld.window_s,
-                                                 output_tokens=ld.output_tokens, completed=ld.decodes_completed,
-                                                 context_tokens=ld.context_tokens,
-                                                 steps=tuple((x.batch, x.context_tokens, x.ms) for x in ld.steps)))
+            decoders.append(decoder_load(ld))
             if ld.ttft_p90_ms is not None:
                 ttft.append(ld.ttft_p90_ms)
             if ld.tbt_p90_ms is not None:
@@ -58,6 +51,23 @@ def signals(engines: list[lk.Engine], reports: dict, reported_at: dict[str, floa
     # the worst decoder's percentiles: percentiles of different engines do not average
     return policies.Signals(prefills=prefills, decoders=decoders, ttft_p90_ms=max(ttft) if ttft else None,
                             tbt_p90_ms=max(tbt) if tbt else None, age_s=age)
+
+
+def prefill_load(ld: Load) -> policies.PrefillLoad:
+    """What a prefill's load report says, as the policies read it."""
+    return policies.PrefillLoad(busy=ld.prefill_busy, queue=ld.queue_depth, queued_tokens=ld.queued_prompt_tokens,
+                                window_s=ld.window_s, arrived=ld.requests_arrived,
+                                arrived_tokens=ld.prompt_tokens_arrived, computed_tokens=ld.prefill_tokens,
+                                busy_s=ld.prefill_busy_s)
+
+
+def decoder_load(ld: Load) -> policies.DecoderLoad:
+    """What a decoder's load report says, as the policies read it."""
+    return policies.DecoderLoad(running=ld.running, waiting=ld.decode_queue, max_batch=max(1, ld.max_batch),
+                                kv_used=ld.kv_used_bytes, kv_capacity=ld.kv_capacity_bytes, window_s=ld.window_s,
+                                output_tokens=ld.output_tokens, completed=ld.decodes_completed,
+                                context_tokens=ld.context_tokens,
+                                steps=tuple((x.batch, x.context_tokens, x.ms) for x in ld.steps))
 
 
 def decide_target(spec: PDDeploymentSpec, book: Book, sig: policies.Signals, current: int, wall: float
