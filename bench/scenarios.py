@@ -21,6 +21,7 @@ SLO_TTFT_MS = 3000       # a request counts towards goodput when its TTFT and me
 SLO_TBT_MS = 60
 ENGINE_START_S = 60      # what a new engine pays before it serves (weights loading): Replace pays it
 EVAL_S = 10              # Load and SLO re-decide this often
+GOODPUT_EVAL_S = 5       # Goodput re-decides this often, with this cooldown
 COOLDOWN_S = 20
 MAX_BATCH = 4
 MAX_SEQ = 4096
@@ -104,7 +105,10 @@ def runs(total: int = 4, start_minute: int = 0, compress: float = 1.0, kind: str
         Run("Schedule", half, total, {**common, "policy": "Schedule", "schedule": entries}),
         Run("Load", half, total, {**common, "policy": "Load"}),
         Run("SLO", half, total, {**common, "policy": "SLO", "targets": targets}),
-        Run("Goodput", half, total, {**common, "policy": "Goodput", "targets": targets}),
+        # Goodput's gate, not a cooldown, keeps it from flapping: it evaluates twice as often
+        Run("Goodput", half, total, {**common, "policy": "Goodput", "targets": targets,
+                                     "evaluationIntervalSeconds": sc(GOODPUT_EVAL_S),
+                                     "cooldownSeconds": sc(GOODPUT_EVAL_S)}),
         Run("Load+Replace", half, total, {**common, "policy": "Load", "method": "Replace"}),
     ]
 
