@@ -95,7 +95,7 @@ bench-rebalance: $(BENCH_STAMP) k8s-bins ## live switching vs fixed ratios vs Re
 	$(PY) bench/bench_rebalance.py $(if $(QUICK),--quick,) && \
 	$(PY) bench/bench_policy_sim.py --sizes 4 --compare bench/results/rebalance.json
 
-bench-policy-sim: venv ## the policies on a discrete-event model of 4, 32 and 256 engines (seconds per trace)
+bench-policy-sim: $(BENCH_STAMP) ## the policies and a grid of fixed ratios on a discrete-event model of 4, 32 and 256 engines (about an hour)
 	$(PY) bench/bench_policy_sim.py $(if $(wildcard bench/results/rebalance.json),--compare bench/results/rebalance.json,)
 
 bench: bench-sim bench-links bench-switch bench-gateway ## every benchmark
