@@ -209,3 +209,41 @@ def test_replace_moves_replicas_and_loses_no_request(cluster: Cluster, namespace
     assert s["failed"] == 0, s["failed_by_reason"]
     reasons = [e["reason"] for e in events(cluster, ns)]
     assert "RebalanceDecision" in reasons and "Switched" not in reasons
+
+
+def test_goodput_policy_moves_whole_and_says_why(cluster: Cluster, namespace: str, operator):
+    """policy Goodput on a live fleet: it measures demand and capacity from the agents' load
+    reports, moves to the prefill count its model predicts best (a whole move at once), says why
+    in status.lastDecision, and fails no request."""
+    ns = namespace
+    cluster.apply(sample(**{"model.kvCache.maxSeqLen": 2048, "drainTimeoutSeconds": 30, "sim": {"timeScale": 1.0},
+                            "rebalance": {"policy": "Goodput", "targets": {"ttftP90Ms": 3000, "tbtP90Ms": 60},
+                                          "evaluationIntervalSeconds": INTERVAL, "cooldownSeconds": INTERVAL,
+                                          "maxConcurrentSwitches": "50%", "minPrefill": 1, "minDecoder": 1}}), ns)
+    wait_phase(cluster, ns, "Ready", timeout=120, extra=lambda o: o["status"]["linksSummary"] == "4/4")
+    w = Watcher(cluster, ns)
+    try:
+        # prompt-heavy: 2k-token prompts at 16/s, short outputs
+        t1 = now_iso()
+        load = Load(cluster, ns, duration=300, rate=16, workload="code", max_output=8)
+        o = wait_for("more prefills", lambda: (x := pdd(cluster, ns))["status"].get("prefill", 0) >= 3
+                     and x["status"]["phase"] == "Ready" and x, timeout=90)
+        moved = next(d for d in w.evaluations_since(t1) if d["reason"] == "GoodputGain")
+        s1 = load.stop()
+        # decode-heavy: long outputs at a modest rate
+        t2 = now_iso()
+        load = Load(cluster, ns, duration=300, rate=3, workload="chat", max_output=256)
+        wait_for("back to one prefill", lambda: (x := pdd(cluster, ns))["status"].get("prefill") == 1
+                 and x["status"]["phase"] == "Ready", timeout=150)
+        s2 = load.stop()
+        back = next(d for d in w.evaluations_since(t2) if d["reason"] in ("GoodputGain", "Relieve"))
+    finally:
+        w.close()
+    print(f"\nGoodput: {moved['message']}\n         {back['message']}\nloads {s1} {s2}")
+    assert s1["failed"] == 0 and s2["failed"] == 0, (s1["failed_by_reason"], s2["failed_by_reason"])
+    assert w.min_serving["prefill"] >= 1 and w.min_serving["decoder"] >= 1, w.min_serving
+    for key in ("requestsPerS", "promptTokensPerS", "outputTokensPerS", "prefillTokensPerBusyS", "decodeStepMs",
+                "forecastRequestsPerS", "goodputNow", "goodputAtBest", "bestPrefill", "gain", "cost"):
+        assert key in moved["numbers"], key
+    assert float(moved["numbers"]["goodputAtBest"]) > float(moved["numbers"]["goodputNow"])
+    assert o["status"]["lastDecision"]["policy"] == "Goodput"
