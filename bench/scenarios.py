@@ -26,7 +26,7 @@ COOLDOWN_S = 20
 MAX_BATCH = 4
 MAX_SEQ = 4096
 
-POLICY_RUNS = ["Schedule", "Load", "SLO", "Goodput", "Load+Replace"]
+POLICY_RUNS = ["Schedule", "Load", "SLO", "Goodput", "Load+Replace", "Goodput+Replace"]
 RUNS = ["fixed-<P>P<D>D"] + POLICY_RUNS
 
 
@@ -110,6 +110,10 @@ def runs(total: int = 4, start_minute: int = 0, compress: float = 1.0, kind: str
                                      "evaluationIntervalSeconds": sc(GOODPUT_EVAL_S),
                                      "cooldownSeconds": sc(GOODPUT_EVAL_S)}),
         Run("Load+Replace", half, total, {**common, "policy": "Load", "method": "Replace"}),
+        Run("Goodput+Replace", half, total, {**common, "policy": "Goodput", "targets": targets, "method": "Replace",
+                                             "evaluationIntervalSeconds": sc(GOODPUT_EVAL_S),
+                                             "cooldownSeconds": sc(GOODPUT_EVAL_S),
+                                             "goodput": {"replaceSeconds": sc(ENGINE_START_S)}}),
     ]
 
 
@@ -173,12 +177,12 @@ def table(title: str, rows: dict[str, dict], other: dict[str, dict] | None = Non
     percentiles, failures, ratio moves; with `other`, its goodput beside and the difference
     (met or not against `within`)."""
     f = lambda d: "/".join(f"{d[k]:.0f}" if d.get(k) is not None else "-" for k in ("p50", "p90", "p99"))  # noqa: E731
-    head = (f"{'run':14s} {'goodput':>8s} {'SLO att':>8s} {'TTFT p50/p90/p99 ms':>22s} {'TBT p50/p90/p99 ms':>20s} "
+    head = (f"{'run':16s} {'goodput':>8s} {'SLO att':>8s} {'TTFT p50/p90/p99 ms':>22s} {'TBT p50/p90/p99 ms':>20s} "
             f"{'failed':>6s} {'moves':>6s}" + (f" {other_name:>16s} {'diff':>6s}" if other else ""))
     lines = [title, head]
     for name, s in rows.items():
         moves = s["switches"] + s.get("replacements", 0)
-        line = (f"{name:14s} {s['goodput_rps']:8.3f} {s['slo_attainment']:8.1%} {f(s['ttft_ms']):>22s} "
+        line = (f"{name:16s} {s['goodput_rps']:8.3f} {s['slo_attainment']:8.1%} {f(s['ttft_ms']):>22s} "
                 f"{f(s['tbt_ms']):>20s} {s['failed']:6d} {moves:6d}")
         if other and name in other:
             c = other[name]["goodput_rps"]

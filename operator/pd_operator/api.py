@@ -150,6 +150,9 @@ class GoodputSettings(Model):
                                                                          "Seasonal compares levels over")
     seasonal_period_seconds: int | None = Field(default=None, ge=10, le=604800,
                                                 description="Seasonal: the period of the demand")
+    replace_seconds: int = Field(default=120, ge=1, le=7200,
+                                 description="method Replace: how long a new engine takes to serve (the time a "
+                                             "move takes; nothing drains before its replacement serves)")
 
 
 PERCENT = r"^(100|[1-9][0-9]?)%$"

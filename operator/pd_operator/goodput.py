@@ -171,8 +171,10 @@ class Choice:
 
 
 def choose(total: int, current: int, lo: int, hi: int, demand: Demand, cap: Capacity, max_batch: int,
-           targets: Targets, horizon: float, move_s: float) -> Choice:
-    """The prefill count to have for the next `horizon` seconds, and whether moving there pays."""
+           targets: Targets, horizon: float, move_s: float, drains: bool = True) -> Choice:
+    """The prefill count to have for the next `horizon` seconds, and whether moving there pays.
+    `drains`: the engines that move drain first (a switch); otherwise (a replacement: the new ones
+    serve before the old go) the move costs nothing but the time until it is done."""
     preds = [predict(p, total - p, demand, cap, max_batch, targets, horizon) for p in range(lo, hi + 1)]
     now = predict(current, total - current, demand, cap, max_batch, targets, horizon)
     top = max(x.goodput for x in preds)
@@ -192,7 +194,7 @@ def choose(total: int, current: int, lo: int, hi: int, demand: Demand, cap: Capa
         k if best.prefill > current else 0), demand, cap, max_batch, targets, move_s)
     stay = predict(current, total - current, demand, cap, max_batch, targets, move_s)
     gain = (best.goodput - now.goodput) * max(0.0, horizon - move_s)
-    cost = max(0.0, stay.goodput - during.goodput) * move_s
+    cost = max(0.0, stay.goodput - during.goodput) * move_s if drains else 0.0
     pays = gain > cost and best.goodput - now.goodput >= MIN_GAIN * max(now.goodput, 1e-9)
     return Choice(now, best, best.prefill if pays else current, gain, cost, move_s, "Move" if pays else "NoGain")
 

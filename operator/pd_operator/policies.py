@@ -247,8 +247,9 @@ def goodput(spec: PDDeploymentSpec, sig: Signals, current: int, total: int, limi
     d, hist = m.demand, m.learned.history
     if d.requests_per_s <= 0 and not d.prompt_backlog and not d.decode_backlog:
         return Verdict(None, "Idle", "no request arrived in the last window; holding", learned=m.learned)
+    replacing = rb.method == "Replace"
     sides = [gp.drain_seconds(to, d, cap, current, total - current, m.max_batch) for to in ("prefill", "decoder")]
-    move_s = _control_s(last_switch) + max(sides)
+    move_s = float(g.replace_seconds) if replacing else _control_s(last_switch) + max(sides)
     at = now + move_s
 
     def ahead(i: int) -> float:
@@ -262,7 +263,7 @@ def goodput(spec: PDDeploymentSpec, sig: Signals, current: int, total: int, limi
     horizon = max(float(rb.cooldown_seconds + rb.evaluation_interval_seconds), 2 * move_s)
     lo, hi = max(1, limits.min_prefill), total - max(1, limits.min_decoder)
     c = gp.choose(total, current, lo, min(hi, total - 1), fd, cap, m.max_batch,
-                  gp.Targets(rb.targets.ttft_p90_ms, rb.targets.tbt_p90_ms), horizon, move_s)
+                  gp.Targets(rb.targets.ttft_p90_ms, rb.targets.tbt_p90_ms), horizon, move_s, drains=not replacing)
     assert cap.step is not None and cap.prefill_tokens_per_s is not None
     full_ms = cap.step.ms(m.max_batch, m.max_batch * (fd.prompt_tokens + fd.output_tokens / 2))
     nums = {"requestsPerS": round(d.requests_per_s, 3), "promptTokensPerS": round(d.requests_per_s * d.prompt_tokens),

@@ -306,3 +306,12 @@ def test_goodput_needs_targets_at_admission():
     from pd_operator import crdgen
     rules = json.dumps(crdgen.crd())
     assert "self.policy in ['SLO', 'Goodput']" in rules
+
+
+def test_goodput_sizes_replace_from_the_same_model():
+    rs = spec("Goodput", targets={"ttftP90Ms": 3000, "tbtP90Ms": 60}, method="Replace",
+              goodput={"replaceSeconds": 90})
+    v = policies.evaluate(rs, measured(3.0, 300, 150), 3, limits(rs, 0), 1000.0)
+    assert v.reason == "GoodputGain" and v.target == 1
+    assert v.numbers["moveS"] == 90 and v.numbers["cost"] == 0 and v.numbers["horizonS"] == 180, \
+        "a replacement drains nothing before its new engines serve, and takes their start"
