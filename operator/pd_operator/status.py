@@ -4,6 +4,7 @@ listed. Condition messages carry no number that changes from pass to pass (durat
 `lastVerified`), so a pass that changes nothing writes nothing."""
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass, field
 
 from pd_contract.names import MAX_LINKS_PER_ENGINE
@@ -202,8 +203,16 @@ def proxy_environment(obs: Observed) -> Verdict:
     return False, "NoProxyVariables", "no agent reports proxy variables"
 
 
+LISTED_SWITCHES = 4   # more switches in flight than this are counted, not listed, in the Rebalancing condition
+
+
 def rebalancing(obs: Observed) -> Verdict | None:
     """True while a switch is in flight; otherwise why no switch is started (None: no policy)."""
+    if len(obs.switches) > LISTED_SWITCHES:
+        # a whole move of a large fleet: counted by direction and step, so the message stays short
+        counts = collections.Counter((s.from_, s.to, s.step) for s in obs.switches)
+        return True, "Switching", f"{len(obs.switches)} switches: " + "; ".join(
+            f"{n} {frm} -> {to} at {step}" for (frm, to, step), n in sorted(counts.items()))
     if obs.switches:
         return True, "Switching", "; ".join(f"{s.pod}: {s.from_} -> {s.to}, step {s.step}"
                                             + (f" ({s.message})" if s.message else "") for s in obs.switches)

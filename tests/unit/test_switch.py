@@ -219,3 +219,15 @@ def test_retarget_a_move_down():
     sws = [moving("p5", "prefill", "decoder"), moving("p6", "prefill", "decoder")]
     members = [replace(m, role="decoder", available=False) if m.pod in ("p5", "p6") else m for m in BIG]
     assert [s.pod for s in retarget(sws, members, 7, T0) if s.step == ABORT] == ["p6"]
+
+
+def test_a_whole_move_is_counted_not_listed_in_the_rebalancing_condition():
+    from pd_operator.status import Observed, rebalancing
+    sws = [moving(f"d{i}", "decoder", "prefill") for i in range(40)] + \
+        [moving(f"e{i}", "decoder", "prefill", step="Relink") for i in range(24)]
+    obs = Observed(generation=1, pods=[], engines=[], problems=[], switches=sws)
+    ok, reason, message = rebalancing(obs)
+    assert (ok, reason) == (True, "Switching")
+    assert message == "64 switches: 40 decoder -> prefill at Drain; 24 decoder -> prefill at Relink"
+    _, _, few = rebalancing(Observed(generation=1, pods=[], engines=[], problems=[], switches=sws[:2]))
+    assert few.startswith("d0: decoder -> prefill, step Drain")
