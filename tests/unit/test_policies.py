@@ -315,3 +315,8 @@ def test_goodput_sizes_replace_from_the_same_model():
     assert v.reason == "GoodputGain" and v.target == 1
     assert v.numbers["moveS"] == 90 and v.numbers["cost"] == 0 and v.numbers["horizonS"] == 180, \
         "a replacement drains nothing before its new engines serve, and takes their start"
+
+
+def test_the_goodput_example_parses():
+    s = parse_spec(yaml.safe_load((REPO / "examples" / "sim-goodput.yaml").read_text())["spec"])
+    assert s.rebalance.policy == "Goodput" and s.rebalance.max_in_flight(s.total) == 4
