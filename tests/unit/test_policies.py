@@ -320,3 +320,15 @@ def test_goodput_sizes_replace_from_the_same_model():
 def test_the_goodput_example_parses():
     s = parse_spec(yaml.safe_load((REPO / "examples" / "sim-goodput.yaml").read_text())["spec"])
     assert s.rebalance.policy == "Goodput" and s.rebalance.max_in_flight(s.total) == 4
+
+
+def test_goodput_holds_through_noise_at_the_best_split():
+    import random
+    rng = random.Random(3)
+    book, reasons = Book(target=1), []
+    for i in range(30):
+        rps = 3.0 * (1 + rng.uniform(-0.15, 0.15))
+        _, changed, book = decide_target(GOODPUT, book, measured(rps, 300, 150, 1, 5), 1, 1000.0 + 10 * i)
+        reasons.append(book.decision["reason"])
+        assert not changed and book.target == 1, (i, book.decision["message"])
+    assert set(reasons) <= {"AtBest", "MoveDoesNotPay"}, reasons
