@@ -36,6 +36,7 @@ from fleetsim import timeline  # noqa: E402
 
 RESULTS = sc.BENCH / "results"
 QUICK_RUNS = ["fixed-2P2D", "Load", "Goodput", "Load+Replace"]
+MODEL_ONLY = ["Goodput+Replace"]   # bench-policy-sim's; on the cluster only when named (--runs): CPU
 
 
 def kname(run: str) -> str:
@@ -65,7 +66,7 @@ def run_trace(bench: Bench, kind: str, compress: float, only: list[str] | None, 
     work = RESULTS / "work"
     work.mkdir(parents=True, exist_ok=True)
     try:
-        runs = [r for r in sc.runs(4, 0, compress, kind) if not only or r.name in only]
+        runs = [r for r in sc.runs(4, 0, compress, kind) if (r.name in only if only else r.name not in MODEL_ONLY)]
         for r in runs:
             doc = sc.pddeployment(r, kname(r.name), ns, compress)
             if r.rebalance and r.rebalance["policy"] == "Schedule":
