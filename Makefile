@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 KUBECONFIG_LOCAL := $(CURDIR)/.localcluster/kubeconfig
 BIN_DIR = $(shell hack/k8s-bins/build.sh --print-dir)
 
-.PHONY: help venv lint k8s-bins cluster-up cluster-down test test-unit test-integration test-e2e e2e-kind images lint-workflows crd crd-check demo bench bench-sim bench-links bench-switch bench-gateway bench-rebalance bench-policy-sim clean
+.PHONY: help venv lint k8s-bins cluster-up cluster-down test test-unit test-integration test-e2e e2e-kind images lint-workflows crd crd-check demo bench bench-sim bench-links bench-switch bench-gateway bench-rebalance bench-policy-sim soak clean
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
@@ -28,10 +28,10 @@ $(LINT_STAMP): $(STAMP)
 	@touch $@
 
 # the decide side (pure modules) and the contract package are type-checked
-TYPED := $(addprefix operator/pd_operator/,api.py backoff.py builders.py cachedesc.py capacity.py children.py conditions.py \
-	config.py decide.py demand.py diagnosis.py faultpoint.py forecast.py gateway.py goodput.py kinds.py links.py \
-	members.py objmeta.py policies.py rebalance.py replace.py reports.py signals.py state.py status.py switch.py) \
-	contract/pd_contract
+TYPED := $(addprefix operator/pd_operator/,api.py api_gateway.py backoff.py builders.py cachedesc.py capacity.py children.py \
+	conditions.py config.py decide.py demand.py diagnosis.py faultpoint.py forecast.py gateway.py goodput.py kinds.py \
+	links.py members.py objmeta.py policies.py rebalance.py replace.py reports.py sharedgateway.py signals.py state.py \
+	status.py switch.py) contract/pd_contract
 
 lint: $(LINT_STAMP) ## ruff over everything, mypy over the pure modules and the contract package
 	$(VENV)/bin/ruff check .
@@ -75,6 +75,7 @@ lint-workflows: ## actionlint the GitHub Actions workflows (built from its Go mo
 
 crd: venv ## regenerate the CRD (crds/ and the chart's copy) from the pydantic models
 	$(PY) -m pd_operator.crdgen --out crds/pddeployment.yaml --out charts/pd-operator/crds/pddeployment.yaml
+	$(PY) -m pd_operator.crdgen --kind PDGateway --out crds/pdgateway.yaml --out charts/pd-operator/crds/pdgateway.yaml
 
 demo: cluster-up ## the main job: operator (Helm chart) + examples/sim-small.yaml on the local cluster
 	@BIN_DIR="$(BIN_DIR)" PY="$(PY)" hack/demo.sh
@@ -97,6 +98,9 @@ bench-rebalance: $(BENCH_STAMP) k8s-bins ## live switching vs fixed ratios vs Re
 
 bench-policy-sim: $(BENCH_STAMP) ## the policies and a grid of fixed ratios on a discrete-event model of 4, 32 and 256 engines (about an hour)
 	$(PY) bench/bench_policy_sim.py $(if $(wildcard bench/results/rebalance.json),--compare bench/results/rebalance.json,)
+
+soak: venv k8s-bins ## pods, containers and operators killed, switches and scaling, malformed requests, under load (30 min; MINUTES=5: shorter)
+	$(PY) bench/soak.py --minutes $(or $(MINUTES),30)
 
 bench: bench-sim bench-links bench-switch bench-gateway ## every benchmark
 

@@ -48,7 +48,7 @@ class Bench:
             self.started = True
         self.kubeconfig = str(self.lc.paths.kubeconfig)
         self.kubectl = [str(bin_dir_default() / "kubectl"), f"--kubeconfig={self.kubeconfig}"]
-        subprocess.run(self.kubectl + ["apply", "-f", str(REPO / "crds" / "pddeployment.yaml")], check=True,
+        subprocess.run(self.kubectl + ["apply", "-f", str(REPO / "crds")], check=True,
                        capture_output=True)
         subprocess.run(self.kubectl + ["wait", "--for=condition=Established", "crd/pddeployments.pdoperator.io"],
                        check=True, capture_output=True)

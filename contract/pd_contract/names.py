@@ -10,6 +10,7 @@ LABEL_DEPLOYMENT = f"{GROUP}/deployment"
 LABEL_GROUP = f"{GROUP}/group"
 LABEL_ROLE = f"{GROUP}/role"
 LABEL_GATEWAY = f"{GROUP}/gateway"
+LABEL_PDGATEWAY = f"{GROUP}/pdgateway"   # on the pods of a PDGateway (a gateway shared by deployments)
 LABEL_KEYS = f"{GROUP}/keys"         # "true" on a Secret that may serve as a gateway's API keys
 # the role an engine starts in, read at every container start (survives restarts mid-switch)
 ANNOTATION_ROLE = f"{GROUP}/assigned-role"

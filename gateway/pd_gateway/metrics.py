@@ -29,6 +29,8 @@ class GatewayMetrics:
         self.tbt = Histogram("pd_gateway_tbt_ms", "Time between tokens, ms", ["key"], buckets=TBT_MS, registry=r)
         self.tokens = Counter("pd_gateway_tokens", "Tokens by key name and kind (prompt, completion)",
                               ["key", "kind"], registry=r)
+        self.usage = Counter("pd_gateway_usage", "Served requests and their tokens by key name and model "
+                             "(kind: requests, input_tokens, output_tokens)", ["key", "model", "kind"], registry=r)
         self.pod_requests = Counter("pd_gateway_pod_requests", "Requests sent to each engine pod by role and result",
                                     ["pod", "role", "result"], registry=r)
         self.retries = Counter("pd_gateway_refusals", "Refusals before the first token, retried on another pair",

@@ -42,9 +42,10 @@ from pd_contract.routing import (
     summary,
 )
 
-from . import wire
+from . import policy, wire
 from .keys import MIN_KEY_LENGTH, REFRESH_S, Keys, RateLimits, from_env, from_secret
 from .metrics import GatewayMetrics
+from .usage import SYNC_S, ConfigMapStore, Usage
 
 log = logging.getLogger("pd_gateway")
 PORT = 8000
@@ -61,7 +62,8 @@ BODY_TIMEOUT_S = 60.0          # 8 MiB at 1 Mbit/s
 HEADER_TIMEOUT_S = 30.0        # also how long an idle keep-alive connection is kept
 PROXY_VARS = ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy", "ALL_PROXY")
 JSON_CHARSETS = ("utf-8", "utf8", "us-ascii", "ascii")   # JSON between systems is UTF-8 (RFC 8259)
-KNOWN = {"/v1/models": "GET", "/v1/chat/completions": "POST", "/v1/completions": "POST", "/v1/messages": "POST"}
+KNOWN = {"/v1/models": "GET", "/v1/chat/completions": "POST", "/v1/completions": "POST", "/v1/messages": "POST",
+         "/v1/responses": "POST", "/v1/usage": "GET"}
 
 
 def _positive(env: dict[str, str], name: str, default: Any, cast: Callable[[str], Any] = int) -> Any:
@@ -82,6 +84,7 @@ class Config:
     model: str
     namespace: str
     deployment: str | None = None
+    aliases: tuple[str, ...] = ()
     data_token: str | None = None
     keys_secret: str | None = None
     rpm: dict | None = None
@@ -95,11 +98,16 @@ class Config:
     header_timeout_s: float = HEADER_TIMEOUT_S
     token_gap_timeout_s: float = TOKEN_GAP_TIMEOUT_S
     min_key_length: int = MIN_KEY_LENGTH
+    # a gateway shared by several deployments (a PDGateway): [{model, aliases, deployment, tokenEnv}]
+    routes: list[dict] | None = None
+    key_policy: dict[str, policy.KeyPolicy] | None = None
+    usage_configmap: str | None = None
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "Config":
         env = dict(os.environ if env is None else env)
         return cls(model=env.get("PD_MODEL_NAME", "model"),
+                   aliases=tuple(json.loads(env.get("PD_MODEL_ALIASES") or "[]")),
                    namespace=env.get("POD_NAMESPACE", "default"),
                    deployment=env.get("PD_GATEWAY_DEPLOYMENT") or None,
                    data_token=env.get("PD_AGENT_DATA_TOKEN") or None,
@@ -115,7 +123,19 @@ class Config:
                    header_timeout_s=_positive(env, "PD_GATEWAY_HEADER_TIMEOUT_S", HEADER_TIMEOUT_S, float),
                    token_gap_timeout_s=_positive(env, "PD_GATEWAY_UPSTREAM_READ_TIMEOUT_S", TOKEN_GAP_TIMEOUT_S,
                                                  float),
-                   min_key_length=_positive(env, "PD_GATEWAY_MIN_KEY_LENGTH", MIN_KEY_LENGTH))
+                   min_key_length=_positive(env, "PD_GATEWAY_MIN_KEY_LENGTH", MIN_KEY_LENGTH),
+                   routes=json.loads(env["PD_GATEWAY_ROUTES"]) if env.get("PD_GATEWAY_ROUTES") else None,
+                   key_policy=policy.parse(env.get("PD_GATEWAY_KEY_POLICY")),
+                   usage_configmap=env.get("PD_GATEWAY_USAGE_CONFIGMAP") or None)
+
+
+@dataclass
+class Route:
+    """One model the gateway serves: the deployment whose P-D pairs serve it."""
+    model: str
+    fleet: Fleet
+    deployment: str | None = None
+    aliases: tuple[str, ...] = ()
 
 
 class Streams:
@@ -151,18 +171,36 @@ def api_of(path: str) -> str:
 
 
 class Gateway:
-    def __init__(self, cfg: Config, keys: Keys, fleet: Fleet, metrics: GatewayMetrics | None = None):
+    def __init__(self, cfg: Config, keys: Keys, fleet: Fleet | None = None, metrics: GatewayMetrics | None = None,
+                 routes: list[Route] | None = None, usage: Usage | None = None,
+                 clock: Callable[[], float] = time.time):
         self.cfg = cfg
         self.keys = keys
         self.limits = RateLimits(cfg.rpm or {})
-        self.fleet = fleet
+        self.policies = cfg.key_policy or {}
+        self.usage = usage or Usage()
+        self.clock = clock
+        if routes is None:
+            assert fleet is not None, "a fleet or routes"
+            routes = [Route(cfg.model, fleet, cfg.deployment, cfg.aliases)]
+        self.routes = routes
+        self.by_model: dict[str, Route] = {}
+        for r in routes:
+            for name in (r.model, *r.aliases):
+                self.by_model.setdefault(name, r)
+        self.fleet = routes[0].fleet if routes else None
         self.m = metrics or GatewayMetrics()
         self.streams = Streams(cfg.max_streams_per_key, cfg.max_streams)
         self.tasks: dict[str, asyncio.Task] = {}
         self.dead: dict[str, str] = {}   # background task -> how it ended
-        # a pod whose status routing cannot use is counted here (and logged by the fleet)
-        fleet.on_bad_report = lambda pod, why: self.m.bad_reports.labels(pod).inc()
-        fleet.token_gap_timeout = cfg.token_gap_timeout_s
+        for r in routes:
+            # a pod whose status routing cannot use is counted here (and logged by the fleet)
+            r.fleet.on_bad_report = lambda pod, why: self.m.bad_reports.labels(pod).inc()
+            r.fleet.token_gap_timeout = cfg.token_gap_timeout_s
+
+    def refuse(self, api: str, r: policy.Refusal) -> web.Response:
+        headers = {"Retry-After": str(r.retry_after)} if r.retry_after else None
+        return self.error(api, r.status, r.message, r.etype, r.code, headers=headers)
 
     # ---- errors and auth ---------------------------------------------------------------------
     @staticmethod
@@ -189,6 +227,11 @@ class Gateway:
             return None, self.error(api, 401, "invalid API key: it is not one of this gateway's keys (check for "
                                               "a typo, spaces, or a key from another deployment)",
                                     "authentication_error", "invalid_api_key")
+        p = self.policies.get(name)
+        refused = p and policy.expired(name, p, self.clock())
+        if refused:
+            self.m.requests.labels(name, endpoint, str(refused.status)).inc()
+            return None, self.refuse(api, refused)
         wait = self.limits.admit(name)
         if wait is not None:
             self.m.requests.labels(name, endpoint, "429").inc()
@@ -229,7 +272,13 @@ class Gateway:
         except ValueError as e:
             return None, self.error(api, 400, f"the body is not JSON: {e}", "invalid_request_error")
 
-    async def parse(self, request: web.Request, model: type[wire.ApiRequest], api: str):
+    def served(self) -> str:
+        names = []
+        for r in self.routes:
+            names.append(repr(r.model) + (f" (aliases {', '.join(map(repr, r.aliases))})" if r.aliases else ""))
+        return ", ".join(names) or "no model yet"
+
+    async def parse(self, request: web.Request, model: type[wire.ApiRequest], api: str, key: str = ""):
         data, err = await self.read_json(request, api)
         if err:
             return None, err
@@ -241,15 +290,20 @@ class Gateway:
                                     param=".".join(str(p) for p in first["loc"]) or None)
         except RecursionError:   # nested deep inside a field the models keep as is
             return None, self.error(api, 400, "the body is nested too deeply", "invalid_request_error")
-        if body.model != self.cfg.model:
+        route = self.by_model.get(body.model)
+        if route is None:
             return None, self.error(api, 404, f"model {body.model!r} not found; this gateway serves "
-                                              f"{self.cfg.model!r}", "invalid_request_error", "model_not_found")
+                                              f"{self.served()}", "invalid_request_error", "model_not_found")
+        p = self.policies.get(key)
+        refused = p and policy.model_allowed(key, p, body.model, (route.model, *route.aliases))
+        if refused:
+            return None, self.refuse(api, refused)
         for field, value in body.token_fields().items():
             if value > self.cfg.max_context_tokens:
                 return None, self.error(api, 400, f"{field}: {value} is more than this model's context of "
                                                   f"{self.cfg.max_context_tokens} tokens", "invalid_request_error",
                                         "invalid_value", param=field)
-        return body, None
+        return (body, route), None
 
     # ---- routes ------------------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
@@ -257,13 +311,28 @@ class Gateway:
         if err:
             return err
         self.m.requests.labels(name, "models", "200").inc()
-        return web.json_response(wire.models_reply(self.cfg.model))
+        return web.json_response(wire.models_reply(*[m for r in self.routes for m in (r.model, *r.aliases)]))
+
+    async def usage_report(self, request: web.Request) -> web.Response:
+        """A key sees its own usage; an admin key (policy `admin: true`) everyone's."""
+        name, err = self.authenticate(request, "openai", "usage")
+        if err:
+            return err
+        p = self.policies.get(name)
+        admin = bool(p and p.admin)
+        self.m.requests.labels(name, "usage", "200").inc()
+        return web.json_response({"object": "usage", "key": name, "admin": admin,
+                                  "synced": self.usage.synced_at is not None or self.usage.store is None,
+                                  "usage": self.usage.report(None if admin else name)})
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self.complete(request, "openai", "chat", wire.ChatRequest)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self.complete(request, "openai", "completions", wire.CompletionRequest)
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        return await self.complete(request, "openai", "responses", wire.ResponsesRequest)
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         return await self.complete(request, "anthropic", "anthropic", wire.MessagesRequest)
@@ -273,6 +342,15 @@ class Gateway:
         name, err = self.authenticate(request, api, endpoint)
         if err:
             return err
+        p = self.policies.get(name)
+        if p is not None:   # quotas count completions only (reading models or usage is free)
+            now = self.clock()
+            refused = policy.quota(name, p, now, self.usage.requests_this_minute(name, now),
+                                   self.usage.tokens_today(name, now))
+            if refused:
+                self.m.requests.labels(name, endpoint, str(refused.status)).inc()
+                return self.refuse(api, refused)
+            self.usage.admitted(name, now)
         # taken before the body is read: refusing costs nothing, and bodies held in memory are bounded
         bound = self.streams.take(name)
         if bound is not None:
@@ -286,12 +364,13 @@ class Gateway:
                                         f"takes; retry shortly", "overloaded_error", "overloaded",
                               headers={"Retry-After": "1"})
         try:
-            body, err = await self.parse(request, model, api)
+            parsed, err = await self.parse(request, model, api, name)
             if err:
                 self.m.requests.labels(name, endpoint, str(err.status)).inc()
                 return err
+            body, route = parsed
             return await self.serve(request, name, endpoint, body.text(), body.output_tokens(), bool(body.stream),
-                                    include_usage=body.include_usage())
+                                    include_usage=body.include_usage(), route=route)
         finally:
             self.streams.give(name)
 
@@ -323,16 +402,20 @@ class Gateway:
 
     # ---- one request -----------------------------------------------------------------------------
     async def serve(self, request: web.Request, key: str, api: str, prompt: str, max_tokens: int, stream: bool,
-                    include_usage: bool = False) -> web.StreamResponse:
+                    include_usage: bool = False, route: Route | None = None) -> web.StreamResponse:
+        route = route or self.routes[0]
+        model = route.model
         t0 = time.monotonic()
         prompt_tokens = wire.approx_tokens(prompt)
         seed = wire.seed(prompt)   # the prompt is digested once; each token then costs the same
         out_tokens = min(max_tokens, self.cfg.max_output_tokens)
-        rid = wire.new_id("msg" if api == "anthropic" else ("chatcmpl" if api == "chat" else "cmpl"))
+        rid = wire.new_id({"anthropic": "msg", "chat": "chatcmpl", "responses": "resp"}.get(api, "cmpl"))
+        rs = wire.ResponsesStream(rid, model) if api == "responses" else None
         attempt = Attempt()
-        gen = generate(self.fleet, random.getrandbits(63), prompt_tokens, out_tokens, attempt)
+        gen = generate(route.fleet, random.getrandbits(63), prompt_tokens, out_tokens, attempt)
         pieces: list[str] = []
         times: list[float] = []
+        accounted = False
         resp: web.StreamResponse | None = None
         status = "200"
         try:
@@ -346,25 +429,31 @@ class Gateway:
                     text = wire.piece(seed, n)
                     if stream:
                         if resp is None:
-                            resp = await self._open_stream(request, api, rid, prompt_tokens)
-                        await resp.write(self._chunk(api, rid, text))
+                            resp = await self._open_stream(request, api, rid, prompt_tokens, model, rs)
+                        await resp.write(rs.delta(text) if rs else self._chunk(api, rid, text, model))
                     else:
                         pieces.append(text)
             n = len(times)
             finish = "length" if n >= out_tokens else "stop"
-            self._account(key, api, attempt, t0, times, prompt_tokens, n)
+            accounted = True
+            self._account(key, api, attempt, t0, times, prompt_tokens, n, model)
             if not stream:
                 text = "".join(pieces)
                 if api == "chat":
-                    return web.json_response(wire.chat_reply(rid, self.cfg.model, text, prompt_tokens, n, finish))
+                    return web.json_response(wire.chat_reply(rid, model, text, prompt_tokens, n, finish))
                 if api == "completions":
-                    return web.json_response(wire.completion_reply(rid, self.cfg.model, text, prompt_tokens, n,
-                                                                   finish))
-                return web.json_response(wire.message_reply(rid, self.cfg.model, text, prompt_tokens, n,
+                    return web.json_response(wire.completion_reply(rid, model, text, prompt_tokens, n, finish))
+                if api == "responses":
+                    return web.json_response(wire.responses_reply(rid, model, text, prompt_tokens, n))
+                return web.json_response(wire.message_reply(rid, model, text, prompt_tokens, n,
                                                             "max_tokens" if finish == "length" else "end_turn"))
             if resp is None:
-                resp = await self._open_stream(request, api, rid, prompt_tokens)
-            await self._close_stream(resp, api, rid, prompt_tokens, n, finish, include_usage)
+                resp = await self._open_stream(request, api, rid, prompt_tokens, model, rs)
+            if rs:
+                await resp.write(rs.finish(prompt_tokens, n))
+                await resp.write_eof()
+            else:
+                await self._close_stream(resp, api, rid, prompt_tokens, n, finish, include_usage, model)
             return resp
         except (Unavailable, EngineError) as e:
             status = "503" if isinstance(e, Unavailable) else "502"
@@ -372,9 +461,10 @@ class Gateway:
             self.m.errors.labels(key, reason).inc()
             log.warning("request %s (key %s) failed: %s", rid, key, e)
             if resp is None:   # nothing sent yet: a proper HTTP error
-                return self.error("anthropic" if api == "anthropic" else "openai", int(status), str(e),
+                why = f"model {model!r}" + (f" (deployment {route.deployment})" if route.deployment else "")
+                return self.error("anthropic" if api == "anthropic" else "openai", int(status), f"{why}: {e}",
                                   "server_error" if status == "502" else "overloaded_error", reason)
-            await self._stream_error(resp, api, int(status), str(e), reason)
+            await self._stream_error(resp, api, int(status), str(e), reason, rs)
             return resp
         except ConnectionError:
             raise   # the client went away
@@ -384,10 +474,13 @@ class Gateway:
                 raise   # the guard answers it
             log.exception("request %s (key %s) failed mid-stream", rid, key)
             await self._stream_error(resp, api, 500, f"the gateway failed on this request ({type(e).__name__}); "
-                                                     f"it is logged", "internal_error")
+                                                     f"it is logged", "internal_error", rs)
             return resp
         finally:
             await gen.aclose()
+            if not accounted and attempt.decoder:
+                # cut short (the client left, an engine failed): the tokens produced still count
+                self.usage.record(key, model, prompt_tokens, len(times), self.clock())
             self.m.requests.labels(key, api, status).inc()
             for role, pod in (("prefill", attempt.prefill), ("decoder", attempt.decoder)):
                 if pod:
@@ -396,57 +489,66 @@ class Gateway:
                 self.m.retries.labels(reason).inc(n)
 
     @staticmethod
-    async def _stream_error(resp: web.StreamResponse, api: str, status: int, message: str, code: str) -> None:
+    async def _stream_error(resp: web.StreamResponse, api: str, status: int, message: str, code: str,
+                            rs: wire.ResponsesStream | None = None) -> None:
         """Mid-stream: the API's error event; the client sees the stream end with it."""
-        if api == "anthropic":
+        if rs is not None:
+            await resp.write(rs.failed(code, message))
+        elif api == "anthropic":
             await resp.write(wire.sse(wire.anthropic_error(status, message), "error"))
         else:
             await resp.write(wire.sse(wire.openai_error(message, "server_error", code)))
 
     def _account(self, key: str, api: str, attempt: Attempt, t0: float, times: list[float], prompt: int,
-                 completion: int) -> None:
+                 completion: int, model: str = "") -> None:
+        self.usage.record(key, model or self.cfg.model, prompt, completion, self.clock())
+        self.m.usage.labels(key, model or self.cfg.model, "requests").inc()
+        self.m.usage.labels(key, model or self.cfg.model, "input_tokens").inc(prompt)
+        self.m.usage.labels(key, model or self.cfg.model, "output_tokens").inc(completion)
         if times:
             gaps = [(b - a) * 1000 for a, b in zip(times, times[1:])]
             self.m.record(key, (times[0] - t0) * 1000, sum(gaps) / len(gaps) if gaps else None)
         self.m.tokens.labels(key, "prompt").inc(prompt)
         self.m.tokens.labels(key, "completion").inc(completion)
 
-    async def _open_stream(self, request: web.Request, api: str, rid: str, prompt_tokens: int) -> web.StreamResponse:
+    async def _open_stream(self, request: web.Request, api: str, rid: str, prompt_tokens: int,
+                           model: str, rs: wire.ResponsesStream | None = None) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
         await resp.prepare(request)
-        if api == "chat":
-            await resp.write(wire.sse(wire.chat_chunk(rid, self.cfg.model, {"role": "assistant", "content": ""})))
+        if rs is not None:
+            await resp.write(rs.start())
+        elif api == "chat":
+            await resp.write(wire.sse(wire.chat_chunk(rid, model, {"role": "assistant", "content": ""})))
         elif api == "anthropic":
             await resp.write(wire.sse({"type": "message_start", "message": {
-                "id": rid, "type": "message", "role": "assistant", "content": [], "model": self.cfg.model,
+                "id": rid, "type": "message", "role": "assistant", "content": [], "model": model,
                 "stop_reason": None, "stop_sequence": None,
                 "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}}, "message_start"))
             await resp.write(wire.sse({"type": "content_block_start", "index": 0,
                                        "content_block": {"type": "text", "text": ""}}, "content_block_start"))
         return resp
 
-    def _chunk(self, api: str, rid: str, text: str) -> bytes:
+    def _chunk(self, api: str, rid: str, text: str, model: str) -> bytes:
         if api == "chat":
-            return wire.sse(wire.chat_chunk(rid, self.cfg.model, {"content": text}))
+            return wire.sse(wire.chat_chunk(rid, model, {"content": text}))
         if api == "completions":
-            return wire.sse(wire.completion_chunk(rid, self.cfg.model, text))
+            return wire.sse(wire.completion_chunk(rid, model, text))
         return wire.sse({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}},
                         "content_block_delta")
 
     async def _close_stream(self, resp: web.StreamResponse, api: str, rid: str, prompt: int, n: int, finish: str,
-                            include_usage: bool) -> None:
+                            include_usage: bool, model: str) -> None:
         usage = wire.usage(prompt, n)
         if api == "chat":
-            await resp.write(wire.sse(wire.chat_chunk(rid, self.cfg.model, {}, finish)))
+            await resp.write(wire.sse(wire.chat_chunk(rid, model, {}, finish)))
             if include_usage:
-                await resp.write(wire.sse(wire.chat_chunk(rid, self.cfg.model, {}, usage_=usage, choices=False)))
+                await resp.write(wire.sse(wire.chat_chunk(rid, model, {}, usage_=usage, choices=False)))
             await resp.write(wire.sse("[DONE]"))
         elif api == "completions":
-            await resp.write(wire.sse(wire.completion_chunk(rid, self.cfg.model, "", finish)))
+            await resp.write(wire.sse(wire.completion_chunk(rid, model, "", finish)))
             if include_usage:
-                await resp.write(wire.sse(wire.completion_chunk(rid, self.cfg.model, "", usage_=usage,
-                                                                choices=False)))
+                await resp.write(wire.sse(wire.completion_chunk(rid, model, "", usage_=usage, choices=False)))
             await resp.write(wire.sse("[DONE]"))
         else:
             await resp.write(wire.sse({"type": "content_block_stop", "index": 0}, "content_block_stop"))
@@ -460,11 +562,15 @@ class Gateway:
     async def healthz(self, request: web.Request) -> web.Response:
         dead = [f"background task {name} died: {why}" for name, why in self.dead.items()]
         ok = len(self.keys) > 0 and not dead
-        errors = [e for e in (self.keys.error, self.fleet.error) if e] + dead
-        errors += [f"pod {pod} is skipped: {why}" for pod, why in sorted(self.fleet.bad.items())]
-        return web.json_response({"ok": ok, "keys": len(self.keys), "prefills": len(self.fleet.prefills),
-                                  "decoders": len(self.fleet.decoders), "errors": errors},
-                                 status=200 if ok else 503)
+        fleets = [r.fleet for r in self.routes]
+        errors = [e for e in (self.keys.error, *(f.error for f in fleets), self.usage.error) if e] + dead
+        errors += [f"pod {pod} is skipped: {why}" for f in fleets for pod, why in sorted(f.bad.items())]
+        body = {"ok": ok, "keys": len(self.keys), "prefills": sum(len(f.prefills) for f in fleets),
+                "decoders": sum(len(f.decoders) for f in fleets), "errors": errors}
+        if len(self.routes) > 1 or self.cfg.routes:
+            body["models"] = {r.model: {"deployment": r.deployment, "prefills": len(r.fleet.prefills),
+                                        "decoders": len(r.fleet.decoders)} for r in self.routes}
+        return web.json_response(body, status=200 if ok else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.m.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -478,6 +584,7 @@ class Gateway:
             web.get("/healthz", self.healthz), web.get("/metrics", self.metrics), web.get("/stats", self.stats),
             web.get("/v1/models", self.models), web.post("/v1/chat/completions", self.chat),
             web.post("/v1/completions", self.completions), web.post("/v1/messages", self.messages),
+            web.post("/v1/responses", self.responses), web.get("/v1/usage", self.usage_report),
         ])
         app.router.add_route("*", "/{tail:.*}", self.not_found)
         return app
@@ -504,13 +611,25 @@ class Gateway:
         log.error("background task %s died; /healthz now fails", task.get_name(), exc_info=exc)
 
     def start(self) -> None:
-        self.watch("fleet-refresh", self.fleet.run())
+        for r in self.routes:
+            self.watch(f"fleet-refresh/{r.model}", r.fleet.run())
         self.watch("keys-refresh", _refresh_keys(self.keys))
+        if self.usage.store is not None:
+            self.watch("usage-sync", self._sync_usage())
+
+    async def _sync_usage(self) -> None:
+        while True:
+            await asyncio.sleep(SYNC_S)
+            await self.usage.sync(self.clock())
 
     async def stop(self) -> None:
         for t in self.tasks.values():
             t.cancel()
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+
+    async def flush(self) -> None:
+        """After the last request ended: what this replica counted since its last sync is written."""
+        await self.usage.sync(self.clock())
 
 
 async def _refresh_keys(keys: Keys) -> None:
@@ -526,22 +645,31 @@ async def serve(cfg: Config, host: str, port: int) -> None:
                     ", ".join(set_proxy))
     http = httpx.AsyncClient(trust_env=False, timeout=httpx.Timeout(120, connect=2),
                              limits=httpx.Limits(max_connections=2048, max_keepalive_connections=256))
-    if cfg.agents:
-        finder = fixed_finder(cfg.agents)
+    routes = []
+    if cfg.routes is not None:
+        for r in cfg.routes:
+            token = os.environ.get(r["tokenEnv"]) or None
+            routes.append(Route(r["model"], Fleet(http, token, pod_finder(cfg.namespace, r["deployment"])),
+                                r["deployment"], tuple(r.get("aliases") or ())))
+    elif cfg.agents:
+        routes.append(Route(cfg.model, Fleet(http, cfg.data_token, fixed_finder(cfg.agents)), None, cfg.aliases))
     elif cfg.deployment:
-        finder = pod_finder(cfg.namespace, cfg.deployment)
+        routes.append(Route(cfg.model, Fleet(http, cfg.data_token, pod_finder(cfg.namespace, cfg.deployment)),
+                            cfg.deployment, cfg.aliases))
     else:
-        raise SystemExit("pd_gateway: set PD_GATEWAY_DEPLOYMENT (or PD_GATEWAY_AGENTS)")
+        raise SystemExit("pd_gateway: set PD_GATEWAY_DEPLOYMENT, PD_GATEWAY_ROUTES or PD_GATEWAY_AGENTS")
     keys = Keys(from_secret(cfg.namespace, cfg.keys_secret) if cfg.keys_secret else from_env(),
                 min_length=cfg.min_key_length)
     await asyncio.to_thread(keys.refresh)
-    fleet = Fleet(http, cfg.data_token, finder)
-    gw = Gateway(cfg, keys, fleet)
+    usage = Usage(ConfigMapStore(cfg.namespace, cfg.usage_configmap) if cfg.usage_configmap else None)
+    gw = Gateway(cfg, keys, routes=routes, usage=usage)
+    if usage.store is not None:
+        await usage.sync(gw.clock())   # start from the shared counts
     gw.start()
     runner = gw.runner()
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
-    log.info("pd-gateway serving model %s on %s:%d (%d API keys)", cfg.model, host, port, len(keys))
+    log.info("pd-gateway serving model %s on %s:%d (%d API keys)", gw.served(), host, port, len(keys))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -549,7 +677,8 @@ async def serve(cfg: Config, host: str, port: int) -> None:
     await stop.wait()
     log.info("shutting down")
     await gw.stop()
-    await runner.cleanup()
+    await runner.cleanup()   # requests in flight finish (and count) first
+    await gw.flush()
     await http.aclose()
 
 

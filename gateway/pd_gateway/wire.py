@@ -169,6 +169,48 @@ class MessagesRequest(ApiRequest):
         return self.max_tokens
 
 
+def _input(v: Any) -> Any:
+    """Responses API input: a string, or a list of items (messages with a role and content; other
+    items, like a tool's output, count by their text fields)."""
+    if isinstance(v, str):
+        return _unicode(v)
+    if not isinstance(v, list) or not v:
+        raise ValueError("must be a string or a non-empty array of input items")
+    for i, item in enumerate(v):
+        if not isinstance(item, dict):
+            raise ValueError(f"item {i} must be an object, not {_json_type(item)}")
+        try:
+            _content(item.get("content"))
+            _content(item.get("output"))   # a tool's output: a string or content parts (an image tool's)
+            if "text" in item:
+                if not isinstance(item["text"], str):
+                    raise ValueError(f"text must be a string, not {_json_type(item['text'])}")
+                _unicode(item["text"])
+        except ValueError as e:
+            raise ValueError(f"item {i}: {e}") from None
+    return v
+
+
+class ResponsesRequest(ApiRequest):
+    """OpenAI Responses API (what Codex speaks): `input`, `instructions`, `max_output_tokens`."""
+    input: Annotated[Any, AfterValidator(_input)]
+    instructions: Text | None = None
+    max_output_tokens: StrictInt | None = Field(default=None, ge=1)
+
+    def text(self) -> str:
+        def one(it: dict) -> str:
+            body = _text(it.get("content")) or _text(it.get("output")) or it.get("text", "")
+            return f"{it.get('role', it.get('type', ''))}: {body}"
+        items = [self.input] if isinstance(self.input, str) else [one(it) for it in self.input]
+        return "\n".join(([self.instructions] if self.instructions else []) + items)
+
+    def output_tokens(self) -> int:
+        return self.max_output_tokens or DEFAULT_MAX_TOKENS
+
+    def token_fields(self) -> dict[str, int]:
+        return {"max_output_tokens": self.max_output_tokens} if self.max_output_tokens else {}
+
+
 # ---- errors -------------------------------------------------------------------------------
 
 def openai_error(message: str, etype: str, code: str | None = None, param: str | None = None) -> dict:
@@ -187,7 +229,7 @@ def anthropic_error(status: int, message: str) -> dict:
 
 def path_hint(path: str) -> str:
     """What a client most likely got wrong when it asked for an unknown path."""
-    known = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/messages")
+    known = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/v1/messages")
     if path.startswith("/v1/v1/"):
         return (f"{path} doubles /v1: the base URL already ends in /v1, so the client added another. "
                 f"Use a base URL ending in /v1 for OpenAI clients (they append /chat/completions) "
@@ -239,8 +281,9 @@ def completion_chunk(rid: str, model: str, text: str, finish: str | None = None,
     return out
 
 
-def models_reply(model: str) -> dict:
-    return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "pd-operator"}]}
+def models_reply(*models: str) -> dict:
+    return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "pd-operator"}
+                                       for m in models]}
 
 
 def message_reply(rid: str, model: str, text: str, prompt: int, completion: int, stop: str) -> dict:
@@ -252,3 +295,69 @@ def message_reply(rid: str, model: str, text: str, prompt: int, completion: int,
 def sse(data: dict | str, event: str | None = None) -> bytes:
     body = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
     return ((f"event: {event}\n" if event else "") + f"data: {body}\n\n").encode()
+
+
+# ---- the Responses API -----------------------------------------------------------------------
+
+def responses_usage(prompt: int, completion: int) -> dict:
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": completion,
+            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + completion}
+
+
+def _message_item(item_id: str, text: str, status: str) -> dict:
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []}
+
+
+def response_object(rid: str, model: str, status: str, output: list, usage_: dict | None = None,
+                    error: dict | None = None) -> dict:
+    return {"id": rid, "object": "response", "created_at": int(time.time()), "status": status, "model": model,
+            "output": output, "usage": usage_, "error": error, "incomplete_details": None}
+
+
+def responses_reply(rid: str, model: str, text: str, prompt: int, completion: int) -> dict:
+    item = _message_item("msg_" + rid.rpartition("-")[2], text, "completed")
+    return response_object(rid, model, "completed", [item], responses_usage(prompt, completion))
+
+
+class ResponsesStream:
+    """The Responses API's stream events for one answer: created, the message item and its text
+    part opened, text deltas, then everything done and `response.completed` (or `response.failed`)."""
+
+    def __init__(self, rid: str, model: str):
+        self.rid, self.model = rid, model
+        self.item_id = "msg_" + rid.rpartition("-")[2]
+        self.seq = 0
+        self.text: list[str] = []
+
+    def _event(self, etype: str, **fields: Any) -> bytes:
+        self.seq += 1
+        return sse({"type": etype, "sequence_number": self.seq, **fields}, etype)
+
+    def start(self) -> bytes:
+        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+        return (self._event("response.created", response=response_object(self.rid, self.model, "in_progress", []))
+                + self._event("response.output_item.added", output_index=0,
+                              item=_message_item(self.item_id, "", "in_progress"))
+                + self._event("response.content_part.added", **where,
+                              part={"type": "output_text", "text": "", "annotations": []}))
+
+    def delta(self, text: str) -> bytes:
+        self.text.append(text)
+        return self._event("response.output_text.delta", item_id=self.item_id, output_index=0, content_index=0,
+                           delta=text)
+
+    def finish(self, prompt: int, completion: int) -> bytes:
+        text = "".join(self.text)
+        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+        item = _message_item(self.item_id, text, "completed")
+        return (self._event("response.output_text.done", **where, text=text)
+                + self._event("response.content_part.done", **where,
+                              part={"type": "output_text", "text": text, "annotations": []})
+                + self._event("response.output_item.done", output_index=0, item=item)
+                + self._event("response.completed", response=response_object(
+                    self.rid, self.model, "completed", [item], responses_usage(prompt, completion))))
+
+    def failed(self, code: str, message: str) -> bytes:
+        return self._event("response.failed", response=response_object(
+            self.rid, self.model, "failed", [], error={"code": code, "message": message}))

@@ -33,5 +33,5 @@ for n in pd-operator pd-sim-agent pd-gateway; do
   "$KIND" load docker-image --name "$NAME" "$REGISTRY/$n:$VERSION"
 done
 kubectl_bin=$(hack/k8s-bins/build.sh --print-dir)/kubectl
-"$kubectl_bin" --kubeconfig "$KUBECONFIG_E2E" apply -f crds/pddeployment.yaml >/dev/null
+"$kubectl_bin" --kubeconfig "$KUBECONFIG_E2E" apply -f crds/ >/dev/null
 PD_E2E_KUBECONFIG="$KUBECONFIG_E2E" "$PY" -m pytest tests/e2e -v -p no:cacheprovider

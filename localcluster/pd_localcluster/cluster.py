@@ -110,6 +110,15 @@ def _wait(what: str, check, timeout: float, procs: dict[str, subprocess.Popen] |
     raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
+def _environ(pid: int) -> dict[str, str] | None:
+    """A running process's environment (None, i.e. ours, if it cannot be read)."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return None
+    return dict(kv.decode(errors="replace").split("=", 1) for kv in raw.split(b"\0") if b"=" in kv)
+
+
 class LocalCluster:
     def __init__(self, root: Path | None = None):
         self.paths = Paths(root or default_root())
@@ -283,10 +292,12 @@ class LocalCluster:
         if not state or component not in state.get("argv", {}):
             raise RuntimeError(f"no running local cluster with {component} (or one started before restarts were "
                                f"possible)")
-        self._stop_pid(component, state["pids"][component])
+        pid = state["pids"][component]
+        env = _environ(pid)   # the same environment too: it belongs to whoever started the cluster
+        self._stop_pid(component, pid)
         time.sleep(down_seconds)
         out = open(self.paths.logs / f"{component}.log", "ab")
-        p = subprocess.Popen(state["argv"][component], stdout=out, stderr=subprocess.STDOUT,
+        p = subprocess.Popen(state["argv"][component], stdout=out, stderr=subprocess.STDOUT, env=env,
                              stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.paths.root)
         state["pids"][component] = p.pid
         self.paths.state.write_text(json.dumps(state, indent=2))

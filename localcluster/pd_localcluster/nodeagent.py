@@ -258,6 +258,13 @@ class ContainerRun:
             await self.run.stop(grace)
 
 
+def _differs(seen: dict, reported: dict) -> bool:
+    """The API's copy of a pod's status no longer says what this agent reported last."""
+    conds = lambda st: {c["type"]: c["status"] for c in st.get("conditions", [])}  # noqa: E731
+    return seen.get("phase") != reported["phase"] or seen.get("podIP") != reported["podIP"] or any(
+        conds(seen).get(t) != s for t, s in conds(reported).items())
+
+
 class PodWorker:
     def __init__(self, agent: "NodeAgent", pod: dict, node_index: int):
         self.agent = agent
@@ -377,6 +384,11 @@ class PodWorker:
         raise ValueError(f"unknown named port {port!r}")
 
     def update(self, pod: dict) -> None:
+        if self._last_report is not None and _differs(pod.get("status", {}), self._last_report):
+            # someone else wrote this pod's status (the node lifecycle controller marks pods not
+            # Ready while the node's heartbeats are missing): write ours again, as the kubelet does
+            self._last_report = None
+            asyncio.create_task(self.report())
         if self._accept(pod) and self._volumes_ready:
             try:
                 self.write_volumes()

@@ -67,6 +67,8 @@ class KvCache(Model):
 
 class ModelSpec(Model):
     name: str = Field(min_length=1, max_length=253, description="served model id")
+    aliases: list[Annotated[str, Field(min_length=1, max_length=253)]] | None = Field(
+        default=None, max_length=16, description="other model ids a gateway routes to this deployment")
     model_id: int = Field(default=0, ge=0, le=(1 << 53) - 1, description="llm_datadist model_id in every CacheKey")
     kv_cache: KvCache
 

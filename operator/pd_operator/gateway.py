@@ -7,14 +7,14 @@ PDDeployment must not be a way to hand some other Secret of the namespace to a p
 gateway holds only the agents' data-scope token (status, prefill, decode), so it cannot link,
 unlink, drain or switch an engine; its image is the operator's configured one. The
 NetworkPolicy admits the agent port from the operator (its namespace and labels together),
-the gateway and the deployment's own pods (verify probes and pull notices go agent to agent),
-and the datadist port from the deployment's own pods only; egress from the engines goes to
+the gateway, the namespace's PDGateways and the deployment's own pods (verify probes and pull
+notices go agent to agent), and the datadist port from the deployment's own pods only; egress from the engines goes to
 the deployment's own pods (agent and datadist ports) and DNS only."""
 from __future__ import annotations
 
 import json
 
-from pd_contract.names import AGENT_PORT, GATEWAY_PORT, LABEL_DEPLOYMENT, LABEL_GATEWAY, LABEL_KEYS
+from pd_contract.names import AGENT_PORT, GATEWAY_PORT, LABEL_DEPLOYMENT, LABEL_GATEWAY, LABEL_KEYS, LABEL_PDGATEWAY
 
 from .api import PDDeploymentSpec
 from .objmeta import common_labels, harden, object_meta
@@ -73,6 +73,7 @@ def gateway_objects(name: str, namespace: str, spec: PDDeploymentSpec, owner: di
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": "PD_GATEWAY_DEPLOYMENT", "value": name},
         {"name": "PD_MODEL_NAME", "value": spec.model.name},
+        {"name": "PD_MODEL_ALIASES", "value": json.dumps(spec.model.aliases or [])},
         {"name": "PD_GATEWAY_KEYS_SECRET", "value": gw.api_keys_secret},
         {"name": "PD_AGENT_DATA_TOKEN", "valueFrom": {"secretKeyRef": {"name": data_token_secret_name(name),
                                                                        "key": "token"}}},
@@ -104,7 +105,9 @@ def network_policy(name: str, namespace: str, spec: PDDeploymentSpec, owner: dic
     admit any pod that wears them, in any namespace); an operator whose namespace is unknown
     (run outside the cluster) is not a pod and needs no rule."""
     own = {"podSelector": {"matchLabels": {LABEL_DEPLOYMENT: name}}}
-    agent_from = [own, {"podSelector": {"matchLabels": {LABEL_GATEWAY: name}}}]
+    # a PDGateway of the namespace may serve this deployment (it still needs the data token)
+    agent_from = [own, {"podSelector": {"matchLabels": {LABEL_GATEWAY: name}}},
+                  {"podSelector": {"matchExpressions": [{"key": LABEL_PDGATEWAY, "operator": "Exists"}]}}]
     if operator_namespace:
         agent_from.append({"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": operator_namespace}},
                            "podSelector": {"matchLabels": OPERATOR_POD_LABELS}})

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 
 import kopf
 
@@ -14,6 +15,7 @@ from . import kinds
 from .agentclient import AgentClient
 from .api import GROUP, PLURAL, VERSION
 from .builders import LABEL_DEPLOYMENT
+from .gatewaycontroller import GatewayController
 from .kube import Kube
 from .leader import Elector, LeaseSettings
 from .metrics import OperatorMetrics, serve
@@ -29,8 +31,11 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None
     so every handler reaches the one Controller). `memo.after_record`, if set, is the fault
     point hook __main__ installed."""
     settings.posting.level = logging.WARNING
-    settings.watching.server_timeout = 300
-    settings.watching.client_timeout = 330
+    # A watch ends (and Kopf resumes it) every few minutes; a resumed watch is where rotated
+    # credentials are used, so the period bounds how long a revoked token's watch lives on.
+    watch_s = int(os.environ.get("PD_OPERATOR_WATCH_TIMEOUT_S", "300"))   # the API takes whole seconds
+    settings.watching.server_timeout = watch_s
+    settings.watching.client_timeout = watch_s + 30
     settings.watching.connect_timeout = 10
     settings.networking.request_timeout = 60
     settings.peering.standalone = True
@@ -42,6 +47,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None
     memo.kube = Kube()
     memo.agents = AgentClient(metrics)
     memo.controller = Controller(memo.kube, memo.agents, metrics, after_record=memo.get("after_record"))
+    memo.gateways = GatewayController(memo.kube, memo.controller.events, memo.controller.config,
+                                      memo.controller.leading)
     memo.metrics_runner = await serve(metrics)
     lease = LeaseSettings.from_env()
     if lease is not None:
@@ -56,6 +63,8 @@ async def cleanup(memo: kopf.Memo, **_) -> None:
     if memo.get("elector_task"):
         memo.elector_task.cancel()
         await asyncio.gather(memo.elector_task, return_exceptions=True)
+    if memo.get("gateways"):
+        await memo.gateways.stop()
     if memo.get("controller"):
         await memo.controller.stop()
     if memo.get("elector"):
@@ -74,6 +83,16 @@ async def deployment_event(event, memo: kopf.Memo, **_) -> None:
     c = memo.get("controller")
     if c and event.get("object"):
         c.on_deployment(event.get("type"), event["object"])
+    g = memo.get("gateways")
+    if g and event.get("object"):
+        g.on_deployment(event.get("type"), event["object"])
+
+
+@kopf.on.event(GROUP, VERSION, "pdgateways")
+async def gateway_event(event, memo: kopf.Memo, **_) -> None:
+    g = memo.get("gateways")
+    if g and event.get("object"):
+        g.on_gateway(event.get("type"), event["object"])
 
 
 @kopf.on.event("", "v1", "pods", labels={LABEL_DEPLOYMENT: kopf.PRESENT})

@@ -35,9 +35,11 @@ CHILDREN = (
 )
 OTHERS = (
     Kind(KIND, f"{GROUP}/{VERSION}", "pddeployments"),
+    Kind("PDGateway", f"{GROUP}/{VERSION}", "pdgateways"),
     Kind("Pod", "v1", "pods"),
     Kind("Secret", "v1", "secrets"),
     Kind("Event", "v1", "events"),
     Kind("Lease", "coordination.k8s.io/v1", "leases"),
+    Kind("Ingress", "networking.k8s.io/v1", "ingresses"),
 )
 BY_KIND = {k.kind: k for k in CHILDREN + OTHERS}

@@ -2,6 +2,8 @@
 
     kubectl pdd verify NAME [-n NS] [--api-key KEY]
     kubectl pdd status NAME [-n NS]
+    kubectl pdd connect NAME [-n NS] --client openai|anthropic|claude-code|codex|cline|curl
+                        [--key-name K] [--model M] [--base-url URL] [--check]
 
 Agents and the gateway are reached through the API server's pod proxy, so nothing but the
 kubeconfig is needed (no route to the pod network). The API server consumes the
@@ -25,6 +27,7 @@ import httpx
 from pd_contract.names import BROKEN_CODES
 
 from .builders import AGENT_PORT, token_secret_name
+from .connect import CLIENTS, check, render, resolve
 from .diagnosis import link_failure, verify_failure
 from .gateway import GATEWAY_PORT, LABEL_GATEWAY, data_token_secret_name
 from .kube import Kube, KubeError
@@ -345,13 +348,33 @@ def format_ranks(agent_status: dict | None, summary: dict | None = None, last_er
     return lines
 
 
+async def connect(kube: Kube, ns: str, args: argparse.Namespace) -> int:
+    try:
+        c = await resolve(kube, ns, args.name, args.key_name, args.model, args.base_url, args.api_key)
+    except LookupError as e:
+        print(f"kubectl pdd connect: {e}", file=sys.stderr)
+        return 1
+    print(f"# Base URL from {c['how']}; key {c['key_name']!r}; model {c['model']}", file=sys.stderr)
+    sys.stdout.write(render(args.client, c["root"], c["key"], c["model"]))
+    if not args.check:
+        return 0
+    ok, what = await asyncio.to_thread(check, args.client, c["root"], c["key"], c["model"], c["key_source"])
+    print(("ok   " if ok else "FAIL ") + what, file=sys.stderr)
+    return 0 if ok else 1
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="kubectl pdd", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=["verify", "status"])
+    ap.add_argument("command", choices=["verify", "status", "connect"])
     ap.add_argument("name")
     ap.add_argument("-n", "--namespace", default=None)
     ap.add_argument("--api-key", default=None, help="the gateway key to use (default: the first in its Secret)")
+    ap.add_argument("--client", choices=CLIENTS, default="openai", help="connect: the configuration to print")
+    ap.add_argument("--key-name", default=None, help="connect: which key of the Secret (default: the first)")
+    ap.add_argument("--model", default=None, help="connect: the model id (default: the first the key may use)")
+    ap.add_argument("--base-url", default=None, help="connect: the Base URL clients reach the gateway at")
+    ap.add_argument("--check", action="store_true", help="connect: send one request as the client would")
     ap.add_argument("--via", choices=["auto", "proxy", "direct"], default="auto",
                     help="reach pods through the API server's pod proxy, directly, or proxy with a direct fallback")
     args = ap.parse_args(argv)
@@ -369,6 +392,8 @@ def main(argv: list[str] | None = None) -> None:
         try:
             if args.command == "verify":
                 return await verify(kube, ns, args.name, args.api_key, via=args.via)
+            if args.command == "connect":
+                return await connect(kube, ns, args)
             return await status(kube, ns, args.name, via=args.via)
         except KubeError as e:
             print(f"kubectl pdd: {e}", file=sys.stderr)

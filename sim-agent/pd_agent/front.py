@@ -532,7 +532,16 @@ class Front:
                     await asyncio.sleep(0.05 * (attempt + 1))
             raise AssertionError("unreachable")
         t0 = time.monotonic()
-        ms = await asyncio.gather(*(one(r) for r in range(self.tp)))
+        res = await asyncio.gather(*(one(r) for r in range(self.tp)), return_exceptions=True)
+        failed = [x for x in res if isinstance(x, BaseException)]
+        if failed:
+            pulled = len(res) - len(failed)
+            if pulled and all(isinstance(x, AgentError) and x.code == "NOT_LINKED" for x in failed):
+                # some shards moved (a pull consumes them): the request cannot go to another decoder
+                raise AgentError("LLM_NOT_YET_LINK", f"{failed[0]}; {pulled} of {self.tp} ranks pulled already, "
+                                                     "so the request cannot move", 502)
+            raise failed[0]
+        ms = [x for x in res if not isinstance(x, BaseException)]
         if peer_tp > self.tp and base_url:   # prefill ranks no rank of ours reads: their copies go now
             read = {rank_map(self.tp, peer_tp, r) for r in range(self.tp)}
             await asyncio.gather(*(self._release(j, req.req_id, f"{base_url}/r/{j}") for j in range(peer_tp)

@@ -225,6 +225,10 @@ class Inference:
                 self.core.note_link(req.prompt_cluster_id, code)
             self.failed += 1
             self.m.failed.labels(code).inc()
+            if code == "LLM_NOT_YET_LINK":
+                # no link at this moment (a prefill restarted, a relink not done): nothing moved and
+                # the cache still waits on the prefill, so a router may send it to another decoder
+                raise AgentError("NOT_LINKED", f"{e} (LLM_NOT_YET_LINK); nothing was pulled", 503) from e
             raise AgentError(code, str(e), 502) from e
         except BaseException:
             if cache is not None:

@@ -33,8 +33,9 @@ def agents():
 
 @pytest.fixture(scope="session")
 def crd(cluster: Cluster) -> None:
-    cluster.kubectl("apply", "-f", str(REPO / "crds" / "pddeployment.yaml"))
-    cluster.kubectl("wait", "--for=condition=Established", "crd/pddeployments.pdoperator.io", "--timeout=30s")
+    cluster.kubectl("apply", "-f", str(REPO / "crds"))
+    cluster.kubectl("wait", "--for=condition=Established", "crd/pddeployments.pdoperator.io",
+                    "crd/pdgateways.pdoperator.io", "--timeout=30s")
 
 
 class OperatorProc:

@@ -95,6 +95,18 @@ def test_statefulset_pods_scale_and_gc(cluster: Cluster, namespace: str) -> None
     wait_for("the last process to stop", lambda: not answers(left[0]["status"]["podIP"]))
 
 
+def test_a_pod_marked_not_ready_by_someone_else_is_reported_ready_again(cluster: Cluster, namespace: str) -> None:
+    """After an API-server outage the node lifecycle controller marks the pods of nodes whose
+    heartbeats it missed not Ready; the node agent, like the kubelet, writes its own view back."""
+    cluster.apply(statefulset("web", 1), namespace)
+    wait_for("a Ready pod", lambda: (p if len(p := pods(cluster, namespace, "app=web")) == 1 and ready(p[0])
+                                     else None), timeout=90)
+    cluster.kubectl("patch", "pod", "web-0", "-n", namespace, "--subresource=status", "--type=strategic", "-p",
+                    json.dumps({"status": {"conditions": [{"type": "Ready", "status": "False",
+                                                           "reason": "NodeNotReady"}]}}))
+    wait_for("the pod Ready again", lambda: ready(cluster.get_json("pod", "web-0", "-n", namespace)), timeout=30)
+
+
 def test_crashing_container_is_restarted(cluster: Cluster, namespace: str) -> None:
     cluster.apply({
         "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "crasher"},

@@ -26,10 +26,10 @@ def set_prefill(cluster: Cluster, ns: str, n: int) -> None:
 
 
 def switched(cluster: Cluster, ns: str, to: str, after: str | None, links: str, result: str = "Completed",
-             timeout: float = 90) -> dict:
+             timeout: float = 90, name: str = "sim-small") -> dict:
     """Wait for a switch to `to` that ended after `after` (status.lastSwitch.at), and Ready."""
     def ok():
-        o = pdd(cluster, ns)
+        o = pdd(cluster, ns, name)
         st = o.get("status", {})
         last = st.get("lastSwitch") or {}
         return (last.get("to") == to and last.get("result") == result and (after is None or last["at"] > after)

@@ -402,6 +402,20 @@ async def test_control_calls_with_bad_addresses_are_answered_not_failed(agent):
         assert r.status_code == 200 and r.json()["code"] == "PEER_AGENT_UNREACHABLE", r.text
 
 
+async def test_a_decode_from_a_prefill_not_linked_now_is_a_refusal_another_decoder_may_take(agent):
+    """A prefill restarted and not yet relinked: the pull finds no link and moves nothing, so the
+    decoder refuses before its first token with a code a router retries on another pair."""
+    from pd_contract.routing import RETRYABLE
+    a = await agent("decoder")
+    async with a.client(DATA) as c:
+        for stream in (True, False):
+            r = await c.post("/v1/decode", json={"req_id": 5, "prompt_cluster_id": 0, "prompt_tokens": 16,
+                                                 "output_tokens": 4, "stream": stream})
+            body = shaped(r, 503)
+            assert body["code"] == "NOT_LINKED" and "LLM_NOT_YET_LINK" in body["message"], body
+            assert body["code"] in RETRYABLE
+
+
 async def test_prefills_past_the_queue_bound_are_refused_for_another_pod(agent):
     # a prefill takes about a minute here, so the queue holds still while the test looks at it
     a = await agent(time_scale=1000.0, max_prefill_queue=1)

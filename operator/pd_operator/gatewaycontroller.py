@@ -1,0 +1,187 @@
+"""The one reconcile per PDGateway: observe (the PDGateway, the namespace's PDDeployments, the
+keys Secret, the gateway Deployment, all read fresh) → decide (sharedgateway.py, pure) →
+record (status) → act (server-side apply of its objects; the usage ConfigMap created once).
+
+A pass runs on any event of the PDGateway or of a PDDeployment of its namespace, and every
+RESYNC_S otherwise (the keys Secret's label and the gateway pods' readiness are not watched).
+Only the leader acts, as for PDDeployments."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from .api import GROUP, VERSION
+from .api import KIND as DEPLOYMENT_KIND
+from .api_gateway import KIND, parse_spec
+from .conditions import set_condition
+from .config import OperatorConfig
+from .events import Events
+from .gateway import data_token_secret_name
+from .kube import Kube, KubeError
+from .reconcile import error_policy
+from .sharedgateway import (
+    keys_state,
+    objects,
+    owner_reference,
+    routing,
+    status,
+    usage_configmap,
+    usage_configmap_name,
+)
+
+log = logging.getLogger("pd_operator.gateways")
+Key = tuple[str, str]
+RESYNC_S = 5.0
+
+
+class GatewayController:
+    def __init__(self, kube: Kube, events: Events, config: OperatorConfig, leading: asyncio.Event):
+        self.kube, self.events, self.config, self.leading = kube, events, config, leading
+        self.gateways: dict[Key, dict] = {}
+        self.wake: dict[Key, asyncio.Event] = {}
+        self.tasks: dict[Key, asyncio.Task] = {}
+        self.served: dict[Key, list] = {}   # what each gateway routed at its last pass (for Events)
+        self.deployment_seen: dict[Key, tuple] = {}   # PDDeployment -> what a gateway's routing reads of it
+        self.stopping = False
+
+    def on_gateway(self, etype: str | None, body: dict) -> None:
+        key = (body["metadata"]["namespace"], body["metadata"]["name"])
+        if etype == "DELETED" or body["metadata"].get("deletionTimestamp"):
+            self.gateways.pop(key, None)
+            task = self.tasks.pop(key, None)
+            if task:
+                task.cancel()
+            return
+        before = self.gateways.get(key)
+        self.gateways[key] = body
+        if key not in self.tasks and not self.stopping:
+            self.wake[key] = asyncio.Event()
+            self.tasks[key] = asyncio.create_task(self._worker(key), name=f"pdgw/{key[0]}/{key[1]}")
+        if before is None or before["metadata"].get("generation") != body["metadata"].get("generation"):
+            self.poke(key)
+
+    def on_deployment(self, etype: str | None, body: dict) -> None:
+        """Routing reads a deployment's spec, labels and existence: its status writes (many, during
+        switches) do not wake the gateways."""
+        meta = body["metadata"]
+        dkey = (meta["namespace"], meta["name"])
+        labels = tuple(sorted((meta.get("labels") or {}).items()))
+        seen = None if etype == "DELETED" else (meta.get("generation"), labels, bool(meta.get("deletionTimestamp")))
+        if self.deployment_seen.get(dkey) == seen:
+            return
+        if seen is None:
+            self.deployment_seen.pop(dkey, None)
+        else:
+            self.deployment_seen[dkey] = seen
+        for key in list(self.gateways):
+            if key[0] == dkey[0]:
+                self.poke(key)
+
+    def poke(self, key: Key) -> None:
+        ev = self.wake.get(key)
+        if ev:
+            ev.set()
+
+    async def stop(self) -> None:
+        self.stopping = True
+        for t in self.tasks.values():
+            t.cancel()
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+
+    async def _worker(self, key: Key) -> None:
+        attempts = 0
+        while key in self.gateways:
+            await self.leading.wait()
+            ev = self.wake[key]
+            ev.clear()
+            try:
+                await self.reconcile(key)
+                attempts, delay = 0, RESYNC_S
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - reported, retried with backoff; never ends the operator
+                attempts += 1
+                delay = error_policy(e, attempts) or RESYNC_S
+                log.error("%s/%s: gateway pass failed (%s), again in %.1fs", *key, e, delay)
+            try:
+                await asyncio.wait_for(ev.wait(), delay)
+            except TimeoutError:
+                pass
+
+    async def reconcile(self, key: Key) -> None:
+        ns, name = key
+        gw = await self.kube.get(f"{GROUP}/{VERSION}", KIND, ns, name)
+        if gw is None or gw["metadata"].get("deletionTimestamp"):
+            return
+        gen = gw["metadata"].get("generation")
+        try:
+            spec = parse_spec(gw.get("spec") or {})
+        except ValueError as e:
+            msg = f"the spec does not parse: {str(e).splitlines()[0]}"
+            conds = set_condition((gw.get("status") or {}).get("conditions"), "Ready", False, "InvalidSpec", msg, gen)
+            await self._write_status(gw, {**(gw.get("status") or {}), "conditions": conds, "phase": "Degraded"})
+            return
+        deployments = await self.kube.list(f"{GROUP}/{VERSION}", DEPLOYMENT_KIND, ns)
+        secret = await self.kube.get("v1", "Secret", ns, spec.api_keys_secret)
+        keys = keys_state(secret, spec.api_keys_secret)
+        tokens = set()
+        for d in deployments:   # a deployment is routed once its data token exists (pods read it at start)
+            if await self.kube.get("v1", "Secret", ns, data_token_secret_name(d["metadata"]["name"])) is not None:
+                tokens.add(d["metadata"]["name"])
+        r = routing(deployments, spec.selector, tokens)
+        owner = owner_reference(name, gw["metadata"]["uid"])
+        image = self.config.gateway_image
+        if not image:
+            msg = ("the operator's configuration names no gateway image (chart value gateway.image, env "
+                   "PD_OPERATOR_GATEWAY_IMAGE): a PDGateway cannot run without one")
+            conds = set_condition((gw.get("status") or {}).get("conditions"), "Ready", False, "NoGatewayImage", msg,
+                                  gen)
+            await self._write_status(gw, {**(gw.get("status") or {}), "conditions": conds, "phase": "Degraded"})
+            await self.events.post(gw, "Warning", "NoGatewayImage", msg)
+            return
+        # names this gateway would take that another owner already controls (a deployment's own
+        # gateway is `<deployment>-gateway`): refused, not fought over
+        taken = []
+        for kind, api_version, obj_name in (("Deployment", "apps/v1", name), ("Service", "v1", name),
+                                            ("ConfigMap", "v1", usage_configmap_name(name))):
+            existing = await self.kube.get(api_version, kind, ns, obj_name)
+            if existing is None:
+                if kind == "ConfigMap":   # created once, never applied: the replicas own its data
+                    await self.kube.create(usage_configmap(name, ns, owner))
+                continue
+            ctl = next((o for o in existing["metadata"].get("ownerReferences") or [] if o.get("controller")), None)
+            if not ctl or ctl.get("uid") != owner["uid"]:
+                taken.append(f"{kind} {obj_name}")
+        if taken:
+            msg = (f"{', '.join(taken)} already exist and belong to something else; rename this PDGateway "
+                   f"(a PDDeployment's own gateway is named <deployment>-gateway)")
+            conds = set_condition((gw.get("status") or {}).get("conditions"), "Ready", False, "NameTaken", msg, gen)
+            await self._write_status(gw, {**(gw.get("status") or {}), "conditions": conds, "phase": "Degraded"})
+            await self.events.post(gw, "Warning", "NameTaken", msg)
+            return
+        for obj in objects(name, ns, spec, owner, r, image, keys_allowed=keys[0]):
+            await self.kube.apply(obj)
+        dep = await self.kube.get("apps/v1", "Deployment", ns, name)
+        st = status(gw, r, keys, dep)
+        if st != (gw.get("status") or {}):
+            await self._write_status(gw, st)
+        served = [(s.model, s.deployment, tuple(s.aliases)) for s in r.served]
+        if served != self.served.get(key):
+            self.served[key] = served
+            await self.events.post(gw, "Normal", "ModelsServed", "routing " + (", ".join(
+                f"{m} -> {d}" + (f" (aliases {', '.join(a)})" if a else "") for m, d, a in served) or "no model"))
+        for model, deps in sorted(r.conflicts.items()):
+            await self.events.post(gw, "Warning", "ModelConflict",
+                                   f"model {model!r} is claimed by {', '.join(deps)}: not routed")
+        if not keys[0]:
+            await self.events.post(gw, "Warning", keys[1], keys[2])
+
+    async def _write_status(self, gw: dict, st: dict) -> None:
+        meta = gw["metadata"]
+        obj = {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND,
+               "metadata": {"name": meta["name"], "namespace": meta["namespace"]}, "status": st}
+        try:
+            await self.kube.apply(obj, subresource="status")
+        except KubeError as e:
+            if e.status != 404:
+                raise

@@ -1,0 +1,218 @@
+"""A PDGateway (pure): which PDDeployments it serves, the model each one serves, and the
+objects that run pd-gateway in front of them all (ServiceAccount, Role, RoleBinding,
+Deployment, Service `<name>` on port 8000, the usage ConfigMap), and its status.
+
+Least privilege, as for a deployment's own gateway: the Role reads pods, gets the selected
+deployments' StatefulSets by name (membership is by controller, not labels), the keys Secret
+only once it opted in (label pdoperator.io/keys: "true"), and gets and patches the one usage
+ConfigMap. The gateway holds each deployment's data-scope token only (from its Secret, by
+reference). Two deployments claiming one model name (or alias) are both left out of routing
+for that name and reported in a condition: no silent pick."""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+from pd_contract.names import GATEWAY_PORT, LABEL_KEYS, LABEL_PDGATEWAY
+
+from .api import GROUP, VERSION, parse_spec
+from .api_gateway import KIND, PDGatewaySpec, Selector
+from .conditions import set_condition
+from .gateway import data_token_secret_name
+from .objmeta import harden
+
+
+def usage_configmap_name(name: str) -> str:
+    return f"{name}-usage"
+
+
+def matches(labels: dict[str, str], selector: Selector | None) -> bool:
+    """A Kubernetes label selector; none (or an empty one) selects everything."""
+    if selector is None:
+        return True
+    for k, v in (selector.match_labels or {}).items():
+        if labels.get(k) != v:
+            return False
+    for r in selector.match_expressions or []:
+        has, value = r.key in labels, labels.get(r.key)
+        ok = {"In": has and value in (r.values or []), "NotIn": not has or value not in (r.values or []),
+              "Exists": has, "DoesNotExist": not has}[r.operator]
+        if not ok:
+            return False
+    return True
+
+
+@dataclass
+class Served:
+    model: str
+    deployment: str
+    aliases: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Routing:
+    served: list[Served]                      # what the gateway routes
+    conflicts: dict[str, list[str]]           # model name -> the deployments claiming it
+    invalid: dict[str, str]                   # deployment -> why its spec cannot be used
+    waiting: list[str] = field(default_factory=list)   # selected, its data token not there yet
+
+
+def routing(deployments: list[dict], selector: Selector | None, tokens: set[str] | None = None) -> Routing:
+    """`tokens`: the deployments whose data-token Secret exists (None: all). A gateway pod reads
+    the token at its start, so a deployment is routed once its token exists (the routes change,
+    and the gateway rolls)."""
+    claims: dict[str, list[str]] = {}
+    picked: list[tuple[str, str, list[str]]] = []
+    invalid: dict[str, str] = {}
+    for d in sorted(deployments, key=lambda d: d["metadata"]["name"]):
+        meta = d["metadata"]
+        if meta.get("deletionTimestamp") or not matches(meta.get("labels") or {}, selector):
+            continue
+        try:
+            spec = parse_spec(d.get("spec") or {})
+        except ValueError as e:
+            invalid[meta["name"]] = str(e).splitlines()[0]
+            continue
+        names = [spec.model.name, *(spec.model.aliases or [])]
+        for n in dict.fromkeys(names):
+            claims.setdefault(n, []).append(meta["name"])
+        picked.append((meta["name"], spec.model.name, list(spec.model.aliases or [])))
+    conflicts = {n: ds for n, ds in claims.items() if len(ds) > 1}
+    served, waiting = [], []
+    for dep, model, aliases in picked:
+        if model in conflicts:
+            continue
+        if tokens is not None and dep not in tokens:
+            waiting.append(dep)
+            continue
+        served.append(Served(model, dep, [a for a in aliases if a not in conflicts and a != model]))
+    return Routing(served, conflicts, invalid, waiting)
+
+
+def owner_reference(name: str, uid: str) -> dict:
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": name, "uid": uid,
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def _meta(name: str, namespace: str, owner: dict, gateway: str) -> dict:
+    labels = {"app.kubernetes.io/name": "pd-gateway", "app.kubernetes.io/instance": gateway,
+              "app.kubernetes.io/managed-by": "pd-operator", LABEL_PDGATEWAY: gateway}
+    return {"name": name, "namespace": namespace, "labels": labels, "ownerReferences": [owner]}
+
+
+def key_policy_env(spec: PDGatewaySpec) -> str:
+    return json.dumps({k: p.model_dump(by_alias=True, exclude_none=True, exclude_defaults=True)
+                       for k, p in sorted((spec.keys or {}).items())}, sort_keys=True)
+
+
+def objects(name: str, namespace: str, spec: PDGatewaySpec, owner: dict, r: Routing, image: str,
+            keys_allowed: bool) -> list[dict]:
+    """The gateway's objects. `keys_allowed` False: the Role does not name the Secret and no
+    gateway pod runs (as for a deployment's own gateway)."""
+    rules = [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+             {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "patch"],
+              "resourceNames": [usage_configmap_name(name)]}]
+    sts = [f"{s.deployment}-{g}" for s in r.served for g in ("prefill", "decoder")]
+    if sts:
+        rules.append({"apiGroups": ["apps"], "resources": ["statefulsets"], "verbs": ["get"], "resourceNames": sts})
+    if keys_allowed:
+        rules.append({"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"],
+                      "resourceNames": [spec.api_keys_secret]})
+    sa = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(name, namespace, owner, name)}
+    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+            "metadata": _meta(name, namespace, owner, name), "rules": rules}
+    binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+               "metadata": _meta(name, namespace, owner, name),
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+               "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}]}
+    routes, env = [], [
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": "PD_GATEWAY_KEYS_SECRET", "value": spec.api_keys_secret},
+        {"name": "PD_GATEWAY_KEY_POLICY", "value": key_policy_env(spec)},
+        {"name": "PD_GATEWAY_USAGE_CONFIGMAP", "value": usage_configmap_name(name)},
+    ]
+    for s in r.served:
+        # named after the deployment, so another deployment joining does not rename the others'
+        token_env = f"PD_DATA_TOKEN_{hashlib.sha256(s.deployment.encode()).hexdigest()[:12].upper()}"
+        routes.append({"model": s.model, "aliases": s.aliases, "deployment": s.deployment, "tokenEnv": token_env})
+        # optional: a deployment just selected may not have its token yet; its requests wait for it
+        env.append({"name": token_env, "valueFrom": {"secretKeyRef": {
+            "name": data_token_secret_name(s.deployment), "key": "token", "optional": True}}})
+    env.insert(1, {"name": "PD_GATEWAY_ROUTES", "value": json.dumps(routes, sort_keys=True)})
+    container = {"name": "gateway", "image": image, "env": env,
+                 "ports": [{"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"}],
+                 "readinessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 2,
+                                    "failureThreshold": 3, "timeoutSeconds": 2}}
+    if spec.resources:
+        container["resources"] = spec.resources.model_dump(exclude_none=True)
+    pod_spec = {"serviceAccountName": name, "containers": [container], "terminationGracePeriodSeconds": 30,
+                "enableServiceLinks": False, "automountServiceAccountToken": True}
+    harden(pod_spec, container)
+    pod_labels = {"app.kubernetes.io/name": "pd-gateway", "app.kubernetes.io/instance": name, LABEL_PDGATEWAY: name}
+    deployment = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(name, namespace, owner, name),
+                  "spec": {"replicas": spec.replicas if keys_allowed else 0,
+                           "selector": {"matchLabels": {LABEL_PDGATEWAY: name}},
+                           "template": {"metadata": {"labels": pod_labels}, "spec": pod_spec}}}
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": _meta(name, namespace, owner, name),
+               "spec": {"selector": {LABEL_PDGATEWAY: name},
+                        "ports": [{"name": "http", "port": GATEWAY_PORT, "targetPort": "http"}]}}
+    return [sa, role, binding, deployment, service]
+
+
+def usage_configmap(name: str, namespace: str, owner: dict) -> dict:
+    """Created once, never applied again: the gateway replicas own its data."""
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(usage_configmap_name(name), namespace,
+                                                                       owner, name), "data": {}}
+
+
+def keys_state(secret: dict | None, name: str) -> tuple[bool, str, str]:
+    """(usable, reason, message) for the keys Secret."""
+    if secret is None:
+        return False, "KeysSecretNotFound", f"Secret {name} does not exist; create it with one data key per API key"
+    if (secret["metadata"].get("labels") or {}).get(LABEL_KEYS) != "true":
+        return False, "KeysSecretNotOptedIn", (f"Secret {name} is not labelled {LABEL_KEYS}=true; the gateway uses "
+                                               f"a Secret only once it opted in (no pod runs until then)")
+    return True, "KeysSecretReady", f"Secret {name} holds {len(secret.get('data') or {})} keys"
+
+
+def status(gw: dict, r: Routing, keys: tuple[bool, str, str], dep_obj: dict | None) -> dict:
+    meta, prev = gw["metadata"], gw.get("status") or {}
+    gen = meta.get("generation")
+    conds = prev.get("conditions") or []
+    ok, reason, message = keys
+    conds = set_condition(conds, "GatewayKeys", ok, reason, message, gen)
+    if r.conflicts:
+        msg = "; ".join(f"model {m!r} is claimed by {', '.join(ds)}" for m, ds in sorted(r.conflicts.items()))
+        conds = set_condition(conds, "ModelsServed", False, "ModelConflict",
+                              f"{msg}: not routed until one deployment serves it (rename a model or an alias, or "
+                              f"narrow spec.selector)", gen)
+    elif r.invalid:
+        conds = set_condition(conds, "ModelsServed", False, "InvalidDeployment", "; ".join(
+            f"{d}: {why}" for d, why in sorted(r.invalid.items())), gen)
+    elif not r.served and r.waiting:
+        conds = set_condition(conds, "ModelsServed", False, "WaitingForDeployments",
+                              f"{', '.join(r.waiting)}: their data-scope token does not exist yet", gen)
+    elif not r.served:
+        conds = set_condition(conds, "ModelsServed", False, "NoDeployments",
+                              "spec.selector selects no PDDeployment in this namespace", gen)
+    else:
+        conds = set_condition(conds, "ModelsServed", True, "Serving", ", ".join(
+            f"{s.model} ({s.deployment})" for s in r.served), gen)
+    st = (dep_obj or {}).get("status") or {}
+    ready = st.get("readyReplicas") or 0
+    want = (dep_obj or {}).get("spec", {}).get("replicas", 0)
+    if not ok:
+        conds = set_condition(conds, "Ready", False, reason, message, gen)
+    elif ready < 1:
+        conds = set_condition(conds, "Ready", False, "NoReadyReplica",
+                              f"0/{want} gateway pods ready (see the pods labelled {LABEL_PDGATEWAY}={meta['name']})",
+                              gen)
+    else:
+        conds = set_condition(conds, "Ready", True, "Serving", f"{ready}/{want} gateway pods ready", gen)
+    healthy = ok and ready >= 1 and not r.conflicts and bool(r.served)
+    phase = "Ready" if healthy else ("Degraded" if ready >= 1 or r.conflicts else "Pending")
+    return {"phase": phase, "url": f"http://{meta['name']}.{meta['namespace']}.svc:{GATEWAY_PORT}/v1",
+            "models": [{"model": s.model, "deployment": s.deployment, **({"aliases": s.aliases} if s.aliases else {})}
+                       for s in r.served],
+            "replicas": want, "readyReplicas": ready, "conditions": conds, "observedGeneration": gen}

@@ -1,0 +1,129 @@
+"""A PDGateway's decisions (pure): which deployments it serves, conflicts, its objects and status."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import yaml
+
+from pd_operator import crdgen
+from pd_operator.api_gateway import PDGatewaySpec, Selector, parse_spec
+from pd_operator.sharedgateway import keys_state, matches, objects, owner_reference, routing, status
+from tests.conftest import REPO
+
+BASE = yaml.safe_load((REPO / "examples" / "sim-small.yaml").read_text())
+
+
+def dep(name: str, model: str, aliases=None, labels=None) -> dict:
+    d = copy.deepcopy(BASE)
+    d["metadata"] = {"name": name, "namespace": "t", "labels": labels or {}}
+    d["spec"]["model"]["name"] = model
+    if aliases:
+        d["spec"]["model"]["aliases"] = aliases
+    return d
+
+
+@pytest.mark.parametrize("labels, selector, want", [
+    ({}, None, True),
+    ({}, {}, True),
+    ({"team": "a"}, {"matchLabels": {"team": "a"}}, True),
+    ({"team": "b"}, {"matchLabels": {"team": "a"}}, False),
+    ({"tier": "gold"}, {"matchExpressions": [{"key": "tier", "operator": "In", "values": ["gold", "silver"]}]}, True),
+    ({"tier": "gold"}, {"matchExpressions": [{"key": "tier", "operator": "NotIn", "values": ["gold"]}]}, False),
+    ({}, {"matchExpressions": [{"key": "tier", "operator": "NotIn", "values": ["gold"]}]}, True),
+    ({}, {"matchExpressions": [{"key": "tier", "operator": "Exists"}]}, False),
+    ({"x": "1"}, {"matchExpressions": [{"key": "x", "operator": "DoesNotExist"}]}, False),
+])
+def test_label_selector(labels, selector, want):
+    sel = None if selector is None else Selector.model_validate(selector)
+    assert matches(labels, sel) is want
+
+
+def test_routing_serves_each_model_and_reports_conflicts():
+    deps = [dep("a", "llama-8b", ["llama"]), dep("b", "qwen-7b"), dep("c", "qwen-7b"),
+            dep("d", "mistral", ["llama"], labels={"team": "x"})]
+    r = routing(deps, None)
+    assert [(s.model, s.deployment, s.aliases) for s in r.served] == [("llama-8b", "a", []), ("mistral", "d", [])]
+    assert r.conflicts == {"llama": ["a", "d"], "qwen-7b": ["b", "c"]}
+    r = routing(deps, Selector.model_validate({"matchExpressions": [{"key": "team", "operator": "DoesNotExist"}]}))
+    assert [(s.model, s.aliases) for s in r.served] == [("llama-8b", ["llama"])]
+    broken = dep("e", "x")
+    broken["spec"]["model"]["kvCache"]["numLayers"] = 0
+    assert "e" in routing([broken], None).invalid
+
+
+def test_objects_least_privilege_and_routes():
+    spec = parse_spec({"apiKeysSecret": "keys", "keys": {"team-a": {"models": ["llama-8b"], "tokensPerDay": 1000}}})
+    r = routing([dep("a", "llama-8b", ["llama"]), dep("b", "qwen-7b")], None)
+    owner = owner_reference("shared", "uid-1")
+    objs = {o["kind"]: o for o in objects("shared", "t", spec, owner, r, "img/pd-gateway:1", keys_allowed=True)}
+    assert set(objs) == {"ServiceAccount", "Role", "RoleBinding", "Deployment", "Service"}
+    rules = objs["Role"]["rules"]
+    assert {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"], "resourceNames": ["keys"]} in rules
+    assert {"apiGroups": ["apps"], "resources": ["statefulsets"], "verbs": ["get"],
+            "resourceNames": ["a-prefill", "a-decoder", "b-prefill", "b-decoder"]} in rules
+    assert all("list" not in r["verbs"] or r["resources"] == ["pods"] for r in rules)
+    env = {e["name"]: e for e in objs["Deployment"]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    routes = json.loads(env["PD_GATEWAY_ROUTES"]["value"])
+    assert [(r["model"], r["aliases"], r["deployment"]) for r in routes] == [("llama-8b", ["llama"], "a"),
+                                                                             ("qwen-7b", [], "b")]
+    assert env[routes[1]["tokenEnv"]]["valueFrom"]["secretKeyRef"] == {"name": "b-agent-data-token", "key": "token",
+                                                                       "optional": True}
+    # a deployment joining does not rename the others' token variables (no needless restart)
+    more = routing([dep("0-first", "mistral"), dep("a", "llama-8b", ["llama"]), dep("b", "qwen-7b")], None)
+    env2 = {e["name"] for e in objects("shared", "t", spec, owner, more, "img", True)[3]["spec"]["template"]["spec"][
+        "containers"][0]["env"]}
+    assert {r["tokenEnv"] for r in routes} <= env2
+    assert json.loads(env["PD_GATEWAY_KEY_POLICY"]["value"]) == {"team-a": {"models": ["llama-8b"],
+                                                                           "tokensPerDay": 1000}}
+    assert objs["Service"]["metadata"]["name"] == "shared" and objs["Service"]["spec"]["ports"][0]["port"] == 8000
+    assert objs["Deployment"]["spec"]["replicas"] == 2
+    # the Secret has not opted in: the Role no longer names it, no pod runs
+    objs = {o["kind"]: o for o in objects("shared", "t", spec, owner, r, "img", keys_allowed=False)}
+    assert not any("secrets" in r["resources"] for r in objs["Role"]["rules"])
+    assert objs["Deployment"]["spec"]["replicas"] == 0
+
+
+@pytest.mark.parametrize("secret, reason", [
+    (None, "KeysSecretNotFound"),
+    ({"metadata": {"labels": {}}, "data": {"a": "eA=="}}, "KeysSecretNotOptedIn"),
+    ({"metadata": {"labels": {"pdoperator.io/keys": "true"}}, "data": {"a": "eA=="}}, "KeysSecretReady"),
+])
+def test_keys_secret_state(secret, reason):
+    assert keys_state(secret, "keys")[1] == reason
+
+
+def test_status_names_conflicts_and_readiness():
+    gw = {"metadata": {"name": "shared", "namespace": "t", "generation": 3}, "status": {}}
+    r = routing([dep("a", "m"), dep("b", "m"), dep("c", "n")], None)
+    st = status(gw, r, (True, "KeysSecretReady", "ok"), {"spec": {"replicas": 2}, "status": {"readyReplicas": 2}})
+    served = {c["type"]: c for c in st["conditions"]}
+    assert served["ModelsServed"]["reason"] == "ModelConflict"
+    assert "claimed by a, b" in served["ModelsServed"]["message"]
+    assert st["phase"] == "Degraded" and st["models"] == [{"model": "n", "deployment": "c"}]
+    assert st["url"] == "http://shared.t.svc:8000/v1"
+    st = status(gw, routing([dep("c", "n")], None), (True, "KeysSecretReady", "ok"),
+                {"spec": {"replicas": 2}, "status": {}})
+    assert st["phase"] == "Pending" and {c["type"]: c for c in st["conditions"]}["Ready"]["reason"] == "NoReadyReplica"
+
+
+def test_key_names_are_checked_at_admission():
+    crd = crdgen.gateway_crd()
+    rules = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["x-kubernetes-validations"]
+    assert any("self.keys.all" in r["rule"] for r in rules)
+    assert PDGatewaySpec.model_validate({"apiKeysSecret": "k"}).replicas == 2
+
+
+def test_the_checked_in_crds_are_generated():
+    for kind, name in (("PDGateway", "pdgateway.yaml"), ("PDDeployment", "pddeployment.yaml")):
+        assert (REPO / "crds" / name).read_text() == crdgen.render(kind), "run `make crd`"
+        assert (REPO / "charts" / "pd-operator" / "crds" / name).read_text() == crdgen.render(kind)
+
+
+def test_a_deployment_is_routed_once_its_token_exists():
+    r = routing([dep("a", "m"), dep("b", "n")], None, tokens={"a"})
+    assert [s.deployment for s in r.served] == ["a"] and r.waiting == ["b"]
+    gw = {"metadata": {"name": "g", "namespace": "t", "generation": 1}}
+    st = status(gw, routing([dep("b", "n")], None, tokens=set()), (True, "KeysSecretReady", "ok"), None)
+    assert {c["type"]: c for c in st["conditions"]}["ModelsServed"]["reason"] == "WaitingForDeployments"
