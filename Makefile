@@ -92,9 +92,16 @@ bench-switch: venv k8s-bins ## one live role switch per direction under load (on
 bench-gateway: venv ## latency pd-gateway adds per request, and requests/s it routes on one core
 	$(PY) bench/bench_gateway.py
 
-bench-rebalance: $(BENCH_STAMP) k8s-bins ## live switching vs fixed ratios vs Replace on three traces (about 30 min; QUICK=1: a subset)
+bench-rebalance: $(BENCH_STAMP) k8s-bins ## live switching vs fixed ratios vs Replace on three traces (about 30 min; QUICK=1: a subset; ENGINES=16: trace b at 16 engines, one fleet at a time, about 35 min)
+ifeq ($(or $(ENGINES),4),4)
 	$(PY) bench/bench_rebalance.py $(if $(QUICK),--quick,) && \
 	$(PY) bench/bench_policy_sim.py --sizes 4 --compare bench/results/rebalance.json
+else
+	$(PY) bench/bench_rebalance.py --engines $(ENGINES) --traces shift --runs best-fixed,Goodput,Load+Replace \
+		--one-at-a-time && \
+	$(PY) bench/bench_policy_sim.py --sizes $(ENGINES) --traces shift --no-plot --out bench/results/policy-sim-$(ENGINES).json \
+		--compare bench/results/rebalance-$(ENGINES).json
+endif
 
 bench-policy-sim: $(BENCH_STAMP) ## the policies and a grid of fixed ratios on a discrete-event model of 4, 32 and 256 engines (about an hour)
 	$(PY) bench/bench_policy_sim.py $(if $(wildcard bench/results/rebalance.json),--compare bench/results/rebalance.json,)
