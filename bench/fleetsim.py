@@ -304,27 +304,31 @@ class FleetSim:
     def signals(self) -> policies.Signals:
         now = self.now
         pre, dec, ttft, tbt = [], [], [], []
+        idle_p, idle_d = [], []   # draining or switching: their windows count in demand (as the operator's)
         for e in self.engines:
-            if not e.serving(now):
+            serving = e.serving(now)
+            if e.gone or not serving and not (e.draining or e.leaving or e.name in self.switching):
                 continue
             if e.role == "prefill":
                 busy = sum(min(b, now) - max(a, now - BUSY_WINDOW_S) for a, b in e.busy if b > now - BUSY_WINDOW_S
                            and a < now)
-                pre.append(prefill_load(e.meter.fill(Load(
+                (pre if serving else idle_p).append(prefill_load(e.meter.fill(Load(
                     prefill_busy=min(1.0, busy / BUSY_WINDOW_S), queue_depth=len(e.queue),
                     queued_prompt_tokens=sum(r.prompt for r in e.queue)), now)))
             else:
                 e.meter.context_tokens = sum(r.ctx for r in e.running)
-                dec.append(decoder_load(e.meter.fill(Load(running=len(e.running), decode_queue=len(e.wait),
-                                                          max_batch=self.mb), now)))
+                (dec if serving else idle_d).append(decoder_load(e.meter.fill(Load(
+                    running=len(e.running), decode_queue=len(e.wait), max_batch=self.mb), now)))
+                if not serving:
+                    continue
                 for window, into in ((e.ttft, ttft), (e.tbt, tbt)):
                     while window and window[0][0] < now - LATENCY_WINDOW_S:
                         window.popleft()
                     recent = [v for at, v in window if at <= now]
                     if recent:
                         into.append(_p90(recent))
-        return policies.Signals(prefills=pre, decoders=dec, ttft_p90_ms=max(ttft) if ttft else None,
-                                tbt_p90_ms=max(tbt) if tbt else None)
+        return policies.Signals(prefills=pre, decoders=dec, idle_prefills=idle_p, idle_decoders=idle_d,
+                                ttft_p90_ms=max(ttft) if ttft else None, tbt_p90_ms=max(tbt) if tbt else None)
 
     def _candidates(self) -> list[sw.Candidate]:
         out = []
@@ -378,6 +382,7 @@ class FleetSim:
                     self.switching[name] = (s, self.now)
             elif self.now >= drained + self.switch_s:
                 e.role, e.draining = s.to, False
+                e.meter.reset(self.now)   # as the agent's: the new role's window starts empty
                 del self.switching[name]
                 self.n_switches += 1
                 started = s.started - self.wall0

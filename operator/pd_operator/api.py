@@ -184,7 +184,9 @@ class Rebalance(Model):
     policy: Literal["Manual", "Schedule", "Load", "SLO", "Goodput"]
     min_prefill: int = Field(default=1, ge=0, le=1024)
     min_decoder: int = Field(default=1, ge=0, le=1024)
-    cooldown_seconds: int = Field(default=60, ge=0, le=86400)
+    cooldown_seconds: int = Field(default=60, ge=0, le=86400, description=(
+        "Load, SLO, Goodput: seconds after a decision that changed the target before the next may change it "
+        "(the switches of one move run back to back meanwhile)"))
     drain_timeout_seconds: int | None = Field(
         default=None, ge=0, le=3600, description="drain timeout of a switch (default spec.drainTimeoutSeconds)")
     method: Literal["Switch", "Replace"] = Field(
@@ -357,7 +359,9 @@ class PDDeploymentSpec(Model):
         while they still add up to this total (plus the pods a replacement adds for a while)."""
         if decided and self.rebalance is not None and self.rebalance.method == "Replace":
             n = decided.get("prefill", 0) + decided.get("decoder", 0)
-            if n == self.total or (decided.get("growing") and self.total < n <= 2 * self.total):
+            # a replacement adds `moving` pods for a while (records without it added one); a record
+            # of another total (the spec was scaled meanwhile) is dropped, never shrunk from
+            if n == self.total or (decided.get("growing") and n == self.total + (decided.get("moving") or 1)):
                 return {"prefill": decided["prefill"], "decoder": decided["decoder"]}
         p, d = self.prefill.replicas, self.decoder.replicas
         if self.replicas is None or self.replicas == p + d:
@@ -493,6 +497,7 @@ class GroupSizes(Model):
     growing: Literal["prefill", "decoder"] | None = Field(
         default=None, description="a replacement in flight: this group got its new pods; the other shrinks by "
                                   "as many next")
+    moving: int | None = Field(default=None, ge=1, description="a replacement in flight: how many pods it added")
 
 
 class RebalanceStatus(Model):

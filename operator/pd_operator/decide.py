@@ -331,8 +331,9 @@ def advance_switches(spec: PDDeploymentSpec, mem: Memory, book: sw_.Book, pods: 
         why = f"{spec.rebalance.policy}: {last.get('message', '')}"
         unsettled = _unsettled(spec, engines, obs, per, mem, book.sizes)
         if spec.rebalance.method == "Replace":
-            sizes = {**spec.group_sizes(book.sizes), **({"growing": book.sizes["growing"]}
-                                                        if book.sizes and book.sizes.get("growing") else {})}
+            sizes = spec.group_sizes(book.sizes)
+            if book.sizes and book.sizes.get("growing") and sizes == {g: book.sizes[g] for g in sizes}:
+                sizes = {**sizes, "growing": book.sizes["growing"], "moving": book.sizes.get("moving") or 1}
             new_sizes, decision = rp.plan(sizes, target, lim, wall, unsettled, why, total)
             if new_sizes is not None:
                 book.sizes = new_sizes

@@ -36,12 +36,14 @@ class Measured:
 
 def measure(sig: Signals, learned: Learned | None, now: float, keep_s: float) -> Measured:
     prev = learned or Learned()
-    pre, dec = sig.prefills, sig.decoders
+    # what arrived and was done counts the engines draining or switching too (their windows saw
+    # demand a moment ago); what runs and waits now, the serving ones
+    pre, dec = sig.prefills + sig.idle_prefills, sig.decoders + sig.idle_decoders
     cap = cp.measure([(p.computed_tokens, p.busy_s) for p in pre], [s for d in dec for s in d.steps], prev.capacity)
     max_batch = max(1, max(d.max_batch for d in dec))
-    running = sum(d.running for d in dec)
-    context = sum(d.context_tokens for d in dec) / running if running else 0.0
-    concurrency = running + sum(d.waiting for d in dec)
+    running = sum(d.running for d in sig.decoders)
+    context = sum(d.context_tokens for d in sig.decoders) / running if running else 0.0
+    concurrency = running + sum(d.waiting for d in sig.decoders)
     if not any(p.window_s > 0 for p in pre) or not any(d.window_s > 0 for d in dec):
         return Measured(None, Learned(prev.history, cap), max_batch, concurrency, context,
                         "the engines report no load window (agents older than the Goodput policy)")
@@ -57,7 +59,7 @@ def measure(sig: Signals, learned: Learned | None, now: float, keep_s: float) ->
     history = tuple(h for h in prev.history if h[0] >= now - keep_s) + ((now, rps, prompt, output),)
     demand = Demand(requests_per_s=rps, prompt_tokens=prompt, output_tokens=output,
                     prompt_backlog=float(sum(p.queued_tokens for p in pre)),
-                    decode_backlog=float(sum(d.waiting for d in dec)))
+                    decode_backlog=float(sum(d.waiting for d in sig.decoders)))
     missing = "" if cap.prefill_tokens_per_s is not None and cap.step is not None else \
         ("no prefill was busy long enough to time" if cap.prefill_tokens_per_s is None else
          "no decoder has reported a step")

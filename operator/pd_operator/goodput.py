@@ -129,6 +129,8 @@ def _transient_ok(w: _Wait, budget: float, horizon: float) -> float:
         return min(1.0, max(0.0, budget - w.w0) / (w.growth * horizon))
     if w.w0 <= budget:
         return 1.0
+    if w.drain <= 0:   # at capacity exactly: a backlog past the budget never drains
+        return 0.0
     return 1.0 - min(1.0, (w.w0 - budget) / w.drain / horizon)
 
 
@@ -171,10 +173,13 @@ class Choice:
 
 
 def choose(total: int, current: int, lo: int, hi: int, demand: Demand, cap: Capacity, max_batch: int,
-           targets: Targets, horizon: float, move_s: float, drains: bool = True) -> Choice:
+           targets: Targets, horizon: float, move_s: float, drains: bool = True, max_in_flight: int | None = None,
+           round_s: dict[str, float] | None = None) -> Choice:
     """The prefill count to have for the next `horizon` seconds, and whether moving there pays.
-    `drains`: the engines that move drain first (a switch); otherwise (a replacement: the new ones
-    serve before the old go) the move costs nothing but the time until it is done."""
+    `move_s`: what one round of a move takes; `round_s`, if known, per direction (the role the
+    engines move to). A move of k engines, `max_in_flight` at a time, takes ceil(k / max_in_flight)
+    rounds. `drains`: the engines that move drain first (a switch); otherwise (a replacement: the
+    new ones serve before the old go) the move costs nothing but the time until it is done."""
     preds = [predict(p, total - p, demand, cap, max_batch, targets, horizon) for p in range(lo, hi + 1)]
     now = predict(current, total - current, demand, cap, max_batch, targets, horizon)
     top = max(x.goodput for x in preds)
@@ -189,24 +194,27 @@ def choose(total: int, current: int, lo: int, hi: int, demand: Demand, cap: Capa
             return Choice(now, best, best.prefill, 0.0, 0.0, move_s, "Relieve")
         return Choice(now, best, current, 0.0, 0.0, move_s, "AtBest")
     k = abs(best.prefill - current)
-    # while it moves, the k engines that drain serve neither role: what that costs against staying
-    during = predict(current - k if best.prefill < current else current, total - current - (
-        k if best.prefill > current else 0), demand, cap, max_batch, targets, move_s)
-    stay = predict(current, total - current, demand, cap, max_batch, targets, move_s)
-    gain = (best.goodput - now.goodput) * max(0.0, horizon - move_s)
-    cost = max(0.0, stay.goodput - during.goodput) * move_s if drains else 0.0
+    at_once = min(k, max_in_flight or k)
+    to = "prefill" if best.prefill > current else "decoder"
+    took = math.ceil(k / at_once) * (round_s[to] if round_s else move_s)
+    # while it moves, the engines in flight serve neither role: what that costs against staying
+    during = predict(current - at_once if to == "decoder" else current,
+                     total - current - (at_once if to == "prefill" else 0), demand, cap, max_batch, targets, took)
+    stay = predict(current, total - current, demand, cap, max_batch, targets, took)
+    gain = (best.goodput - now.goodput) * max(0.0, horizon - took)
+    cost = max(0.0, stay.goodput - during.goodput) * took if drains else 0.0
     pays = gain > cost and best.goodput - now.goodput >= MIN_GAIN * max(now.goodput, 1e-9)
-    return Choice(now, best, best.prefill if pays else current, gain, cost, move_s, "Move" if pays else "NoGain")
+    return Choice(now, best, best.prefill if pays else current, gain, cost, took, "Move" if pays else "NoGain")
 
 
 def drain_seconds(to: str, demand: Demand, cap: Capacity, prefills: int, decoders: int, max_batch: int) -> float:
     """How long the engines leaving a role take to drain: a decoder finishes its decodes (half an
     output on average at the batch the load keeps; the longest of a batch, about a whole one), a
-    prefill its queue and the batch it computes."""
+    prefill its share of the queue and the prompt it computes."""
     if cap.prefill_tokens_per_s is None or cap.step is None:
         return 0.0
     if to == "prefill":   # decoders leave
         ctx = demand.prompt_tokens + demand.output_tokens / 2
         return demand.output_tokens * cap.step.ms(max_batch, max_batch * ctx) / 1000.0
-    queued = demand.prompt_backlog / max(1, prefills) + demand.prompt_tokens * max_batch
+    queued = demand.prompt_backlog / max(1, prefills) + demand.prompt_tokens
     return queued / cap.prefill_tokens_per_s

@@ -230,7 +230,9 @@ def goodput(spec: PDDeploymentSpec, sig: Signals, current: int, total: int, limi
     the demand and capacity the engines report (demand.py), the demand forecast for when the move
     is done (forecast.py)."""
     rb = _rb(spec)
-    assert rb.targets is not None, "admission requires targets with policy Goodput"
+    if rb.targets is None:   # admission requires them; a spec stored before that rule may lack them
+        return Verdict(None, "NoTargets", "policy Goodput needs spec.rebalance.targets (ttftP90Ms, tbtP90Ms); "
+                                          "the ratio is frozen", learned=learned)
     stale = _fresh(sig, rb.signal_max_age_seconds)
     if stale:
         return replace(stale, learned=learned)
@@ -248,8 +250,10 @@ def goodput(spec: PDDeploymentSpec, sig: Signals, current: int, total: int, limi
     if d.requests_per_s <= 0 and not d.prompt_backlog and not d.decode_backlog:
         return Verdict(None, "Idle", "no request arrived in the last window; holding", learned=m.learned)
     replacing = rb.method == "Replace"
-    sides = [gp.drain_seconds(to, d, cap, current, total - current, m.max_batch) for to in ("prefill", "decoder")]
-    move_s = float(g.replace_seconds) if replacing else _control_s(last_switch) + max(sides)
+    round_s = None if replacing else {to: _control_s(last_switch) + gp.drain_seconds(
+        to, d, cap, current, total - current, m.max_batch) for to in ("prefill", "decoder")}
+    # one round of a move, either way: when the forecast is for (the gate times the move it weighs)
+    move_s = float(g.replace_seconds) if round_s is None else max(round_s.values())
     at = now + move_s
 
     def ahead(i: int) -> float:
@@ -262,8 +266,14 @@ def goodput(spec: PDDeploymentSpec, sig: Signals, current: int, total: int, limi
         fd = replace(fd, prompt_tokens=ahead(2) or d.prompt_tokens, output_tokens=ahead(3) or d.output_tokens)
     horizon = max(float(rb.cooldown_seconds + rb.evaluation_interval_seconds), 2 * move_s)
     lo, hi = max(1, limits.min_prefill), total - max(1, limits.min_decoder)
-    c = gp.choose(total, current, lo, min(hi, total - 1), fd, cap, m.max_batch,
-                  gp.Targets(rb.targets.ttft_p90_ms, rb.targets.tbt_p90_ms), horizon, move_s, drains=not replacing)
+    targets = gp.Targets(rb.targets.ttft_p90_ms, rb.targets.tbt_p90_ms)
+    c = gp.choose(total, current, lo, hi, fd, cap, m.max_batch, targets, horizon, move_s, drains=not replacing,
+                  max_in_flight=limits.max_in_flight, round_s=round_s)
+    if 2 * c.move_s > horizon:
+        # a move of several rounds: the split it makes is held at least as long as making it took
+        horizon = 2 * c.move_s
+        c = gp.choose(total, current, lo, hi, fd, cap, m.max_batch, targets, horizon, move_s, drains=not replacing,
+                      max_in_flight=limits.max_in_flight, round_s=round_s)
     assert cap.step is not None and cap.prefill_tokens_per_s is not None
     full_ms = cap.step.ms(m.max_batch, m.max_batch * (fd.prompt_tokens + fd.output_tokens / 2))
     nums = {"requestsPerS": round(d.requests_per_s, 3), "promptTokensPerS": round(d.requests_per_s * d.prompt_tokens),
@@ -274,7 +284,7 @@ def goodput(spec: PDDeploymentSpec, sig: Signals, current: int, total: int, limi
             f"{cap.step.a:.3g}*context+{cap.step.b:.3g}*batch+{cap.step.c:.3g}", "decodeStepMsFullBatch":
             round(full_ms, 2), "predictor": g.predictor, "forecastRequestsPerS": round(fd.requests_per_s, 3),
             "forecastPromptTokens": round(fd.prompt_tokens), "forecastOutputTokens": round(fd.output_tokens),
-            "moveS": round(move_s, 2), "horizonS": round(horizon, 1), "goodputNow": round(c.now.goodput, 3),
+            "moveS": round(c.move_s, 2), "horizonS": round(horizon, 1), "goodputNow": round(c.now.goodput, 3),
             "bestPrefill": c.best.prefill, "goodputAtBest": round(c.best.goodput, 3), "gain": round(c.gain, 1),
             "cost": round(c.cost, 1)}
     text = (f"demand {d.requests_per_s:.2f} req/s ({d.prompt_tokens:.0f} prompt, {d.output_tokens:.0f} output "

@@ -29,11 +29,15 @@ def signals(engines: list[lk.Engine], reports: dict, reported_at: dict[str, floa
     """Load signals from the serving engines' last reports (`reports[pod]` is an AgentStatus);
     TTFT/TBT from the gateway's client-side percentiles where it answered, else the decoders'."""
     prefills, decoders, ttft, tbt, ages = [], [], [], [], []
+    idle_p, idle_d = [], []
     for e in engines:
         s = reports.get(e.pod)
-        if s is None or not e.serving or e.role not in ("prefill", "decoder"):
+        if s is None or e.role not in ("prefill", "decoder"):
             continue
         ld = s.load
+        if not e.serving:
+            (idle_p.append(prefill_load(ld)) if e.role == "prefill" else idle_d.append(decoder_load(ld)))
+            continue
         ages.append(now - reported_at.get(e.pod, now))
         if e.role == "prefill":
             prefills.append(prefill_load(ld))
@@ -46,11 +50,12 @@ def signals(engines: list[lk.Engine], reports: dict, reported_at: dict[str, floa
     age = max(ages) if ages else 0.0
     if gateway is not None and gateway[0].get("requests"):
         stats, at = gateway
-        return policies.Signals(prefills=prefills, decoders=decoders, ttft_p90_ms=stats["ttft_ms"].get("p90"),
-                                tbt_p90_ms=stats["tbt_ms"].get("p90"), age_s=max(age, now - at), source="gateway")
+        return policies.Signals(prefills=prefills, decoders=decoders, idle_prefills=idle_p, idle_decoders=idle_d,
+                                ttft_p90_ms=stats["ttft_ms"].get("p90"), tbt_p90_ms=stats["tbt_ms"].get("p90"),
+                                age_s=max(age, now - at), source="gateway")
     # the worst decoder's percentiles: percentiles of different engines do not average
-    return policies.Signals(prefills=prefills, decoders=decoders, ttft_p90_ms=max(ttft) if ttft else None,
-                            tbt_p90_ms=max(tbt) if tbt else None, age_s=age)
+    return policies.Signals(prefills=prefills, decoders=decoders, idle_prefills=idle_p, idle_decoders=idle_d,
+                            ttft_p90_ms=max(ttft) if ttft else None, tbt_p90_ms=max(tbt) if tbt else None, age_s=age)
 
 
 def prefill_load(ld: Load) -> policies.PrefillLoad:

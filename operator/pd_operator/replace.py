@@ -20,12 +20,15 @@ def plan(sizes: dict, target: int | None, limits: Limits, now: float, unsettled:
     growing = sizes.get("growing")
     base = dict(target=target, current=p)
     if growing:
-        k = max(1, p + d - total)
+        k = sizes.get("moving") or 1
         shrink = OTHER[growing]
         pods = f"{k} new {growing} pods are" if k > 1 else f"a new {growing} pod is"
         if unsettled:
             return None, Decision("Replacing", f"{pods} starting; {k} {shrink}(s) go once they are Ready and "
                                                f"linked ({unsettled})", **base)
+        # never below the shrinking group's floor, whatever the record says
+        floor = max(1, limits.min_prefill if shrink == "prefill" else limits.min_decoder)
+        k = max(0, min(k, (p if shrink == "prefill" else d) - floor))
         new = {"prefill": p - k * (shrink == "prefill"), "decoder": d - k * (shrink == "decoder")}
         return new, Decision("Replacing", f"the new {growing} pods serve; removing {k} {shrink}(s) "
                                           f"(they drain first) ({reason})", **base)
@@ -45,7 +48,8 @@ def plan(sizes: dict, target: int | None, limits: Limits, now: float, unsettled:
     if k < 1:
         return None, Decision("MinCount", f"want {target} prefills, have {p}; one fewer {OTHER[grow]} would leave "
                                           f"{other - 1}, below {floor}", **base)
-    new = {"prefill": p + k * (grow == "prefill"), "decoder": d + k * (grow == "decoder"), "growing": grow}
+    new = {"prefill": p + k * (grow == "prefill"), "decoder": d + k * (grow == "decoder"), "growing": grow,
+           "moving": k}
     what = f"a new {grow} pod; one {OTHER[grow]} goes once it serves" if k == 1 else \
         f"{k} new {grow} pods; {k} {OTHER[grow]}s go once they serve"
     return new, Decision("Replacing", f"starting {what} ({reason})", **base)

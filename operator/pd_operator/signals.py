@@ -38,6 +38,10 @@ class DecoderLoad:
 class Signals:
     prefills: list[PrefillLoad] = field(default_factory=list)
     decoders: list[DecoderLoad] = field(default_factory=list)
+    # engines that take no new work now (draining, switching): what their windows saw still is
+    # demand (Goodput), under the role they had when it arrived
+    idle_prefills: list[PrefillLoad] = field(default_factory=list)
+    idle_decoders: list[DecoderLoad] = field(default_factory=list)
     ttft_p90_ms: float | None = None
     tbt_p90_ms: float | None = None
     age_s: float = 0.0           # of the oldest signal used

@@ -287,6 +287,7 @@ class AgentCore:
             self.link_since.clear()
             self.link_codes.clear()
             self.linked_by.clear()
+            self.meter.reset()
             await self._ensure_blocks_cache()
             for hook in self.after_switch:
                 await hook(old, role)

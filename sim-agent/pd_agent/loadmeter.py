@@ -15,6 +15,7 @@ import time
 from pd_contract.agent_api import Load, StepSample
 
 WINDOW_S = 10.0
+MIN_WINDOW_S = 2.0
 STEPS_KEPT = 32
 
 
@@ -27,6 +28,14 @@ class LoadMeter:
         self._completed: collections.deque[float] = collections.deque()
         self.steps: collections.deque[StepSample] = collections.deque(maxlen=STEPS_KEPT)
         self.context_tokens = 0
+        self._since: float | None = None   # the window starts here (a role switch), if later than window_s ago
+
+    def reset(self, at: float | None = None) -> None:
+        """The engine changed role: what it saw in the old one is not the new role's load."""
+        for q in (self._arrived, self._prefilled, self._generated, self._completed, self.steps):
+            q.clear()
+        self.context_tokens = 0
+        self._since = _now(at)
 
     # ---- what happened --------------------------------------------------------------------------
     def arrived(self, prompt_tokens: int, at: float | None = None) -> None:
@@ -59,7 +68,10 @@ class LoadMeter:
                 q.popleft()
         while self._completed and self._completed[0] < since:
             self._completed.popleft()
-        load.window_s = self.window_s
+        # a window that started at a switch is as long as it is (at least MIN_WINDOW_S: a rate over
+        # a fraction of a second is noise)
+        load.window_s = self.window_s if self._since is None else \
+            max(MIN_WINDOW_S, min(self.window_s, now - self._since))
         load.requests_arrived = len(self._arrived)
         load.prompt_tokens_arrived = sum(t for _, t in self._arrived)
         load.prefill_tokens = sum(t for _, t, _ in self._prefilled)

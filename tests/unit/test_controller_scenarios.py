@@ -380,7 +380,7 @@ async def test_replace_applies_the_grown_group_in_the_pass_that_decided_it():
     await w.step()
     assert ("apply", "StatefulSet", "x-prefill") in w.log[start:], "applied when decided, not a resync later"
     assert w.kube.objects[("StatefulSet", "ns", "x-prefill")]["spec"]["replicas"] == 3
-    assert w.status["rebalance"]["groupSizes"] == {"prefill": 3, "decoder": 2, "growing": "prefill"}
+    assert w.status["rebalance"]["groupSizes"] == {"prefill": 3, "decoder": 2, "growing": "prefill", "moving": 1}
 
 
 async def test_a_move_in_progress_follows_a_new_target_and_its_stopped_drains_hold_nothing_back():

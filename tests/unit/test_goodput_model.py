@@ -134,6 +134,15 @@ def test_a_backlog_counts_against_the_split_that_has_it():
     assert predict(3, 1, backlog, CAP, 4, TARGETS, 30).goodput < predict(3, 1, d, CAP, 4, TARGETS, 30).goodput
 
 
+def test_a_move_takes_a_round_per_max_in_flight_engines_each_the_way_it_goes():
+    d = Demand(3.0, 300, 150)
+    rounds = {"prefill": 5.0, "decoder": 3.0}
+    whole = choose(4, 3, 1, 3, d, CAP, 4, TARGETS, 60, 5, max_in_flight=2, round_s=rounds)
+    one_by_one = choose(4, 3, 1, 3, d, CAP, 4, TARGETS, 60, 5, max_in_flight=1, round_s=rounds)
+    assert whole.best.prefill == 1 and whole.move_s == 3.0 and one_by_one.move_s == 6.0
+    assert one_by_one.gain < whole.gain
+
+
 @pytest.mark.parametrize("case, demand, current, horizon, move_s, reason", [
     ("wrong split, cheap move: it pays", Demand(3.0, 300, 150), 3, 30, 4, "Move"),
     ("the best split already", Demand(3.0, 300, 150), 1, 30, 4, "AtBest"),

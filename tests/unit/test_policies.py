@@ -29,6 +29,19 @@ def sig(p_busy=0.5, p_queue=0, d_run=2, d_wait=0, batch=4, n=2, ttft=None, tbt=N
 LOAD = spec("Load")
 
 
+def test_demand_counts_what_draining_engines_saw():
+    from dataclasses import replace as dc_replace
+
+    from pd_operator import demand
+    s = measured(3.0, 300, 150)
+    one_draining = dc_replace(s, prefills=s.prefills[1:], idle_prefills=s.prefills[:1],
+                              decoders=s.decoders[1:], idle_decoders=s.decoders[:1])
+    whole = demand.measure(s, None, 1000.0, 60).demand
+    moving = demand.measure(one_draining, None, 1000.0, 60).demand
+    assert whole is not None and moving is not None
+    assert moving.requests_per_s == whole.requests_per_s and moving.output_tokens == whole.output_tokens
+
+
 @pytest.mark.parametrize("case, signals, current, want, reason", [
     ("prefill pressed, decoders idle", sig(p_busy=0.95, d_run=1), 3, 4, "PrefillBound"),
     ("queue builds on prefills", sig(p_busy=0.5, p_queue=3, d_run=1), 3, 4, "PrefillBound"),
@@ -158,7 +171,7 @@ def test_replace_grows_then_shrinks_within_min_counts():
     from pd_operator.switch import Limits
     lim = Limits()
     new, d = replace.plan({"prefill": 2, "decoder": 2}, 3, lim, 100.0, None, "Manual", 4)
-    assert new == {"prefill": 3, "decoder": 2, "growing": "prefill"} and d.reason == "Replacing"
+    assert new == {"prefill": 3, "decoder": 2, "growing": "prefill", "moving": 1} and d.reason == "Replacing"
     keep, d = replace.plan(new, 3, lim, 101.0, "pods not ready: x-prefill-2", "Manual", 4)
     assert keep is None and "starting" in d.message
     done, d = replace.plan(new, 3, lim, 102.0, None, "Manual", 4)
@@ -167,19 +180,29 @@ def test_replace_grows_then_shrinks_within_min_counts():
     assert replace.plan(done, 4, lim, 103.0, None, "m", 4)[1].reason == "MinCount"
     assert replace.plan(done, 2, Limits(cooldown_until=200), 103.0, None, "m", 4)[1].reason == "Cooldown"
     back, _ = replace.plan(done, 2, lim, 300.0, None, "m", 4)
-    assert back == {"prefill": 3, "decoder": 2, "growing": "decoder"}
+    assert back == {"prefill": 3, "decoder": 2, "growing": "decoder", "moving": 1}
 
 
 def test_replace_moves_whole_up_to_max_in_flight():
     from pd_operator import replace
     from pd_operator.switch import Limits
     new, d = replace.plan({"prefill": 16, "decoder": 16}, 24, Limits(max_in_flight=8), 0.0, None, "m", 32)
-    assert new == {"prefill": 24, "decoder": 16, "growing": "prefill"} and "8 new prefill pods" in d.message
+    assert new == {"prefill": 24, "decoder": 16, "growing": "prefill", "moving": 8}
+    assert "8 new prefill pods" in d.message
     done, d = replace.plan(new, 24, Limits(max_in_flight=8), 1.0, None, "m", 32)
     assert done == {"prefill": 24, "decoder": 8} and "removing 8 decoder" in d.message
     capped, _ = replace.plan({"prefill": 16, "decoder": 16}, 30, Limits(max_in_flight=64, min_decoder=4), 0.0,
                              None, "m", 32)
-    assert capped == {"prefill": 28, "decoder": 16, "growing": "prefill"}, "the min count caps the move"
+    assert capped == {"prefill": 28, "decoder": 16, "growing": "prefill", "moving": 12}, "the min count caps the move"
+
+
+def test_replace_never_shrinks_a_group_below_its_floor():
+    from pd_operator import replace
+    from pd_operator.switch import Limits
+    # a record that claims a move larger than the shrinking group can give
+    done, _ = replace.plan({"prefill": 3, "decoder": 2, "growing": "prefill", "moving": 5}, 3, Limits(), 0.0, None,
+                           "m", 3)
+    assert done == {"prefill": 3, "decoder": 1}
 
 
 def test_replace_sizes_are_a_function_of_spec_and_record():
@@ -187,7 +210,13 @@ def test_replace_sizes_are_a_function_of_spec_and_record():
     assert s.group_sizes({"prefill": 4, "decoder": 2}) == {"prefill": 4, "decoder": 2}
     assert s.group_sizes({"prefill": 4, "decoder": 3, "growing": "prefill"}) == {"prefill": 4, "decoder": 3}
     assert s.group_sizes({"prefill": 5, "decoder": 3}) == {"prefill": 3, "decoder": 3}, "a stale record is dropped"
-    assert s.group_sizes({"prefill": 6, "decoder": 3, "growing": "prefill"}) == {"prefill": 6, "decoder": 3}
+    assert s.group_sizes({"prefill": 6, "decoder": 3, "growing": "prefill", "moving": 3}) == \
+        {"prefill": 6, "decoder": 3}
+    # the spec scaled from 4 to 3 in the middle of a move of one (2P2D -> 3P): that record is not this total's
+    scaled = parse_spec({**BASE, "prefill": {"replicas": 2}, "decoder": {"replicas": 2}, "replicas": 3,
+                         "rebalance": {"policy": "Manual", "manual": {"prefill": 2}, "method": "Replace"}})
+    assert scaled.group_sizes({"prefill": 3, "decoder": 2, "growing": "prefill", "moving": 1}) == \
+        scaled.group_sizes(), "a stale record is dropped"
     assert spec("Manual", manual={"prefill": 2}).group_sizes({"prefill": 4, "decoder": 2}) == \
         {"prefill": 3, "decoder": 3}, "method Switch ignores it"
 
@@ -300,12 +329,11 @@ def test_goodput_decision_carries_its_numbers_and_learns():
     assert v.reason != "Measuring" and len(book.learned.history) == 2
 
 
-def test_goodput_needs_targets_at_admission():
-    import json
-
-    from pd_operator import crdgen
-    rules = json.dumps(crdgen.crd())
-    assert "self.policy in ['SLO', 'Goodput']" in rules
+def test_goodput_without_targets_freezes_rather_than_fails():
+    # admission refuses it (test_admission); a spec stored before the rule existed is not a crash
+    s = spec("Goodput")
+    v = policies.evaluate(s, measured(3.0, 300, 150), 3, limits(s, 0), 1000.0)
+    assert v.target is None and v.reason == "NoTargets" and "spec.rebalance.targets" in v.message
 
 
 def test_goodput_sizes_replace_from_the_same_model():
@@ -313,8 +341,12 @@ def test_goodput_sizes_replace_from_the_same_model():
               goodput={"replaceSeconds": 90})
     v = policies.evaluate(rs, measured(3.0, 300, 150), 3, limits(rs, 0), 1000.0)
     assert v.reason == "GoodputGain" and v.target == 1
-    assert v.numbers["moveS"] == 90 and v.numbers["cost"] == 0 and v.numbers["horizonS"] == 180, \
-        "a replacement drains nothing before its new engines serve, and takes their start"
+    assert v.numbers["moveS"] == 180 and v.numbers["cost"] == 0 and v.numbers["horizonS"] == 360, \
+        "a replacement drains nothing before its new engines serve; two of one at a time take two starts"
+    both = spec("Goodput", targets={"ttftP90Ms": 3000, "tbtP90Ms": 60}, method="Replace",
+                goodput={"replaceSeconds": 90}, maxConcurrentSwitches=2)
+    v = policies.evaluate(both, measured(3.0, 300, 150), 3, limits(both, 0), 1000.0)
+    assert v.target == 1 and v.numbers["moveS"] == 90, "two at once: one start"
 
 
 def test_the_goodput_example_parses():
