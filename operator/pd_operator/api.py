@@ -140,7 +140,8 @@ class LoadThresholds(Model):
 class GoodputSettings(Model):
     """Policy Goodput: how the demand is forecast over the time a move takes."""
     model_config = ConfigDict(json_schema_extra=rules(
-        ("self.predictor != 'Seasonal' || has(self.seasonalPeriodSeconds)",
+        # the object's default ({}) is checked as written, before its fields' defaults
+        ("!has(self.predictor) || self.predictor != 'Seasonal' || has(self.seasonalPeriodSeconds)",
          "spec.rebalance.goodput.seasonalPeriodSeconds is required when the predictor is Seasonal",
          ".seasonalPeriodSeconds"),
     ))
