@@ -28,9 +28,10 @@ $(LINT_STAMP): $(STAMP)
 	@touch $@
 
 # the decide side (pure modules) and the contract package are type-checked
-TYPED := $(addprefix operator/pd_operator/,api.py api_gateway.py backoff.py builders.py cachedesc.py children.py conditions.py \
-	config.py decide.py diagnosis.py faultpoint.py gateway.py kinds.py links.py members.py objmeta.py policies.py \
-	rebalance.py replace.py reports.py sharedgateway.py state.py status.py switch.py) contract/pd_contract
+TYPED := $(addprefix operator/pd_operator/,api.py api_gateway.py backoff.py builders.py cachedesc.py capacity.py children.py \
+	conditions.py config.py decide.py demand.py diagnosis.py faultpoint.py forecast.py gateway.py goodput.py kinds.py \
+	links.py members.py objmeta.py policies.py rebalance.py replace.py reports.py sharedgateway.py signals.py state.py \
+	status.py switch.py) contract/pd_contract
 
 lint: $(LINT_STAMP) ## ruff over everything, mypy over the pure modules and the contract package
 	$(VENV)/bin/ruff check .
@@ -91,11 +92,18 @@ bench-switch: venv k8s-bins ## one live role switch per direction under load (on
 bench-gateway: venv ## latency pd-gateway adds per request, and requests/s it routes on one core
 	$(PY) bench/bench_gateway.py
 
-bench-rebalance: $(BENCH_STAMP) k8s-bins ## live switching vs fixed ratios vs Replace on three traces (about 30 min; QUICK=1: a subset)
+bench-rebalance: $(BENCH_STAMP) k8s-bins ## live switching vs fixed ratios vs Replace on three traces (about 30 min; QUICK=1: a subset; ENGINES=16: trace b at 16 engines, one fleet at a time, about 35 min)
+ifeq ($(or $(ENGINES),4),4)
 	$(PY) bench/bench_rebalance.py $(if $(QUICK),--quick,) && \
 	$(PY) bench/bench_policy_sim.py --sizes 4 --compare bench/results/rebalance.json
+else
+	$(PY) bench/bench_rebalance.py --engines $(ENGINES) --traces shift --runs best-fixed,Goodput,Load+Replace \
+		--one-at-a-time && \
+	$(PY) bench/bench_policy_sim.py --sizes $(ENGINES) --traces shift --no-plot --out bench/results/policy-sim-$(ENGINES).json \
+		--compare bench/results/rebalance-$(ENGINES).json
+endif
 
-bench-policy-sim: venv ## the policies on a discrete-event model of 4, 32 and 256 engines (seconds per trace)
+bench-policy-sim: $(BENCH_STAMP) ## the policies and a grid of fixed ratios on a discrete-event model of 4, 32 and 256 engines (about an hour)
 	$(PY) bench/bench_policy_sim.py $(if $(wildcard bench/results/rebalance.json),--compare bench/results/rebalance.json,)
 
 soak: venv k8s-bins ## pods, containers and operators killed, switches and scaling, malformed requests, under load (30 min; MINUTES=5: shorter)

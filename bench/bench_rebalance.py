@@ -1,10 +1,10 @@
 """`make bench-rebalance`: what live switching buys, side by side with fixed ratios and with
 the peers' way (replacing pods), on the local cluster with the operator as a process.
 
-For each trace (bench/traces, bench/scenarios.py says how they are made) seven PDDeployments
+For each trace (bench/traces, bench/scenarios.py says how they are made) eight PDDeployments
 of 4 engines serve the same trace at the same time, each with its own load generator:
-fixed 1P3D, 2P2D and 3P1D; Schedule (entries written for the trace); Load; SLO; Load with
-`method: Replace` (a new engine pays ENGINE_START_S before it serves). Time is compressed by
+fixed 1P3D, 2P2D and 3P1D; Schedule (entries written for the trace); Load; SLO; Goodput; Load
+with `method: Replace` (a new engine pays ENGINE_START_S before it serves). Time is compressed by
 --compress: the simulator's time scale, the trace, the policies' intervals and cooldowns and
 the engine start-up are all divided by it, and every number is printed back in trace time.
 
@@ -14,7 +14,12 @@ and TBT p90 over time) to bench/results/rebalance-<trace>[-xN].png. --compare FI
 each run's goodput beside another result's (compressed against uncompressed: goal 10%).
 
     python bench/bench_rebalance.py [--compress 1] [--traces sine,shift,step] [--quick]
-    python bench/bench_rebalance.py --compress 2 --compare bench/results/rebalance.json  # the compression check"""
+    python bench/bench_rebalance.py --compress 2 --compare bench/results/rebalance.json  # the compression check
+    python bench/bench_rebalance.py --engines 16 --traces shift --runs best-fixed,Goodput,Load+Replace --one-at-a-time
+
+--engines N runs fleets of N engines on the same generator's trace for N (rates scaled, as
+bench-policy-sim makes it); --one-at-a-time runs the fleets one after another when the machine
+cannot carry them side by side. Each run reports the machine's CPU use while it ran."""
 from __future__ import annotations
 
 import argparse
@@ -35,7 +40,8 @@ from common import REPO, Bench  # noqa: E402
 from fleetsim import timeline  # noqa: E402
 
 RESULTS = sc.BENCH / "results"
-QUICK_RUNS = ["fixed-2P2D", "Load", "Load+Replace"]
+QUICK_RUNS = ["fixed-2P2D", "Load", "Goodput", "Load+Replace"]
+MODEL_ONLY = ["Goodput+Replace"]   # bench-policy-sim's; on the cluster only when named (--runs): CPU
 
 
 def kname(run: str) -> str:
@@ -56,7 +62,28 @@ def wait_ready(bench: Bench, ns: str, names: list[str], timeout: float) -> None:
         raise SystemExit(f"not Ready after {timeout:.0f} s: {sorted(pending)}")
 
 
-def run_trace(bench: Bench, kind: str, compress: float, only: list[str] | None, token_of) -> dict:
+def cpu_times() -> tuple[float, float]:
+    """(busy, total) jiffies of the whole machine, from /proc/stat."""
+    f = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = f[3] + (f[4] if len(f) > 4 else 0.0)
+    return sum(f) - idle, sum(f)
+
+
+def trace_file(kind: str, engines: int) -> Path:
+    """The shipped 4-engine trace, or the same generator's trace for `engines` (what bench-policy-sim models)."""
+    if engines == 4:
+        return sc.trace_path(kind)
+    from pd_agent import traces
+    rows, _ = traces.generate(kind, traces.Fleet(engines // 2, engines // 2, sc.MAX_BATCH), sc.DURATION_S,
+                              sc.PERIOD_S, seed=1)
+    path = RESULTS / "work" / f"{kind}-{engines}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def run_trace(bench: Bench, kind: str, compress: float, only: list[str] | None, token_of,
+              engines: int = 4) -> dict:
     ns = f"bench-rb-{kind}-{uuid.uuid4().hex[:5]}"
     bench.namespace(ns)
     op, _ = bench.operator(ns, f"bench-rebalance-{kind}-operator.log")
@@ -65,14 +92,19 @@ def run_trace(bench: Bench, kind: str, compress: float, only: list[str] | None, 
     work = RESULTS / "work"
     work.mkdir(parents=True, exist_ok=True)
     try:
-        runs = [r for r in sc.runs(4, 0, compress, kind) if not only or r.name in only]
+        runs = [r for r in sc.runs(engines, 0, compress, kind)
+                if (r.name in only if only else r.name not in MODEL_ONLY)]
+        if not runs:
+            raise SystemExit(f"none of {only} is a run at {engines} engines: "
+                             f"{[r.name for r in sc.runs(engines, 0, compress, kind)]}")
+        trace = trace_file(kind, engines)
         for r in runs:
             doc = sc.pddeployment(r, kname(r.name), ns, compress)
             if r.rebalance and r.rebalance["policy"] == "Schedule":
                 # hold the ratio until the trace starts; the entries are written for its start minute
                 doc["spec"]["rebalance"] = {**r.rebalance, "policy": "Manual", "manual": {"prefill": r.prefill}}
             bench.custom.create_namespaced_custom_object("pdoperator.io", "v1alpha1", ns, "pddeployments", doc)
-        wait_ready(bench, ns, [kname(r.name) for r in runs], 300 + sc.ENGINE_START_S / compress)
+        wait_ready(bench, ns, [kname(r.name) for r in runs], 300 + sc.ENGINE_START_S / compress + 10 * engines)
         # the trace starts on a minute, so the schedule's entries fire at its phase boundaries
         start = (int(time.time()) // 60 + 1) * 60
         if start - time.time() < 8:
@@ -84,15 +116,17 @@ def run_trace(bench: Bench, kind: str, compress: float, only: list[str] | None, 
             name = kname(r.name)
             loads[r.name] = subprocess.Popen(
                 [sys.executable, "-m", "pd_agent.loadgen", "--kubeconfig", bench.kubeconfig, "--namespace", ns,
-                 "--deployment", name, f"--token={token_of(ns, name)}", "--trace", str(sc.trace_path(kind)),
+                 "--deployment", name, f"--token={token_of(ns, name)}", "--trace", str(trace),
                  "--trace-speed", str(compress), "--duration", "0", "--max-prompt", str(sc.MAX_SEQ),
                  "--max-output", "4096", "--slo-ttft-ms", str(sc.SLO_TTFT_MS / compress),
                  "--slo-tbt-ms", str(sc.SLO_TBT_MS / compress), "--requests-out", str(work / f"{kind}-{name}.jsonl"),
                  "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
         time.sleep(max(0.0, start - time.time()))
+        cpu0 = cpu_times()
         for r in runs:
             if r.rebalance and r.rebalance["policy"] == "Schedule":
-                entries = sc.runs(4, minute, compress, kind)[3].rebalance["schedule"]
+                entries = next(x for x in sc.runs(engines, minute, compress, kind) if x.name == "Schedule").rebalance[
+                    "schedule"]
                 bench.custom.patch_namespaced_custom_object(
                     "pdoperator.io", "v1alpha1", ns, "pddeployments", kname(r.name),
                     {"spec": {"rebalance": {"policy": "Schedule", "schedule": entries, "manual": None}}})
@@ -104,6 +138,8 @@ def run_trace(bench: Bench, kind: str, compress: float, only: list[str] | None, 
                 samples.setdefault(r.name, []).append({"t": round(t, 1), "prefill": st.get("prefill"),
                                                        "decoder": st.get("decoder")})
             time.sleep(1)
+        cpu1 = cpu_times()
+        cpu = (cpu1[0] - cpu0[0]) / max(1.0, cpu1[1] - cpu0[1])
         out = {}
         for r in runs:
             stdout, stderr = loads[r.name].communicate()
@@ -112,6 +148,7 @@ def run_trace(bench: Bench, kind: str, compress: float, only: list[str] | None, 
             s = json.loads(stdout)
             reqs = [json.loads(x) for x in (work / f"{kind}-{kname(r.name)}.jsonl").read_text().splitlines()]
             out[r.name] = in_trace_time(s, reqs, samples[r.name], compress)
+            out[r.name]["cpu_busy"] = round(cpu, 3)   # the machine's, over the runs that ran together
         return out
     finally:
         for p in loads.values():
@@ -142,7 +179,7 @@ def in_trace_time(s: dict, reqs: list[dict], samples: list[dict], compress: floa
             "wall_s": s["duration_s"], "timeline": tl}
 
 
-def plot(kind: str, rows: dict[str, dict], path: Path, compress: float) -> None:
+def plot(kind: str, rows: dict[str, dict], path: Path, compress: float, engines: int = 4) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -150,7 +187,7 @@ def plot(kind: str, rows: dict[str, dict], path: Path, compress: float) -> None:
     first = next(iter(rows.values()))["timeline"]
     ax[0].plot([b["t"] for b in first], [b["rate"] for b in first], color="black")
     ax[0].set_ylabel("arrivals / s")
-    ax[0].set_title(f"trace {kind}: {sc.TRACES[kind]} (4 engines, compressed x{compress:g}, trace time)")
+    ax[0].set_title(f"trace {kind}: {sc.TRACES[kind]} ({engines} engines, compressed x{compress:g}, trace time)")
     for name, s in rows.items():
         tl = s["timeline"]
         ts = [b["t"] for b in tl]
@@ -176,14 +213,26 @@ def main() -> None:
     ap.add_argument("--compress", type=float, default=1.0,
                     help="run this many times faster than the trace (x2 costs fidelity: see the README)")
     ap.add_argument("--traces", default=",".join(sc.TRACES))
-    ap.add_argument("--runs", default=None, help="comma-separated subset of " + ",".join(sc.RUNS))
+    ap.add_argument("--runs", default=None, help="comma-separated subset of " + ",".join(sc.RUNS)
+                    + " (best-fixed: the fixed split the model finds best on the first trace)")
     ap.add_argument("--quick", action="store_true", help=f"trace shift only, runs {', '.join(QUICK_RUNS)}")
     ap.add_argument("--compare", default=None, help="another result JSON: print its goodput beside")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--engines", type=int, default=4, help="engines per fleet (the trace's rates scale with it)")
+    ap.add_argument("--one-at-a-time", action="store_true",
+                    help="the fleets one after another (each alone on the machine), not side by side")
     args = ap.parse_args()
     kinds = ["shift"] if args.quick else args.traces.split(",")
     only = QUICK_RUNS if args.quick else (args.runs.split(",") if args.runs else None)
-    suffix = "" if args.compress == 1 else f"-x{args.compress:g}"
+    if only and "best-fixed" in only:
+        # every fixed split of a large fleet is too many fleets for this machine: the one the model
+        # finds best in hindsight stands for them (bench-policy-sim shows the whole grid)
+        from bench_policy_sim import simulate
+        fixed = simulate(kinds[0], args.engines, ["fixed"])
+        best = max((r for r in fixed if r.startswith("fixed-")), key=lambda r: fixed[r]["goodput_rps"])
+        print(f"best fixed split of {args.engines} engines on trace {kinds[0]} (model): {best}", flush=True)
+        only = [best if r == "best-fixed" else r for r in only]
+    suffix = ("" if args.engines == 4 else f"-{args.engines}") + ("" if args.compress == 1 else f"-x{args.compress:g}")
     out_path = Path(args.out) if args.out else RESULTS / f"rebalance{suffix}.json"
     other = json.loads(Path(args.compare).read_text()) if args.compare else None
     bench = Bench()
@@ -197,16 +246,24 @@ def main() -> None:
                 time.sleep(0.2)
         raise SystemExit(f"no data token Secret for {name}")
 
-    result = {"compress": args.compress, "engines": 4, "slo": {"ttft_ms": sc.SLO_TTFT_MS, "tbt_ms": sc.SLO_TBT_MS},
-              "traces": {}}
+    result = {"compress": args.compress, "engines": args.engines,
+              "slo": {"ttft_ms": sc.SLO_TTFT_MS, "tbt_ms": sc.SLO_TBT_MS}, "traces": {}}
     t_all = time.monotonic()
     try:
         for kind in kinds:
             t0 = time.monotonic()
-            rows = run_trace(bench, kind, args.compress, only, token_of)
+            if args.one_at_a_time:
+                rows = {}
+                for name in only or [r.name for r in sc.runs(args.engines, 0, 1.0, kind) if r.name not in MODEL_ONLY]:
+                    rows.update(run_trace(bench, kind, args.compress, [name], token_of, args.engines))
+                    print(f"  {name}: {rows[name]['goodput_rps']:.3f} req/s, machine CPU busy "
+                          f"{rows[name]['cpu_busy']:.0%}", flush=True)
+            else:
+                rows = run_trace(bench, kind, args.compress, only, token_of, args.engines)
             result["traces"][kind] = {"runs": rows, "wall_s": round(time.monotonic() - t0)}
             o = other["traces"].get(kind, {}).get("runs") if other else None
-            print(sc.table(f"trace {kind} {sc.TRACES[kind]}: 4 engines, compressed x{args.compress:g}, in trace time",
+            print(sc.table(f"trace {kind} {sc.TRACES[kind]}: {args.engines} engines, compressed x{args.compress:g}, "
+                           "in trace time",
                            rows, o, f"x{other['compress']:g} goodput" if other else ""))
             for goal, met, why in sc.goodput_goals(rows, kind):
                 print(f"  goal: {goal}: {'met' if met else 'NOT met'} ({why})")
@@ -217,7 +274,7 @@ def main() -> None:
                 print(f"  goal: goodput within 10% of x{other['compress']:g} for every run: "
                       f"{'met' if worst <= 0.10 else 'NOT met'} (worst {worst:.1%})")
             png = RESULTS / f"rebalance-{kind}{suffix}.png"
-            plot(kind, rows, png, args.compress)
+            plot(kind, rows, png, args.compress, args.engines)
             print(f"  plot: {png.relative_to(REPO)}  ({time.monotonic() - t0:.0f} s)\n", flush=True)
             out_path.write_text(json.dumps(result, indent=1))
     finally:

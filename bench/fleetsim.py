@@ -8,15 +8,19 @@ It models what the simulated serving (pd_agent.inference) does, with the same ti
 - decode: continuous batching of up to max_batch requests; each step costs
   TimingModel.decode_step_ms of the running contexts and gives every running request a token;
   the KV pull costs kv_transfer_ms before the request joins the decoder's queue.
+- the load report: each engine feeds the agent's own load meter (pd_agent.loadmeter) on the
+  model's clock, and the policies read it through the operator's own mapping (rebalance.
+  prefill_load, decoder_load), so Goodput measures demand and capacity as on a cluster;
 - routing as pd-gateway routes (pd_contract.routing): engine loads as of the last refresh (every
   second), the prefill with the least queued prompt tokens, then the decoder with the least
   running + queued, ties broken at random; draining engines are not chosen.
 - switching as the operator does it: the policy is evaluated every pass (Manual, Schedule) or
-  every evaluationIntervalSeconds (Load, SLO) on signals read from the engines; switch.choose
-  picks the pod; Drain ends when the engine holds no request and no unpulled cache, then the
-  control-plane steps cost `switch_s` (what `make bench-switch` measures) and the cooldown
-  starts. Replace (replace.plan) adds an engine that serves after `engine_start_s`, then
-  drains and removes one of the other role.
+  every evaluationIntervalSeconds (the others) on signals read from the engines (rebalance.
+  decide_target, with its cooldown between decisions); switch.retarget stops what still drains
+  and overshoots a new target (at once, here); switch.choose starts the move's switches; Drain
+  ends when the engine holds no request and no unpulled cache, then the control-plane steps cost
+  `switch_s` (what `make bench-switch` measures). Replace (replace.plan) adds engines that serve
+  after `engine_start_s`, then drains and removes as many of the other role.
 
 Between two events that change a decoder's batch, its steps are summed in closed form (the
 step time grows linearly with the contexts), so the cost is per request, not per token."""
@@ -30,12 +34,14 @@ import random
 from dataclasses import dataclass, field
 
 from pd_agent.inference import LATENCY_WINDOW_S
+from pd_agent.loadmeter import LoadMeter
 from pd_agent.timing import TimingModel
+from pd_contract.agent_api import Load
 from pd_operator import policies
 from pd_operator import replace as rp
 from pd_operator import switch as sw
 from pd_operator.api import PDDeploymentSpec
-from pd_operator.rebalance import decide_target, limits
+from pd_operator.rebalance import PERIODIC, decide_target, decoder_load, limits, prefill_load
 
 BUSY_WINDOW_S = 10.0
 REFRESH_S = 1.0
@@ -77,6 +83,7 @@ class Engine:
     version: int = 0
     ttft: collections.deque = field(default_factory=lambda: collections.deque(maxlen=2000))   # (at, ms)
     tbt: collections.deque = field(default_factory=lambda: collections.deque(maxlen=8000))
+    meter: LoadMeter = field(default_factory=LoadMeter)   # the agent's load report window, on the model's clock
 
     def serving(self, now: float) -> bool:
         return not self.gone and not self.draining and not self.leaving and now >= self.serving_at
@@ -176,6 +183,7 @@ class FleetSim:
             self.pending.append(r)
             return
         p.queue.append(r)
+        p.meter.arrived(r.prompt, self.now)
         self._prefill_next(p)
 
     # ---- prefill ------------------------------------------------------------------------------
@@ -188,10 +196,11 @@ class FleetSim:
         e.busy.append((self.now, self.now + dt))
         if len(e.busy) > 256:
             del e.busy[:128]
-        self.at(self.now + dt, "prefilled", e, batch)
+        self.at(self.now + dt, "prefilled", e, batch, dt)
 
-    def _prefilled(self, e: Engine, batch: list[Req]) -> None:
+    def _prefilled(self, e: Engine, batch: list[Req], dt: float) -> None:
         e.batch_n = 0
+        e.meter.prefilled(sum(r.prompt for r in batch), dt, self.now)
         for r in batch:
             d = self._pick("decoder")
             if d is None:      # every decoder went away meanwhile: the cache waits for the next refresh
@@ -206,6 +215,7 @@ class FleetSim:
         d.pulling -= 1
         r.ctx, r.remaining = r.prompt, r.output
         d.wait.append(r)
+        d.meter.arrived(r.prompt, self.now)
         if len(d.running) < self.mb:
             self._decode_replan(d)
 
@@ -256,6 +266,11 @@ class FleetSim:
         first = t0 + self._cum(s0, b, 1)
         end = t0 + self._cum(s0, b, k)
         mean_step = (end - t0) / k * 1000
+        # the report's steps: the first and the last of the run (the rest only count their tokens)
+        d.meter.step(b, s0, self._cum(s0, b, 1) * 1000, first)
+        if k > 1:
+            d.meter.step(b, s0 + b * (k - 1), (end - t0 - self._cum(s0, b, k - 1)) * 1000, end)
+        d.meter.generated(b * max(0, k - 2), end)
         still = []
         for r in d.running:
             if r.first is None:
@@ -264,6 +279,7 @@ class FleetSim:
             r.remaining -= k
             if r.remaining <= 0:
                 r.last = end
+                d.meter.completed(end)
                 d.ttft.append((end, (r.first - r.arrival) * 1000))
             else:
                 still.append(r)
@@ -288,24 +304,31 @@ class FleetSim:
     def signals(self) -> policies.Signals:
         now = self.now
         pre, dec, ttft, tbt = [], [], [], []
+        idle_p, idle_d = [], []   # draining or switching: their windows count in demand (as the operator's)
         for e in self.engines:
-            if not e.serving(now):
+            serving = e.serving(now)
+            if e.gone or not serving and not (e.draining or e.leaving or e.name in self.switching):
                 continue
             if e.role == "prefill":
                 busy = sum(min(b, now) - max(a, now - BUSY_WINDOW_S) for a, b in e.busy if b > now - BUSY_WINDOW_S
                            and a < now)
-                pre.append(policies.PrefillLoad(busy=min(1.0, busy / BUSY_WINDOW_S), queue=len(e.queue),
-                                                queued_tokens=sum(r.prompt for r in e.queue)))
+                (pre if serving else idle_p).append(prefill_load(e.meter.fill(Load(
+                    prefill_busy=min(1.0, busy / BUSY_WINDOW_S), queue_depth=len(e.queue),
+                    queued_prompt_tokens=sum(r.prompt for r in e.queue)), now)))
             else:
-                dec.append(policies.DecoderLoad(running=len(e.running), waiting=len(e.wait), max_batch=self.mb))
+                e.meter.context_tokens = sum(r.ctx for r in e.running)
+                (dec if serving else idle_d).append(decoder_load(e.meter.fill(Load(
+                    running=len(e.running), decode_queue=len(e.wait), max_batch=self.mb), now)))
+                if not serving:
+                    continue
                 for window, into in ((e.ttft, ttft), (e.tbt, tbt)):
                     while window and window[0][0] < now - LATENCY_WINDOW_S:
                         window.popleft()
                     recent = [v for at, v in window if at <= now]
                     if recent:
                         into.append(_p90(recent))
-        return policies.Signals(prefills=pre, decoders=dec, ttft_p90_ms=max(ttft) if ttft else None,
-                                tbt_p90_ms=max(tbt) if tbt else None)
+        return policies.Signals(prefills=pre, decoders=dec, idle_prefills=idle_p, idle_decoders=idle_d,
+                                ttft_p90_ms=max(ttft) if ttft else None, tbt_p90_ms=max(tbt) if tbt else None)
 
     def _candidates(self) -> list[sw.Candidate]:
         out = []
@@ -318,6 +341,9 @@ class FleetSim:
                                     in_flight=e.in_flight()))
         return out
 
+    def _engine(self, name: str) -> Engine:
+        return next(x for x in self.engines if x.name == name)
+
     def _pass(self) -> None:
         spec, rb = self.spec, self.spec.rebalance
         wall = self.wall0 + self.now
@@ -325,54 +351,64 @@ class FleetSim:
             self._advance(wall)
             cands = self._candidates()
             current = sw.prefill_count(cands)
-            sig = self.signals() if rb.policy in ("Load", "SLO") else policies.Signals()
+            sig = self.signals() if rb.policy in PERIODIC else policies.Signals()
             v, _, self.book = decide_target(spec, self.book, sig, current, wall)
             if v is not None and (not self.decisions or self.decisions[-1]["reason"] != v.reason
                                   or self.decisions[-1].get("target") != v.target):
                 self.decisions.append({"t": round(self.now, 1), "reason": v.reason, "target": v.target})
-            lim = limits(spec, self.book.cooldown_until)
+            lim = limits(spec, self.book.retry_after)
             target = sw.clamp_target(self.book.target, spec.total, lim) if self.book.target is not None else None
             if rb.method == "Replace":
                 self._replace(target, lim, wall)
             else:
-                d = sw.choose(cands, [s for s, _ in self.switching.values()], target, lim, wall, "policy")
-                if d.start is not None:
-                    e = next(x for x in self.engines if x.name == d.start.pod)
-                    e.draining = True
-                    self.switching[e.name] = (d.start, None)
+                # a move in progress follows the target: what still drains and overshoots it stops at once
+                for s in sw.retarget([s for s, _ in self.switching.values()], cands, target, wall):
+                    if s.step == sw.ABORT:
+                        self._engine(s.pod).draining = False
+                        del self.switching[s.pod]
+                d = sw.choose(self._candidates(), [s for s, _ in self.switching.values()], target, lim, wall,
+                              "policy")
+                for s in d.starts:
+                    self._engine(s.pod).draining = True
+                    self.switching[s.pod] = (s, None)
         if self.now < self.duration or not self._all_done():
             self.at(self.now + PASS_S, "pass")
 
     def _advance(self, wall: float) -> None:
         for name, (s, drained) in list(self.switching.items()):
-            e = next(x for x in self.engines if x.name == name)
+            e = self._engine(name)
             if drained is None:
                 if e.idle():
                     self.switching[name] = (s, self.now)
             elif self.now >= drained + self.switch_s:
                 e.role, e.draining = s.to, False
+                e.meter.reset(self.now)   # as the agent's: the new role's window starts empty
                 del self.switching[name]
                 self.n_switches += 1
-                self.book.cooldown_until = wall + self.spec.rebalance.cooldown_seconds
+                started = s.started - self.wall0
+                self.book.last = {"pod": name, "from": s.from_, "to": s.to, "result": "Completed",
+                                  "drainMs": round((drained - started) * 1000),
+                                  "totalMs": round((self.now - started) * 1000)}
 
     def _replace(self, target: int | None, lim: sw.Limits, wall: float) -> None:
         live = [e for e in self.engines if not e.gone and not e.leaving]
         starting = [e for e in live if e.serving_at > self.now]
         sizes = self.sizes or {"prefill": sum(e.role == "prefill" for e in live),
                                "decoder": sum(e.role == "decoder" for e in live)}
-        unsettled = "a new pod is starting" if starting else None
-        new, _ = rp.plan(sizes, target, lim, wall, unsettled, "policy")
+        unsettled = "new pods are starting" if starting else None
+        new, _ = rp.plan(sizes, target, lim, wall, unsettled, "policy", self.spec.total)
         if new is None:
             return
         if new.get("growing"):
             g = new["growing"]
-            self.engines.append(Engine(f"{g}-r{len(self.engines)}", g, g, serving_at=self.now + self.start_s))
+            for _ in range(new["prefill"] + new["decoder"] - self.spec.total):
+                self.engines.append(Engine(f"{g}-r{len(self.engines)}", g, g, serving_at=self.now + self.start_s))
         else:
             shrink = "decoder" if sizes.get("growing") == "prefill" else "prefill"
-            victim = [e for e in live if e.role == shrink][-1]
-            victim.leaving = True
-            self.n_replaced += 1
-            self.book.cooldown_until = wall + self.spec.rebalance.cooldown_seconds
+            k = sizes["prefill"] + sizes["decoder"] - self.spec.total
+            for victim in [e for e in live if e.role == shrink][-k:]:
+                victim.leaving = True
+                self.n_replaced += 1
         self.sizes = new
 
     def _sample(self) -> None:

@@ -210,6 +210,13 @@ class LinkState(_Reply):
     ranks: list[RankLinkState] | None = None
 
 
+class StepSample(_Reply):
+    """One decode step: how many requests it advanced, the context tokens they held, its time."""
+    batch: int
+    context_tokens: int
+    ms: float
+
+
 class Load(_Reply):
     queue_depth: int = 0
     queued_prompt_tokens: int = 0
@@ -225,6 +232,16 @@ class Load(_Reply):
     failed: int = 0
     ttft_p90_ms: float | None = None
     tbt_p90_ms: float | None = None
+    # what the Goodput policy measures demand and capacity from: counts over the last `window_s`
+    window_s: float = 0.0
+    requests_arrived: int = 0        # requests this engine took on (prefill: prompts; decoder: decodes)
+    prompt_tokens_arrived: int = 0   # prefill: their prompt tokens
+    prefill_tokens: int = 0          # prefill: prompt tokens computed
+    prefill_busy_s: float = 0.0      # prefill: seconds spent computing them
+    output_tokens: int = 0           # decoder: tokens generated
+    decodes_completed: int = 0       # decoder: decodes finished
+    context_tokens: int = 0          # decoder: context tokens the running decodes hold now
+    steps: list[StepSample] = []     # decoder: recent decode steps (the newest, at most 32)
 
 
 class RankInfo(_Reply):

@@ -137,6 +137,32 @@ class LoadThresholds(Model):
     decode_busy_low: float = Field(default=0.5, ge=0, description="(running + waiting) / max batch: idle")
 
 
+class GoodputSettings(Model):
+    """Policy Goodput: how the demand is forecast over the time a move takes."""
+    model_config = ConfigDict(json_schema_extra=rules(
+        # the object's default ({}) is checked as written, before its fields' defaults
+        ("!has(self.predictor) || self.predictor != 'Seasonal' || has(self.seasonalPeriodSeconds)",
+         "spec.rebalance.goodput.seasonalPeriodSeconds is required when the predictor is Seasonal",
+         ".seasonalPeriodSeconds"),
+    ))
+    predictor: Literal["Trend", "Kalman", "Seasonal"] = Field(
+        default="Trend", description="Trend: a line through the recent demand; Kalman: a local linear trend "
+                                     "filtered over all of it; Seasonal: the demand a period earlier, shifted by "
+                                     "how far its level moved since")
+    window_seconds: int = Field(default=60, ge=5, le=86400, description="the recent demand Trend fits and "
+                                                                         "Seasonal compares levels over")
+    seasonal_period_seconds: int | None = Field(default=None, ge=10, le=604800,
+                                                description="Seasonal: the period of the demand")
+    replace_seconds: int = Field(default=120, ge=1, le=7200,
+                                 description="method Replace: how long a new engine takes to serve (the time a "
+                                             "move takes; nothing drains before its replacement serves)")
+
+
+PERCENT = r"^(100|[1-9][0-9]?)%$"
+Count = Annotated[int, Field(ge=1, le=1024, strict=True)]   # strict: "25" is neither a count nor a percentage
+Percent = Annotated[str, Field(pattern=PERCENT)]
+
+
 class Rebalance(Model):
     model_config = ConfigDict(json_schema_extra=rules(
         ("self.policy != 'Manual' || has(self.manual)",
@@ -147,30 +173,48 @@ class Rebalance(Model):
          "spec.rebalance.schedule needs at least one entry when spec.rebalance.policy is Schedule", ".schedule"),
         ("!has(self.schedule) || self.schedule.all(e, e.prefill >= self.minPrefill)",
          "every spec.rebalance.schedule[].prefill must be >= spec.rebalance.minPrefill", ".schedule"),
-        ("self.policy != 'SLO' || has(self.targets)",
-         "spec.rebalance.targets (ttftP90Ms, tbtP90Ms) are required when spec.rebalance.policy is SLO",
+        ("!(self.policy in ['SLO', 'Goodput']) || has(self.targets)",
+         "spec.rebalance.targets (ttftP90Ms, tbtP90Ms) are required when spec.rebalance.policy is SLO or Goodput",
          ".targets"),
+        ("!has(self.maxConcurrentSwitches) || (type(self.maxConcurrentSwitches) == int ? "
+         "self.maxConcurrentSwitches >= 1 && self.maxConcurrentSwitches <= 1024 : "
+         "string(self.maxConcurrentSwitches).matches('" + PERCENT + "'))",
+         "spec.rebalance.maxConcurrentSwitches must be a number from 1 to 1024 or a percentage from 1% to 100%",
+         ".maxConcurrentSwitches"),
     ))
-    policy: Literal["Manual", "Schedule", "Load", "SLO"]
+    policy: Literal["Manual", "Schedule", "Load", "SLO", "Goodput"]
     min_prefill: int = Field(default=1, ge=0, le=1024)
     min_decoder: int = Field(default=1, ge=0, le=1024)
-    cooldown_seconds: int = Field(default=60, ge=0, le=86400)
+    cooldown_seconds: int = Field(default=60, ge=0, le=86400, description=(
+        "Load, SLO, Goodput: seconds after a decision that changed the target before the next may change it "
+        "(the switches of one move run back to back meanwhile)"))
     drain_timeout_seconds: int | None = Field(
         default=None, ge=0, le=3600, description="drain timeout of a switch (default spec.drainTimeoutSeconds)")
     method: Literal["Switch", "Replace"] = Field(
         default="Switch", description="Switch: move roles between running engines (switch_role). Replace: move one "
                                       "replica between the groups (a new pod starts, then one of the other group "
                                       "drains and goes), for engines that cannot switch roles")
-    max_concurrent_switches: int = Field(default=1, ge=1, le=64, description="role switches in flight at once")
+    max_concurrent_switches: Count | Percent = Field(
+        default=1, description="role switches in flight at once: a number, or a percentage of the engines rounded "
+                               "down (at least one), like maxUnavailable")
     evaluation_interval_seconds: int = Field(default=15, ge=1, le=86400,
-                                             description="how often Load and SLO re-decide the prefill count")
+                                             description="how often Load, SLO and Goodput re-decide the prefill "
+                                                         "count")
     signal_max_age_seconds: int = Field(default=30, ge=1, le=3600,
                                         description="older load signals freeze the ratio instead of driving it")
     time_zone: str = Field(default="UTC", max_length=64, description="IANA time zone of the schedule")
     load: LoadThresholds = Field(default_factory=LoadThresholds, json_schema_extra={"default": {}})
+    goodput: GoodputSettings = Field(default_factory=GoodputSettings, json_schema_extra={"default": {}})
     targets: Targets | None = None
     schedule: list[ScheduleEntry] | None = Field(default=None, max_length=64)
     manual: Manual | None = None
+
+    def max_in_flight(self, total: int) -> int:
+        """maxConcurrentSwitches for a fleet of `total` engines: a percentage rounds down, to at least one."""
+        m = self.max_concurrent_switches
+        if isinstance(m, str):
+            return max(1, total * int(m.rstrip("%")) // 100)
+        return m
 
 
 class GatewaySpec(Model):
@@ -313,10 +357,12 @@ class PDDeploymentSpec(Model):
     def group_sizes(self, decided: dict | None = None) -> dict[str, int]:
         """The StatefulSets' sizes: the groups' replicas, or spec.replicas spread over them; with
         `method: Replace`, the sizes the operator decided and recorded (status.rebalance.groupSizes)
-        while they still add up to this total (plus the one pod a replacement adds for a while)."""
+        while they still add up to this total (plus the pods a replacement adds for a while)."""
         if decided and self.rebalance is not None and self.rebalance.method == "Replace":
             n = decided.get("prefill", 0) + decided.get("decoder", 0)
-            if n == self.total + (1 if decided.get("growing") else 0):
+            # a replacement adds `moving` pods for a while (records without it added one); a record
+            # of another total (the spec was scaled meanwhile) is dropped, never shrunk from
+            if n == self.total or (decided.get("growing") and n == self.total + (decided.get("moving") or 1)):
                 return {"prefill": decided["prefill"], "decoder": decided["decoder"]}
         p, d = self.prefill.replicas, self.decoder.replicas
         if self.replicas is None or self.replicas == p + d:
@@ -450,13 +496,18 @@ class GroupSizes(Model):
     prefill: int
     decoder: int
     growing: Literal["prefill", "decoder"] | None = Field(
-        default=None, description="a replacement in flight: this group got its new pod; the other shrinks next")
+        default=None, description="a replacement in flight: this group got its new pods; the other shrinks by "
+                                  "as many next")
+    moving: int | None = Field(default=None, ge=1, description="a replacement in flight: how many pods it added")
 
 
 class RebalanceStatus(Model):
     target_prefill: int | None = Field(default=None, description="prefill-role pods the policy wants")
     group_sizes: GroupSizes | None = Field(default=None, description="method Replace: the groups' decided sizes")
-    cooldown_until: str | None = None
+    cooldown_until: str | None = Field(default=None, description="a periodic policy changes the target again "
+                                                                  "from then (cooldownSeconds after it last did)")
+    retry_after: str | None = Field(default=None, description="no switch starts before then: a switch gave up on "
+                                                              "its drain")
 
 
 class PDDeploymentStatus(Model):

@@ -135,6 +135,7 @@ def decide(snap: Snapshot) -> Plan:
     obs.per_decoder = per
     obs.switches, obs.last_switch, obs.last_decision = list(book.switches), book.last, book.decision
     obs.cooldown_until = sw_.iso(book.cooldown_until) if book.cooldown_until else None
+    obs.retry_after = sw_.iso(book.retry_after) if book.retry_after > wall else None
     obs.group_sizes = book.sizes if spec.rebalance is not None and spec.rebalance.method == "Replace" else None
     for e in engines:
         if e.pod in snap.reports and snap.reports[e.pod].error is None:
@@ -295,7 +296,9 @@ def advance_switches(spec: PDDeploymentSpec, mem: Memory, book: sw_.Book, pods: 
                 mem.switch_refused = {k: v for k, v in mem.switch_refused.items() if k != s.pod}
             mem.switch_verified = {k: v for k, v in mem.switch_verified.items() if k[0] != s.pod}
             book.last = out.record()
-            book.cooldown_until = wall + (spec.rebalance.cooldown_seconds if spec.rebalance else 0)
+            if out.result == "Aborted" and not out.switch.message.startswith(sw_.RETARGETED):
+                # the drain gave up (or the engine cannot switch): no switch starts for a cooldown
+                book.retry_after = wall + (spec.rebalance.cooldown_seconds if spec.rebalance else 0)
         elif new is not None:
             kept.append(new)
             intents += its
@@ -306,7 +309,7 @@ def advance_switches(spec: PDDeploymentSpec, mem: Memory, book: sw_.Book, pods: 
         cands = rb.candidates(engines, kept, set(mem.switch_refused))
         current = sw_.prefill_count(cands)
         sig = rb.signals(mesh, mem.reports, mem.reported_at, now, mem.gateway_stats) \
-            if spec.rebalance.policy in ("Load", "SLO") else policies.Signals()
+            if spec.rebalance.policy in rb.PERIODIC else policies.Signals()
         verdict, changed, evaluated = rb.decide_target(spec, book, sig, current, wall)
         mem.book = book = evaluated
         if verdict is not None:
@@ -314,26 +317,32 @@ def advance_switches(spec: PDDeploymentSpec, mem: Memory, book: sw_.Book, pods: 
             if changed and book.target != current:
                 decision_event = f"{spec.rebalance.policy}: prefill {current} -> {book.target}: {verdict.message}"
         last = book.decision or {}
-        lim = rb.limits(spec, book.cooldown_until)
+        lim = rb.limits(spec, book.retry_after)
         total = spec.total
         target = sw_.clamp_target(book.target, total, lim) if book.target is not None else None
+        if spec.rebalance.method == "Switch":
+            # a move in progress follows the new target: switches still draining that overshoot it stop
+            moved = sw_.retarget(kept, cands, target, wall)
+            for s in (s for s, old in zip(moved, kept) if s is not old):
+                intents += sw_.intents(s, view(s))
+            if moved != kept:
+                book.switches = kept = moved
+                cands = rb.candidates(engines, kept, set(mem.switch_refused))
         why = f"{spec.rebalance.policy}: {last.get('message', '')}"
         unsettled = _unsettled(spec, engines, obs, per, mem, book.sizes)
         if spec.rebalance.method == "Replace":
-            sizes = {**spec.group_sizes(book.sizes), **({"growing": book.sizes["growing"]}
-                                                        if book.sizes and book.sizes.get("growing") else {})}
-            new_sizes, decision = rp.plan(sizes, target, lim, wall, unsettled, why)
+            sizes = spec.group_sizes(book.sizes)
+            if book.sizes and book.sizes.get("growing") and sizes == {g: book.sizes[g] for g in sizes}:
+                sizes = {**sizes, "growing": book.sizes["growing"], "moving": book.sizes.get("moving") or 1}
+            new_sizes, decision = rp.plan(sizes, target, lim, wall, unsettled, why, total)
             if new_sizes is not None:
-                if not new_sizes.get("growing"):
-                    book.cooldown_until = wall + spec.rebalance.cooldown_seconds
                 book.sizes = new_sizes
                 decision_event = (decision_event + "; " if decision_event else "") + \
                     f"Replace: prefill {new_sizes['prefill']}, decoder {new_sizes['decoder']}: {decision.message}"
         else:
             decision = sw_.choose(cands, kept, target, lim, wall, why, unsettled=unsettled)
         decision = rb.condition_for(decision, last.get("reason"), last.get("message"))
-        if decision.start is not None:
-            s = decision.start
+        for s in decision.starts:
             book.switches = kept = kept + [s]
             intents += sw_.intents(s, view(s))
             started.append(s)

@@ -14,6 +14,7 @@ from .agentclient import AgentCallError, AgentClient
 from .api import PDDeploymentSpec
 from .backoff import Backoff
 from .links import Engine
+from .rebalance import PERIODIC
 from .reports import Report
 from .state import Memory
 from .switch import Book
@@ -22,11 +23,11 @@ STARTING_BACKOFF = (0.25, 2.0)
 
 
 def ask_always(spec: PDDeploymentSpec, book: Book, engines: list[Engine], wall: float) -> set[str]:
-    """Switching pods every pass; everyone when a Load or SLO evaluation is due, so it
+    """Switching pods every pass; everyone when a periodic policy's evaluation is due, so it
     decides on fresh signals rather than on reports up to decide.SETTLED_POLL_S old."""
     pods = {s.pod for s in book.switches}
     rb = spec.rebalance
-    if rb is not None and rb.policy in ("Load", "SLO") and wall >= book.next_evaluation:
+    if rb is not None and rb.policy in PERIODIC and wall >= book.next_evaluation:
         pods |= {e.pod for e in engines}
     return pods
 

@@ -19,43 +19,29 @@ and when; min counts are applied to every target here too (clamp_target).
   since more prefills would only lengthen that queue) and holding when neither role queues
   now (the percentiles still cover the time before the last change); TBT over while TTFT has headroom -> one
   fewer; both over -> CapacityExhausted (add replicas).
+- Goodput: demand in each role's units and each engine's capacity, measured from the reports
+  (demand.py, capacity.py), the demand forecast for when a move would be done (forecast.py), and
+  the prefill count of the highest predicted goodput, moved to only when the gain over the
+  horizon (cooldown plus an evaluation, at least two moves) exceeds what the drains cost
+  (goodput.py). Until both roles' capacity is measured, it holds (Measuring).
 Signals older than `signalMaxAgeSeconds`, or missing, freeze the ratio instead of guessing."""
 from __future__ import annotations
 
 import datetime as dt
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
+from . import demand as dm
+from . import forecast as fc
+from . import goodput as gp
 from .api import PDDeploymentSpec, Rebalance
+from .signals import DecoderLoad, PrefillLoad, Signals
 from .switch import Limits, clamp_target
 
+# the signals live in signals.py; callers of the policies take them from here
+__all__ = ["DecoderLoad", "PrefillLoad", "Signals", "Verdict", "evaluate", "next_fire"]
+
 HEADROOM = 0.8   # SLO: "has headroom" means under 80% of its target
-
-
-@dataclass(frozen=True)
-class PrefillLoad:
-    busy: float = 0.0            # fraction of the last 10 s computing
-    queue: int = 0               # requests waiting
-    queued_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class DecoderLoad:
-    running: int = 0
-    waiting: int = 0
-    max_batch: int = 1
-    kv_used: int = 0
-    kv_capacity: int = 0
-
-
-@dataclass(frozen=True)
-class Signals:
-    prefills: list[PrefillLoad] = field(default_factory=list)
-    decoders: list[DecoderLoad] = field(default_factory=list)
-    ttft_p90_ms: float | None = None
-    tbt_p90_ms: float | None = None
-    age_s: float = 0.0           # of the oldest signal used
-    source: str = "agents"
 
 
 @dataclass(frozen=True)
@@ -64,13 +50,14 @@ class Verdict:
     reason: str
     message: str
     numbers: dict = field(default_factory=dict)
+    learned: dm.Learned | None = None   # Goodput: what it keeps for the next evaluation
 
 
 def _bounded(want: int, total: int, limits: Limits, v: Verdict) -> Verdict:
     got = clamp_target(want, total, limits)
     if got != want:
-        return Verdict(got, v.reason, v.message + f"; held at {got} by the min counts", v.numbers)
-    return Verdict(got, v.reason, v.message, v.numbers)
+        return replace(v, target=got, message=v.message + f"; held at {got} by the min counts")
+    return replace(v, target=got)
 
 
 def _rb(spec: PDDeploymentSpec) -> Rebalance:
@@ -234,7 +221,99 @@ def _prefill_queueing(spec: PDDeploymentSpec, sig: Signals) -> bool:
     return p_busy >= th.prefill_busy_high or p_queue >= 1
 
 
-def evaluate(spec: PDDeploymentSpec, sig: Signals, current: int, limits: Limits, now: float) -> Verdict:
+CONTROL_S = 1.0   # Goodput: a switch's control-plane seconds until one was measured (status.lastSwitch)
+
+
+def goodput(spec: PDDeploymentSpec, sig: Signals, current: int, total: int, limits: Limits, now: float,
+            learned: dm.Learned | None, last_switch: dict | None) -> Verdict:
+    """The prefill count of the highest predicted goodput, if moving there pays (goodput.py), from
+    the demand and capacity the engines report (demand.py), the demand forecast for when the move
+    is done (forecast.py)."""
+    rb = _rb(spec)
+    if rb.targets is None:   # admission requires them; a spec stored before that rule may lack them
+        return Verdict(None, "NoTargets", "policy Goodput needs spec.rebalance.targets (ttftP90Ms, tbtP90Ms); "
+                                          "the ratio is frozen", learned=learned)
+    stale = _fresh(sig, rb.signal_max_age_seconds)
+    if stale:
+        return replace(stale, learned=learned)
+    if not sig.prefills or not sig.decoders:
+        return Verdict(None, "NoSignals", "no serving prefill or decoder reports its load; the ratio is frozen",
+                       learned=learned)
+    g = rb.goodput
+    period = float(g.seasonal_period_seconds or 0)
+    m = dm.measure(sig, learned, now, keep_s=g.window_seconds + period)
+    cap = m.learned.capacity
+    if m.demand is None or m.missing or cap is None:
+        return Verdict(None, "Measuring", f"{m.missing}; the ratio is frozen until it is measured",
+                       learned=m.learned)
+    d, hist = m.demand, m.learned.history
+    if d.requests_per_s <= 0 and not d.prompt_backlog and not d.decode_backlog:
+        return Verdict(None, "Idle", "no request arrived in the last window; holding", learned=m.learned)
+    replacing = rb.method == "Replace"
+    round_s = None if replacing else {to: _control_s(last_switch) + gp.drain_seconds(
+        to, d, cap, current, total - current, m.max_batch) for to in ("prefill", "decoder")}
+    # one round of a move, either way: when the forecast is for (the gate times the move it weighs)
+    move_s = float(g.replace_seconds) if round_s is None else max(round_s.values())
+    at = now + move_s
+
+    def ahead(i: int) -> float:
+        return fc.forecast(g.predictor, [(h[0], h[i]) for h in hist], at, g.window_seconds, period)
+
+    # the rate is forecast; the mix (tokens per request) changes in steps a line cannot foresee, so
+    # it is the last window's, unless the predictor knows the demand's season
+    fd = replace(d, requests_per_s=ahead(1))
+    if g.predictor == "Seasonal":
+        fd = replace(fd, prompt_tokens=ahead(2) or d.prompt_tokens, output_tokens=ahead(3) or d.output_tokens)
+    horizon = max(float(rb.cooldown_seconds + rb.evaluation_interval_seconds), 2 * move_s)
+    lo, hi = max(1, limits.min_prefill), total - max(1, limits.min_decoder)
+    targets = gp.Targets(rb.targets.ttft_p90_ms, rb.targets.tbt_p90_ms)
+    c = gp.choose(total, current, lo, hi, fd, cap, m.max_batch, targets, horizon, move_s, drains=not replacing,
+                  max_in_flight=limits.max_in_flight, round_s=round_s)
+    if 2 * c.move_s > horizon:
+        # a move of several rounds: the split it makes is held at least as long as making it took
+        horizon = 2 * c.move_s
+        c = gp.choose(total, current, lo, hi, fd, cap, m.max_batch, targets, horizon, move_s, drains=not replacing,
+                      max_in_flight=limits.max_in_flight, round_s=round_s)
+    assert cap.step is not None and cap.prefill_tokens_per_s is not None
+    full_ms = cap.step.ms(m.max_batch, m.max_batch * (fd.prompt_tokens + fd.output_tokens / 2))
+    nums = {"requestsPerS": round(d.requests_per_s, 3), "promptTokensPerS": round(d.requests_per_s * d.prompt_tokens),
+            "promptBacklogTokens": round(d.prompt_backlog), "outputTokensPerS":
+            round(d.requests_per_s * d.output_tokens), "decodeConcurrency": m.decode_concurrency,
+            "decodeBacklog": round(d.decode_backlog), "contextTokens": round(m.context_tokens),
+            "prefillTokensPerBusyS": round(cap.prefill_tokens_per_s), "decodeStepMs":
+            f"{cap.step.a:.3g}*context+{cap.step.b:.3g}*batch+{cap.step.c:.3g}", "decodeStepMsFullBatch":
+            round(full_ms, 2), "predictor": g.predictor, "forecastRequestsPerS": round(fd.requests_per_s, 3),
+            "forecastPromptTokens": round(fd.prompt_tokens), "forecastOutputTokens": round(fd.output_tokens),
+            "moveS": round(c.move_s, 2), "horizonS": round(horizon, 1), "goodputNow": round(c.now.goodput, 3),
+            "bestPrefill": c.best.prefill, "goodputAtBest": round(c.best.goodput, 3), "gain": round(c.gain, 1),
+            "cost": round(c.cost, 1)}
+    text = (f"demand {d.requests_per_s:.2f} req/s ({d.prompt_tokens:.0f} prompt, {d.output_tokens:.0f} output "
+            f"tokens), {g.predictor} forecast {fd.requests_per_s:.2f} in {move_s:.0f}s; prefill "
+            f"{cap.prefill_tokens_per_s:.0f} tokens/s busy, decode step {full_ms:.1f} ms at batch {m.max_batch}; "
+            f"goodput {c.now.goodput:.2f} req/s at {current} prefills, {c.best.goodput:.2f} at {c.best.prefill}")
+    if c.reason == "Move":
+        return _bounded(c.target, total, limits, Verdict(
+            c.target, "GoodputGain", f"{text}: gains {c.gain:.0f} requests over {horizon:.0f}s, the drains cost "
+                                     f"{c.cost:.0f}", nums, learned=m.learned))
+    if c.reason == "Relieve":
+        return _bounded(c.target, total, limits, Verdict(
+            c.target, "Relieve", f"{text}: a role is at capacity ({max(c.now.prefill_use, c.now.decode_use):.0%}); "
+                                 f"{c.best.prefill} prefills leave the most headroom", nums, learned=m.learned))
+    if c.reason == "AtBest":
+        return Verdict(None, "AtBest", f"{text}: as good as it gets", nums, learned=m.learned)
+    return Verdict(None, "MoveDoesNotPay", f"{text}: gains {c.gain:.0f} requests over {horizon:.0f}s, the drains "
+                                           f"cost {c.cost:.0f}; holding", nums, learned=m.learned)
+
+
+def _control_s(last_switch: dict | None) -> float:
+    """A switch's seconds besides its drain, as the last one that completed took."""
+    if last_switch and last_switch.get("result") == "Completed" and "totalMs" in last_switch:
+        return max(0.0, (last_switch["totalMs"] - last_switch.get("drainMs", 0)) / 1000)
+    return CONTROL_S
+
+
+def evaluate(spec: PDDeploymentSpec, sig: Signals, current: int, limits: Limits, now: float,
+             learned: dm.Learned | None = None, last_switch: dict | None = None) -> Verdict:
     total = spec.total
     policy = _rb(spec).policy
     if policy == "Manual":
@@ -243,6 +322,8 @@ def evaluate(spec: PDDeploymentSpec, sig: Signals, current: int, limits: Limits,
         return schedule(spec, total, limits, now)
     if policy == "Load":
         return load(spec, sig, current, total, limits)
+    if policy == "Goodput":
+        return goodput(spec, sig, current, total, limits, now, learned, last_switch)
     return slo(spec, sig, current, total, limits)
 
 

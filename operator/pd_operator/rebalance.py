@@ -11,15 +11,17 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from pd_contract.agent_api import Load
 from pd_contract.names import LABEL_ROLE
 
 from . import links as lk
 from . import policies
 from .api import PDDeploymentSpec
-from .switch import SWITCHING, Book, Candidate, Decision, Intent, Limits, Switch, View, iso, planning_role
+from .switch import ABORT, SWITCHING, Book, Candidate, Decision, Intent, Limits, Switch, View, iso, planning_role
 
 # Verdicts that freeze the ratio say so in the Rebalancing condition while nothing switches.
 FREEZES = ("CapacityExhausted", "SignalsStale", "NoSignals", "InvalidSchedule")
+PERIODIC = ("Load", "SLO", "Goodput")   # evaluated every evaluationIntervalSeconds, on the engines' signals
 
 
 def signals(engines: list[lk.Engine], reports: dict, reported_at: dict[str, float], now: float,
@@ -27,19 +29,20 @@ def signals(engines: list[lk.Engine], reports: dict, reported_at: dict[str, floa
     """Load signals from the serving engines' last reports (`reports[pod]` is an AgentStatus);
     TTFT/TBT from the gateway's client-side percentiles where it answered, else the decoders'."""
     prefills, decoders, ttft, tbt, ages = [], [], [], [], []
+    idle_p, idle_d = [], []
     for e in engines:
         s = reports.get(e.pod)
-        if s is None or not e.serving or e.role not in ("prefill", "decoder"):
+        if s is None or e.role not in ("prefill", "decoder"):
             continue
         ld = s.load
+        if not e.serving:
+            (idle_p.append(prefill_load(ld)) if e.role == "prefill" else idle_d.append(decoder_load(ld)))
+            continue
         ages.append(now - reported_at.get(e.pod, now))
         if e.role == "prefill":
-            prefills.append(policies.PrefillLoad(busy=ld.prefill_busy, queue=ld.queue_depth,
-                                                 queued_tokens=ld.queued_prompt_tokens))
+            prefills.append(prefill_load(ld))
         else:
-            decoders.append(policies.DecoderLoad(running=ld.running, waiting=ld.decode_queue,
-                                                 max_batch=max(1, ld.max_batch), kv_used=ld.kv_used_bytes,
-                                                 kv_capacity=ld.kv_capacity_bytes))
+            decoders.append(decoder_load(ld))
             if ld.ttft_p90_ms is not None:
                 ttft.append(ld.ttft_p90_ms)
             if ld.tbt_p90_ms is not None:
@@ -47,32 +50,60 @@ def signals(engines: list[lk.Engine], reports: dict, reported_at: dict[str, floa
     age = max(ages) if ages else 0.0
     if gateway is not None and gateway[0].get("requests"):
         stats, at = gateway
-        return policies.Signals(prefills=prefills, decoders=decoders, ttft_p90_ms=stats["ttft_ms"].get("p90"),
-                                tbt_p90_ms=stats["tbt_ms"].get("p90"), age_s=max(age, now - at), source="gateway")
+        return policies.Signals(prefills=prefills, decoders=decoders, idle_prefills=idle_p, idle_decoders=idle_d,
+                                ttft_p90_ms=stats["ttft_ms"].get("p90"), tbt_p90_ms=stats["tbt_ms"].get("p90"),
+                                age_s=max(age, now - at), source="gateway")
     # the worst decoder's percentiles: percentiles of different engines do not average
-    return policies.Signals(prefills=prefills, decoders=decoders, ttft_p90_ms=max(ttft) if ttft else None,
-                            tbt_p90_ms=max(tbt) if tbt else None, age_s=age)
+    return policies.Signals(prefills=prefills, decoders=decoders, idle_prefills=idle_p, idle_decoders=idle_d,
+                            ttft_p90_ms=max(ttft) if ttft else None, tbt_p90_ms=max(tbt) if tbt else None, age_s=age)
+
+
+def prefill_load(ld: Load) -> policies.PrefillLoad:
+    """What a prefill's load report says, as the policies read it."""
+    return policies.PrefillLoad(busy=ld.prefill_busy, queue=ld.queue_depth, queued_tokens=ld.queued_prompt_tokens,
+                                window_s=ld.window_s, arrived=ld.requests_arrived,
+                                arrived_tokens=ld.prompt_tokens_arrived, computed_tokens=ld.prefill_tokens,
+                                busy_s=ld.prefill_busy_s)
+
+
+def decoder_load(ld: Load) -> policies.DecoderLoad:
+    """What a decoder's load report says, as the policies read it."""
+    return policies.DecoderLoad(running=ld.running, waiting=ld.decode_queue, max_batch=max(1, ld.max_batch),
+                                kv_used=ld.kv_used_bytes, kv_capacity=ld.kv_capacity_bytes, window_s=ld.window_s,
+                                output_tokens=ld.output_tokens, completed=ld.decodes_completed,
+                                context_tokens=ld.context_tokens,
+                                steps=tuple((x.batch, x.context_tokens, x.ms) for x in ld.steps))
 
 
 def decide_target(spec: PDDeploymentSpec, book: Book, sig: policies.Signals, current: int, wall: float
                   ) -> tuple[policies.Verdict | None, bool, Book]:
-    """Evaluate the policy when due (Manual and Schedule every pass, Load and SLO every
+    """Evaluate the policy when due (Manual and Schedule every pass, the others every
     evaluationIntervalSeconds). Returns the verdict of this evaluation (None: not due), whether
     the target changed, and the book with the target and the decision recorded (a new Book:
-    the one given is not changed)."""
+    the one given is not changed). The cooldown runs between decisions: a periodic policy that
+    changed the target does not change it again for cooldownSeconds (the move's switches meanwhile
+    run back to back); Manual and Schedule apply at once."""
     rb = spec.rebalance
     assert rb is not None, "decided only with spec.rebalance set"
-    periodic = rb.policy in ("Load", "SLO")
+    periodic = rb.policy in PERIODIC
     if periodic and wall < book.next_evaluation:
         return None, False, book
-    v = policies.evaluate(spec, sig, current, limits(spec, 0.0), wall)
+    v = policies.evaluate(spec, sig, current, limits(spec, 0.0), wall, book.learned, book.last)
     # a verdict that holds keeps the target recorded (or none: no switching)
     target = v.target if v.target is not None else book.target
+    cooldown_until = book.cooldown_until
+    if periodic and target != book.target and book.target is not None and wall < book.cooldown_until:
+        v = replace(v, message=f"{v.message}; held at {book.target} until {iso(book.cooldown_until)} "
+                               f"(cooldownSeconds)")
+        target = book.target
+    elif periodic and target != book.target:
+        cooldown_until = wall + rb.cooldown_seconds
     record = {"policy": rb.policy, "reason": v.reason, "message": v.message, "currentPrefill": current,
               **({"targetPrefill": target} if target is not None else {}),
               **({"numbers": {k: str(x) for k, x in v.numbers.items()}} if v.numbers else {})}
     old = {k: x for k, x in (book.decision or {}).items() if k != "at"}
-    new = replace(book, switches=list(book.switches), target=target,
+    new = replace(book, switches=list(book.switches), target=target, cooldown_until=cooldown_until,
+                  learned=v.learned if v.learned is not None else book.learned,
                   next_evaluation=wall + rb.evaluation_interval_seconds if periodic else book.next_evaluation,
                   decision={**record, "at": iso(wall)} if periodic or old != record else book.decision)
     return v, target != book.target, new
@@ -85,12 +116,13 @@ def condition_for(decision: Decision, verdict_reason: str | None, verdict_messag
     return decision
 
 
-def limits(spec: PDDeploymentSpec, cooldown_until: float) -> Limits:
+def limits(spec: PDDeploymentSpec, hold_until: float) -> Limits:
+    """The switcher's limits; no switch starts before `hold_until` (Book.retry_after)."""
     rb = spec.rebalance
     if rb is None:
-        return Limits(cooldown_until=cooldown_until)
+        return Limits(cooldown_until=hold_until)
     return Limits(min_prefill=rb.min_prefill, min_decoder=rb.min_decoder,
-                  max_in_flight=rb.max_concurrent_switches, cooldown_until=cooldown_until)
+                  max_in_flight=rb.max_in_flight(spec.total), cooldown_until=hold_until)
 
 
 def drain_timeout(spec: PDDeploymentSpec) -> float:
@@ -161,7 +193,7 @@ def candidates(engines: list[lk.Engine], switches: list[Switch], refused: set[st
         if e.terminating:
             continue
         sw = by_pod.get(e.pod)
-        role = sw.to if sw else ((e.engine_role if e.agent_ok else None) or e.label)
+        role = (sw.from_ if sw.step == ABORT else sw.to) if sw else ((e.engine_role if e.agent_ok else None) or e.label)
         available = (sw is None and e.ready and e.agent_ok and not e.leaving and e.label == e.engine_role)
         out.append(Candidate(pod=e.pod, uid=e.uid, group=e.group, role=role, available=available,
                              switchable=bool(e.switchable) and e.pod not in refused, in_flight=e.in_flight))

@@ -488,6 +488,10 @@ class Controller:
                                    f"{s.pod}: {s.from_} -> {s.to} in {rec['totalMs']} ms (drain {rec.get('drainMs')} "
                                    f"ms, unlink and switch_role {rec['switchMs']} ms, relink and verify "
                                    f"{rec['relinkMs']} ms); {s.reason}", key=f"switched {s.pod} {s.started}")
+        elif o.result == "Aborted" and s.message.startswith(sw_.RETARGETED):
+            # the policy changed its mind while this pod drained: nothing went wrong
+            await self.events.post(body, "Normal", "SwitchWithdrawn", f"{s.pod}: {s.from_} -> {s.to} withdrawn: "
+                                   f"{o.message}", key=f"withdrawn {s.pod} {s.started}")
         else:
             await self.events.post(body, "Warning", f"Switch{o.result}", f"{s.pod}: {s.from_} -> {s.to} "
                                    f"{o.result.lower()}: {o.message}", key=f"{o.result} {s.pod} {s.started}")

@@ -4,6 +4,7 @@ listed. Condition messages carry no number that changes from pass to pass (durat
 `lastVerified`), so a pass that changes nothing writes nothing."""
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass, field
 
 from pd_contract.names import MAX_LINKS_PER_ENGINE
@@ -64,6 +65,7 @@ class Observed:
     last_switch: dict | None = None                     # status.lastSwitch
     decision: Decision | None = None                    # this pass's switch decision (None: no rebalance)
     cooldown_until: str | None = None
+    retry_after: str | None = None
     last_decision: dict | None = None                   # status.lastDecision
     selector: str | None = None                         # the engine pods' label selector (scale subresource)
     desired_pods: int | None = None                     # what the StatefulSets were sized to
@@ -201,8 +203,16 @@ def proxy_environment(obs: Observed) -> Verdict:
     return False, "NoProxyVariables", "no agent reports proxy variables"
 
 
+LISTED_SWITCHES = 4   # more switches in flight than this are counted, not listed, in the Rebalancing condition
+
+
 def rebalancing(obs: Observed) -> Verdict | None:
     """True while a switch is in flight; otherwise why no switch is started (None: no policy)."""
+    if len(obs.switches) > LISTED_SWITCHES:
+        # a whole move of a large fleet: counted by direction and step, so the message stays short
+        counts = collections.Counter((s.from_, s.to, s.step) for s in obs.switches)
+        return True, "Switching", f"{len(obs.switches)} switches: " + "; ".join(
+            f"{n} {frm} -> {to} at {step}" for (frm, to, step), n in sorted(counts.items()))
     if obs.switches:
         return True, "Switching", "; ".join(f"{s.pod}: {s.from_} -> {s.to}, step {s.step}"
                                             + (f" ({s.message})" if s.message else "") for s in obs.switches)
@@ -307,6 +317,8 @@ def build_status(spec: PDDeploymentSpec, obs: Observed, previous: dict | None, a
         rb: dict[str, object] = {"targetPrefill": obs.decision.target, "groupSizes": obs.group_sizes}
         if obs.cooldown_until:
             rb["cooldownUntil"] = obs.cooldown_until
+        if obs.retry_after:
+            rb["retryAfter"] = obs.retry_after
         rb = {k: v for k, v in rb.items() if v is not None}
         if rb:   # never `{}`: server-side apply turns an empty map into null (kubernetes#135841)
             out["rebalance"] = rb

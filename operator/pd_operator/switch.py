@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime as dt
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 STEPS = ("Drain", "Unlink", "SwitchRole", "Relink", "Verify", "Undrain")
 ABORT = "Abort"
@@ -254,9 +255,13 @@ class Decision:
     # Switching | AtTarget | SwitchInFlight | Cooldown | WaitingForFleet | MinCount | NoCandidate | NoPolicy
     reason: str
     message: str
-    start: Switch | None = None
+    starts: tuple[Switch, ...] = ()     # the switches to start in this pass (a move starts whole)
     target: int | None = None
     current: int | None = None
+
+    @property
+    def start(self) -> Switch | None:
+        return self.starts[0] if self.starts else None
 
 
 @dataclass(frozen=True)
@@ -273,18 +278,20 @@ def prefill_count(members: list[Candidate]) -> int:
 
 def choose(members: list[Candidate], switches: list[Switch], target: int | None, limits: Limits, now: float,
            reason: str, unsettled: str | None = None) -> Decision:
-    """Start a switch if the target prefill count differs from the roles the pods serve in
-    (a switching pod counts in its new role), within the limits. Which pod: one whose switch
-    returns it to its home group first, then the fewest requests in flight. A switching pod,
-    and one not Ready, counts as unavailable against the min counts, and at least one engine
-    of each role stays serving."""
+    """Start the switches that bring the prefill count to the target (a switching pod counts in
+    its new role), as many at once as `max_in_flight` allows: a move starts whole, not a switch per
+    cooldown. Which pods: those whose switch returns them to their home group first, then the
+    fewest requests in flight. A switching pod, and one not Ready, counts as unavailable against
+    the min counts, and at least one engine of each role stays serving. `limits.cooldown_until`
+    holds every start (set after a switch gave up on its drain)."""
     current = prefill_count(members)
     if target is None:
         return Decision("NoPolicy", "no rebalancing policy sets a prefill count", current=current)
     base: dict = dict(target=target, current=current)
     if current == target:
         return Decision("AtTarget", f"{current} pods in the prefill role, as wanted", **base)
-    if len(switches) >= limits.max_in_flight:
+    room = limits.max_in_flight - len(switches)
+    if room <= 0:
         return Decision("SwitchInFlight", f"{len(switches)} switch(es) in flight; at most {limits.max_in_flight}",
                         **base)
     if now < limits.cooldown_until:
@@ -303,10 +310,32 @@ def choose(members: list[Candidate], switches: list[Switch], target: int | None,
     if not pickable:
         return Decision("NoCandidate", f"want {target} prefills, have {current}; no available {frm} can switch "
                                        f"roles (engines initialised without llm.EnableSwitchRole)", **base)
-    pick = min(pickable, key=lambda m: (m.group != to, m.in_flight, m.pod))
-    sw = Switch(pod=pick.pod, uid=pick.uid, from_=frm, to=to, step="Drain", started=now, step_started=now,
-                reason=reason)
-    return Decision("Switching", f"{pick.pod}: {frm} -> {to} ({reason})", start=sw, **base)
+    n = min(abs(target - current), room, len(available) - floor, len(pickable))
+    picks = sorted(pickable, key=lambda m: (m.group != to, m.in_flight, m.pod))[:n]
+    starts = tuple(Switch(pod=m.pod, uid=m.uid, from_=frm, to=to, step="Drain", started=now, step_started=now,
+                          reason=reason) for m in picks)
+    names = ", ".join(m.pod for m in picks[:5]) + (f" and {n - 5} more" if n > 5 else "")
+    what = f"{names}: {frm} -> {to}" if n == 1 else f"{n} {frm}s -> {to} ({names})"
+    return Decision("Switching", f"{what} ({reason})", starts=starts, **base)
+
+
+RETARGETED = "no longer wanted"   # an abort the policy asked for (not a drain that timed out)
+
+
+def retarget(switches: list[Switch], members: list[Candidate], target: int | None, now: float) -> list[Switch]:
+    """A move in progress follows a new target: switches still in Drain that now overshoot it are
+    aborted (the busiest first, being furthest from done); those past Drain complete, and the
+    switcher moves back what overshoots once they have."""
+    if target is None:
+        return switches
+    excess = prefill_count(members) - target
+    direction = "prefill" if excess > 0 else "decoder"
+    busy = {m.pod: m.in_flight for m in members}
+    draining = sorted((s for s in switches if s.step == "Drain" and s.to == direction),
+                      key=lambda s: (-busy.get(s.pod, 0), s.pod))
+    drop = {s.pod for s in draining[:abs(excess)]}
+    return [s.at(ABORT, now, f"{RETARGETED}: the target became {target} prefills; {s.pod} stays {s.from_}")
+            if s.pod in drop else s for s in switches]
 
 
 def clamp_target(want: int, total: int, limits: Limits) -> int:
@@ -321,12 +350,14 @@ class Book:
     """The switches in flight and the cooldown, as recorded in status (the operator's own
     copy, so a pass does not wait for its status write to come back through the watch)."""
     switches: list[Switch] = field(default_factory=list)
-    cooldown_until: float = 0.0
+    cooldown_until: float = 0.0        # a periodic policy changes the target again from then
+    retry_after: float = 0.0           # after a switch gave up on its drain: no switch starts before
     last: dict | None = None
     target: int | None = None          # the prefill count the policy decided last
     decision: dict | None = None       # status.lastDecision
     next_evaluation: float = 0.0       # Load and SLO: when to decide again
     sizes: dict | None = None          # method Replace: the groups' decided sizes
+    learned: Any = None                # policy Goodput: demand history and capacity (memory only)
 
     def copy(self) -> "Book":
         return replace(self, switches=list(self.switches))
@@ -337,5 +368,6 @@ class Book:
         rb = status.get("rebalance") or {}
         sws = [s for s in (Switch.from_status(d) for d in status.get("switches") or []) if s is not None]
         return cls(switches=sws, cooldown_until=parse_iso(rb.get("cooldownUntil")) or 0.0,
+                   retry_after=parse_iso(rb.get("retryAfter")) or 0.0,
                    last=status.get("lastSwitch"), target=rb.get("targetPrefill"),
                    decision=status.get("lastDecision"), sizes=rb.get("groupSizes"))

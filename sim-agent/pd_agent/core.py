@@ -33,6 +33,7 @@ from pd_contract.agent_api import (
 from pd_contract.names import BROKEN_CODES, LINKED_CODES
 
 from .identity import Identity, proxy_environment
+from .loadmeter import LoadMeter
 
 PROBE_TTL_S = 60
 PROBE_SEQ = 128
@@ -75,6 +76,7 @@ class AgentCore:
         self.linked_by: set[int] = set()          # prompt: decoders that told us they linked
         self.notifier = None                      # pd_agent.notify.Notifier, set by the server
         self.inference = None                     # set by pd_agent.inference when serving
+        self.meter = LoadMeter()                  # what the serving did lately (the load report's window)
         self.device_ips = ""                      # where the device IP came from (devices.resolve)
         self.device_error = ""
         # The host's scheduler follows the engine's role: before-hooks may refuse a switch
@@ -285,6 +287,7 @@ class AgentCore:
             self.link_since.clear()
             self.link_codes.clear()
             self.linked_by.clear()
+            self.meter.reset()
             await self._ensure_blocks_cache()
             for hook in self.after_switch:
                 await hook(old, role)
@@ -454,7 +457,7 @@ class AgentCore:
 
     # ---- status -----------------------------------------------------------------------------
     def status(self) -> AgentStatus:
-        load = self.inference.load() if self.inference else Load()
+        load = self.meter.fill(self.inference.load() if self.inference else Load())
         if self.initialized:
             mgr = self.engine.kv_cache_manager
             load.kv_used_bytes = getattr(mgr, "used_bytes", 0)

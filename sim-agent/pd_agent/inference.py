@@ -97,16 +97,17 @@ class Inference:
         for t in self._tasks:
             t.cancel()
 
-    async def _compute(self, seconds: float, due_attr: str) -> None:
+    async def _compute(self, seconds: float, due_attr: str) -> float:
         """Take `seconds` of engine time. Back-to-back batches run on the engine's own clock: a
         batch that follows another starts when that one was due to end, so the event loop's
         wake-up latency does not add up over thousands of steps (the timing model is the engine;
-        the Python around it is not)."""
+        the Python around it is not). Returns the seconds from the batch's start to now."""
         now = time.monotonic()
         due = getattr(self, due_attr, 0.0)
         start = due if 0 <= now - due < max(seconds, 0.005) else now
         setattr(self, due_attr, start + seconds)
         await asyncio.sleep(max(0.0, start + seconds - time.monotonic()))
+        return time.monotonic() - start
 
     # ---- accounting ---------------------------------------------------------------------------
     def load(self) -> Load:
@@ -159,6 +160,7 @@ class Inference:
         fut = asyncio.get_running_loop().create_future()
         self.in_flight += 1
         try:
+            self.core.meter.arrived(min(req.prompt_tokens, self.max_seq))
             self.prefill_q.append(_Prefill(req, fut, time.monotonic()))
             self._prefill_wake.set()
             return await fut
@@ -175,8 +177,9 @@ class Inference:
             self._prefill_busy = len(batch)
             lens = [min(b.req.prompt_tokens, self.max_seq) for b in batch]
             t0 = self._busy_since = time.monotonic()
-            await self._compute(self.timing.prefill_ms(lens) / 1000, "_prefill_due")
+            took = await self._compute(self.timing.prefill_ms(lens) / 1000, "_prefill_due")
             prefill_ms = (time.monotonic() - t0) * 1000
+            self.core.meter.prefilled(sum(lens), took)
             mgr = self.core.engine.kv_cache_manager
             for b, n in zip(batch, lens):
                 try:
@@ -268,6 +271,7 @@ class Inference:
                 pull_ms, cache = await self._pull(req)
             job = _Decode(ctx=n, remaining=req.output_tokens,
                           fut=asyncio.get_running_loop().create_future(), started=time.monotonic(), out=out)
+            self.core.meter.arrived(n)
             self.decode_wait.append(job)
             self._decode_wake.set()
             try:
@@ -310,8 +314,10 @@ class Inference:
                 self._decode_wake.clear()
                 await self._decode_wake.wait()
                 continue
-            await self._compute(self.timing.decode_step_ms([j.ctx for j in self.decode_running]) / 1000, "_decode_due")
+            ctx = [j.ctx for j in self.decode_running]
+            took = await self._compute(self.timing.decode_step_ms(ctx) / 1000, "_decode_due")
             now = time.monotonic()
+            self.core.meter.step(len(ctx), sum(ctx), took * 1000, now)
             still = []
             for j in self.decode_running:
                 j.token_times.append(now)
@@ -320,8 +326,10 @@ class Inference:
                 j.ctx += 1
                 j.remaining -= 1
                 if j.remaining <= 0:
+                    self.core.meter.completed(now)
                     if not j.fut.done():
                         j.fut.set_result(None)
                 else:
                     still.append(j)
             self.decode_running = still
+            self.core.meter.context_tokens = sum(j.ctx for j in still)

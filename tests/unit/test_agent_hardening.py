@@ -474,3 +474,13 @@ async def test_queued_prompt_tokens_count_what_will_be_computed(agent):
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_the_load_report_counts_what_the_serving_took_on_and_computed(agent):
+    a = await agent()
+    async with a.client(DATA) as c:
+        r = await c.post("/v1/prefill", json={"req_id": 5, "prompt_tokens": 200})
+        assert r.status_code == 200, r.text
+        load = (await c.get("/v1/status")).json()["load"]
+    assert (load["requests_arrived"], load["prompt_tokens_arrived"], load["prefill_tokens"]) == (1, 200, 200)
+    assert load["prefill_busy_s"] > 0 and load["window_s"] == 10.0

@@ -380,4 +380,23 @@ async def test_replace_applies_the_grown_group_in_the_pass_that_decided_it():
     await w.step()
     assert ("apply", "StatefulSet", "x-prefill") in w.log[start:], "applied when decided, not a resync later"
     assert w.kube.objects[("StatefulSet", "ns", "x-prefill")]["spec"]["replicas"] == 3
-    assert w.status["rebalance"]["groupSizes"] == {"prefill": 3, "decoder": 2, "growing": "prefill"}
+    assert w.status["rebalance"]["groupSizes"] == {"prefill": 3, "decoder": 2, "growing": "prefill", "moving": 1}
+
+
+async def test_a_move_in_progress_follows_a_new_target_and_its_stopped_drains_hold_nothing_back():
+    w = await ready_world({**SPEC, "rebalance": {**MANUAL, "cooldownSeconds": 600, "maxConcurrentSwitches": "50%"}})
+    for d in ("x-decoder-0", "x-decoder-1"):
+        w.agent(d).in_flight = 1
+    w.patch_spec(manual={"prefill": 3})
+    for _ in range(3):
+        await w.step()
+    pod_ = w.status["switches"][0]["pod"]
+    assert w.status["switches"][0]["step"] == "Drain", "a decode in flight holds the drain"
+    w.patch_spec(manual={"prefill": 2})
+    await w.settle()
+    last = w.status["lastSwitch"]
+    assert (last["pod"], last["result"]) == (pod_, "Aborted") and last["message"].startswith("no longer wanted")
+    a = w.agent(pod_)
+    assert a.role == "decoder" and not a.draining and not w.status.get("switches")
+    assert "retryAfter" not in w.status.get("rebalance", {}), "the policy stopped it: no hold"
+    assert w.condition("Rebalancing")["reason"] == "AtTarget"

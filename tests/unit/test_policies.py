@@ -1,5 +1,6 @@
 """Rebalancing policies (pure): table-driven."""
 import datetime as dt
+from dataclasses import replace
 
 import pytest
 import yaml
@@ -26,6 +27,19 @@ def sig(p_busy=0.5, p_queue=0, d_run=2, d_wait=0, batch=4, n=2, ttft=None, tbt=N
 
 
 LOAD = spec("Load")
+
+
+def test_demand_counts_what_draining_engines_saw():
+    from dataclasses import replace as dc_replace
+
+    from pd_operator import demand
+    s = measured(3.0, 300, 150)
+    one_draining = dc_replace(s, prefills=s.prefills[1:], idle_prefills=s.prefills[:1],
+                              decoders=s.decoders[1:], idle_decoders=s.decoders[:1])
+    whole = demand.measure(s, None, 1000.0, 60).demand
+    moving = demand.measure(one_draining, None, 1000.0, 60).demand
+    assert whole is not None and moving is not None
+    assert moving.requests_per_s == whole.requests_per_s and moving.output_tokens == whole.output_tokens
 
 
 @pytest.mark.parametrize("case, signals, current, want, reason", [
@@ -156,17 +170,39 @@ def test_replace_grows_then_shrinks_within_min_counts():
     from pd_operator import replace
     from pd_operator.switch import Limits
     lim = Limits()
-    new, d = replace.plan({"prefill": 2, "decoder": 2}, 3, lim, 100.0, None, "Manual")
-    assert new == {"prefill": 3, "decoder": 2, "growing": "prefill"} and d.reason == "Replacing"
-    keep, d = replace.plan(new, 3, lim, 101.0, "pods not ready: x-prefill-2", "Manual")
+    new, d = replace.plan({"prefill": 2, "decoder": 2}, 3, lim, 100.0, None, "Manual", 4)
+    assert new == {"prefill": 3, "decoder": 2, "growing": "prefill", "moving": 1} and d.reason == "Replacing"
+    keep, d = replace.plan(new, 3, lim, 101.0, "pods not ready: x-prefill-2", "Manual", 4)
     assert keep is None and "starting" in d.message
-    done, d = replace.plan(new, 3, lim, 102.0, None, "Manual")
-    assert done == {"prefill": 3, "decoder": 1} and "removing one decoder" in d.message
-    assert replace.plan(done, 3, lim, 103.0, None, "m")[1].reason == "AtTarget"
-    assert replace.plan(done, 4, lim, 103.0, None, "m")[1].reason == "MinCount"
-    assert replace.plan(done, 2, Limits(cooldown_until=200), 103.0, None, "m")[1].reason == "Cooldown"
-    back, _ = replace.plan(done, 2, lim, 300.0, None, "m")
-    assert back == {"prefill": 3, "decoder": 2, "growing": "decoder"}
+    done, d = replace.plan(new, 3, lim, 102.0, None, "Manual", 4)
+    assert done == {"prefill": 3, "decoder": 1} and "removing 1 decoder" in d.message
+    assert replace.plan(done, 3, lim, 103.0, None, "m", 4)[1].reason == "AtTarget"
+    assert replace.plan(done, 4, lim, 103.0, None, "m", 4)[1].reason == "MinCount"
+    assert replace.plan(done, 2, Limits(cooldown_until=200), 103.0, None, "m", 4)[1].reason == "Cooldown"
+    back, _ = replace.plan(done, 2, lim, 300.0, None, "m", 4)
+    assert back == {"prefill": 3, "decoder": 2, "growing": "decoder", "moving": 1}
+
+
+def test_replace_moves_whole_up_to_max_in_flight():
+    from pd_operator import replace
+    from pd_operator.switch import Limits
+    new, d = replace.plan({"prefill": 16, "decoder": 16}, 24, Limits(max_in_flight=8), 0.0, None, "m", 32)
+    assert new == {"prefill": 24, "decoder": 16, "growing": "prefill", "moving": 8}
+    assert "8 new prefill pods" in d.message
+    done, d = replace.plan(new, 24, Limits(max_in_flight=8), 1.0, None, "m", 32)
+    assert done == {"prefill": 24, "decoder": 8} and "removing 8 decoder" in d.message
+    capped, _ = replace.plan({"prefill": 16, "decoder": 16}, 30, Limits(max_in_flight=64, min_decoder=4), 0.0,
+                             None, "m", 32)
+    assert capped == {"prefill": 28, "decoder": 16, "growing": "prefill", "moving": 12}, "the min count caps the move"
+
+
+def test_replace_never_shrinks_a_group_below_its_floor():
+    from pd_operator import replace
+    from pd_operator.switch import Limits
+    # a record that claims a move larger than the shrinking group can give
+    done, _ = replace.plan({"prefill": 3, "decoder": 2, "growing": "prefill", "moving": 5}, 3, Limits(), 0.0, None,
+                           "m", 3)
+    assert done == {"prefill": 3, "decoder": 1}
 
 
 def test_replace_sizes_are_a_function_of_spec_and_record():
@@ -174,6 +210,13 @@ def test_replace_sizes_are_a_function_of_spec_and_record():
     assert s.group_sizes({"prefill": 4, "decoder": 2}) == {"prefill": 4, "decoder": 2}
     assert s.group_sizes({"prefill": 4, "decoder": 3, "growing": "prefill"}) == {"prefill": 4, "decoder": 3}
     assert s.group_sizes({"prefill": 5, "decoder": 3}) == {"prefill": 3, "decoder": 3}, "a stale record is dropped"
+    assert s.group_sizes({"prefill": 6, "decoder": 3, "growing": "prefill", "moving": 3}) == \
+        {"prefill": 6, "decoder": 3}
+    # the spec scaled from 4 to 3 in the middle of a move of one (2P2D -> 3P): that record is not this total's
+    scaled = parse_spec({**BASE, "prefill": {"replicas": 2}, "decoder": {"replicas": 2}, "replicas": 3,
+                         "rebalance": {"policy": "Manual", "manual": {"prefill": 2}, "method": "Replace"}})
+    assert scaled.group_sizes({"prefill": 3, "decoder": 2, "growing": "prefill", "moving": 1}) == \
+        scaled.group_sizes(), "a stale record is dropped"
     assert spec("Manual", manual={"prefill": 2}).group_sizes({"prefill": 4, "decoder": 2}) == \
         {"prefill": 3, "decoder": 3}, "method Switch ignores it"
 
@@ -192,3 +235,132 @@ BIG = parse_spec({**BASE, "prefill": {"replicas": 16}, "decoder": {"replicas": 1
 def test_load_moves_a_large_fleet_by_its_demand(case, signals, current, want):
     v = policies.evaluate(BIG, signals, current, limits(BIG, 0), 0)
     assert v.target == want, (case, v)
+
+
+@pytest.mark.parametrize("value, total, want", [
+    (1, 4, 1), (8, 256, 8), ("25%", 4, 1), ("25%", 32, 8), ("25%", 256, 64), ("10%", 4, 1), ("100%", 6, 6),
+    ("33%", 10, 3),
+])
+def test_max_concurrent_switches_is_a_number_or_a_percentage_of_the_fleet(value, total, want):
+    s = parse_spec({**BASE, "prefill": {"replicas": total // 2}, "decoder": {"replicas": total - total // 2},
+                    "rebalance": {"policy": "Load", "maxConcurrentSwitches": value}})
+    assert limits(s, 0).max_in_flight == want
+
+
+@pytest.mark.parametrize("value", [0, "0%", "101%", "25", "1.5%", "x%", 2000])
+def test_max_concurrent_switches_refuses_what_is_neither(value):
+    with pytest.raises(ValueError):
+        parse_spec({**BASE, "rebalance": {"policy": "Load", "maxConcurrentSwitches": value}})
+
+
+def test_the_cooldown_runs_between_decisions_that_change_the_target():
+    s = spec("Load", evaluationIntervalSeconds=10, cooldownSeconds=30)
+    up, down = sig(p_busy=0.95, d_run=1), sig(p_busy=0.1, d_run=4, d_wait=3)
+    v, changed, book = decide_target(s, Book(), up, 3, 1000.0)
+    assert changed and book.target == 4 and book.cooldown_until == 1030.0
+    v, changed, book = decide_target(s, book, down, 4, 1010.0)
+    assert not changed and book.target == 4 and "held at 4 until" in book.decision["message"]
+    assert v.reason == "DecodeBound", "the verdict is reported, the target held"
+    v, changed, book = decide_target(s, book, up, 4, 1020.0)
+    assert not changed and book.cooldown_until == 1030.0, "a verdict that keeps the target starts no cooldown"
+    v, changed, book = decide_target(s, book, down, 4, 1030.0)
+    assert changed and book.target == 3 and book.cooldown_until == 1060.0
+    m = spec("Manual", manual={"prefill": 2}, cooldownSeconds=600)
+    _, _, mb = decide_target(m, Book(target=4, cooldown_until=2000.0), Signals(), 4, 1000.0)
+    assert mb.target == 2, "Manual and Schedule apply at once"
+
+
+GOODPUT = spec("Goodput", targets={"ttftP90Ms": 3000, "tbtP90Ms": 60}, evaluationIntervalSeconds=10,
+               cooldownSeconds=20)
+
+
+def measured(rps, prompt, output, n_p=3, n_d=3, queued=0, waiting=0, steps=True, window=10.0):
+    """Signals as agents report them for `rps` requests/s of a mix, timed by the timing models."""
+    from pd_agent.timing import TimingModel
+    t = TimingModel()
+    n = round(rps * window / n_p)      # prompts each prefill took on; one at a time under a light load
+    batch = 1 if n * t.prefill_ms([prompt]) / 1000 < window / 2 else 4
+    busy = min(window, n / batch * t.prefill_ms([prompt] * batch) / 1000)
+    pre = [PrefillLoad(busy=busy / window, queue=queued // max(1, prompt), queued_tokens=queued // n_p,
+                       window_s=window, arrived=n, arrived_tokens=n * prompt, computed_tokens=n * prompt,
+                       busy_s=busy)] * n_p
+    ctx = prompt + output // 2
+    st = tuple((b, b * ctx, t.decode_step_ms([ctx] * b)) for b in (1, 2, 3, 4) for _ in range(4)) if steps else ()
+    dec = [DecoderLoad(running=2, waiting=waiting // n_d, max_batch=4, window_s=window,
+                       output_tokens=round(rps * window / n_d) * output, completed=round(rps * window / n_d),
+                       context_tokens=2 * ctx, steps=st)] * n_d
+    return Signals(prefills=pre, decoders=dec, age_s=1.0)
+
+
+@pytest.mark.parametrize("case, signals, current, want, reason", [
+    ("decode-heavy on 3P3D: fewer prefills", measured(3.0, 300, 150), 3, 1, "GoodputGain"),
+    ("prompt-heavy on 1P5D: more prefills", measured(4.0, 3000, 20, 1, 5), 1, (3, 4), "GoodputGain"),
+    ("light load: any split does", measured(0.2, 300, 150), 3, None, "AtBest"),
+    ("no decode step measured yet", measured(3.0, 300, 150, steps=False), 3, None, "Measuring"),
+    ("agents without the window fields", Signals(prefills=[PrefillLoad(busy=0.5)] * 3,
+                                                 decoders=[DecoderLoad(running=2, max_batch=4)] * 3), 3, None,
+     "Measuring"),
+    ("stale", replace(measured(3.0, 300, 150), age_s=99), 3, None, "SignalsStale"),
+    ("no signals", Signals(), 3, None, "NoSignals"),
+])
+def test_goodput(case, signals, current, want, reason):
+    v = policies.evaluate(GOODPUT, signals, current, limits(GOODPUT, 0), 1000.0)
+    assert v.reason == reason, (case, v.message)
+    if want is not None:
+        assert v.target in (want if isinstance(want, tuple) else (want,)), (case, v)
+    else:
+        assert v.target is None
+
+
+def test_goodput_decision_carries_its_numbers_and_learns():
+    v, changed, book = decide_target(GOODPUT, Book(), measured(3.0, 300, 150), 3, 1000.0)
+    assert changed and book.target == 1
+    n = book.decision["numbers"]
+    for key in ("requestsPerS", "promptTokensPerS", "outputTokensPerS", "decodeConcurrency", "prefillTokensPerBusyS",
+                "decodeStepMs", "predictor", "forecastRequestsPerS", "moveS", "goodputNow", "goodputAtBest",
+                "bestPrefill", "gain", "cost"):
+        assert key in n, key
+    assert float(n["goodputAtBest"]) > float(n["goodputNow"])
+    assert book.learned.capacity.step is not None and len(book.learned.history) == 1
+    # the capacity it measured carries an evaluation whose prefills were idle
+    idle = replace(measured(3.0, 300, 150), prefills=[replace(p, busy_s=0.0, computed_tokens=0)
+                                                      for p in measured(3.0, 300, 150).prefills])
+    v, _, book = decide_target(GOODPUT, book, idle, 1, 1010.0)
+    assert v.reason != "Measuring" and len(book.learned.history) == 2
+
+
+def test_goodput_without_targets_freezes_rather_than_fails():
+    # admission refuses it (test_admission); a spec stored before the rule existed is not a crash
+    s = spec("Goodput")
+    v = policies.evaluate(s, measured(3.0, 300, 150), 3, limits(s, 0), 1000.0)
+    assert v.target is None and v.reason == "NoTargets" and "spec.rebalance.targets" in v.message
+
+
+def test_goodput_sizes_replace_from_the_same_model():
+    rs = spec("Goodput", targets={"ttftP90Ms": 3000, "tbtP90Ms": 60}, method="Replace",
+              goodput={"replaceSeconds": 90})
+    v = policies.evaluate(rs, measured(3.0, 300, 150), 3, limits(rs, 0), 1000.0)
+    assert v.reason == "GoodputGain" and v.target == 1
+    assert v.numbers["moveS"] == 180 and v.numbers["cost"] == 0 and v.numbers["horizonS"] == 360, \
+        "a replacement drains nothing before its new engines serve; two of one at a time take two starts"
+    both = spec("Goodput", targets={"ttftP90Ms": 3000, "tbtP90Ms": 60}, method="Replace",
+                goodput={"replaceSeconds": 90}, maxConcurrentSwitches=2)
+    v = policies.evaluate(both, measured(3.0, 300, 150), 3, limits(both, 0), 1000.0)
+    assert v.target == 1 and v.numbers["moveS"] == 90, "two at once: one start"
+
+
+def test_the_goodput_example_parses():
+    s = parse_spec(yaml.safe_load((REPO / "examples" / "sim-goodput.yaml").read_text())["spec"])
+    assert s.rebalance.policy == "Goodput" and s.rebalance.max_in_flight(s.total) == 4
+
+
+def test_goodput_holds_through_noise_at_the_best_split():
+    import random
+    rng = random.Random(3)
+    book, reasons = Book(target=1), []
+    for i in range(30):
+        rps = 3.0 * (1 + rng.uniform(-0.15, 0.15))
+        _, changed, book = decide_target(GOODPUT, book, measured(rps, 300, 150, 1, 5), 1, 1000.0 + 10 * i)
+        reasons.append(book.decision["reason"])
+        assert not changed and book.target == 1, (i, book.decision["message"])
+    assert set(reasons) <= {"AtBest", "MoveDoesNotPay"}, reasons

@@ -1,8 +1,11 @@
 """The switch state machine and the choice of pod (pure)."""
 from dataclasses import replace
 
+import pytest
+
 from pd_operator.switch import (
     ABORT,
+    RETARGETED,
     Book,
     Candidate,
     Intent,
@@ -13,6 +16,7 @@ from pd_operator.switch import (
     choose,
     clamp_target,
     planning_role,
+    retarget,
 )
 
 T0 = 1_800_000_000.0
@@ -170,3 +174,60 @@ def test_fault_point_fires_at_or_past_its_step():
     s2 = s.at("Unlink", T0 + 1).at("SwitchRole", T0 + 1)
     assert reached("prefill-to-decoder:Unlink", [s2]) and reached("prefill-to-decoder:SwitchRole", [s2])
     assert not reached("decoder-to-prefill:Unlink", [s2]) and not reached("prefill-to-decoder:Relink", [s2])
+
+
+BIG = [c(f"p{i}", "prefill", "prefill", in_flight=i) for i in range(8)] + \
+    [c(f"d{i}", "decoder", "decoder", in_flight=i) for i in range(8)]
+
+
+def test_choose_starts_a_whole_move_up_to_max_in_flight():
+    d = choose(BIG, [], 13, Limits(max_in_flight=8), T0, "Goodput")
+    assert d.reason == "Switching" and [s.pod for s in d.starts] == ["d0", "d1", "d2", "d3", "d4"]
+    assert all((s.from_, s.to, s.step) == ("decoder", "prefill", "Drain") for s in d.starts)
+    assert "5 decoders -> prefill" in d.message
+    # the room left by the switches in flight, and the min count, cap the move
+    assert len(choose(BIG, [sw()] * 6, 13, Limits(max_in_flight=8), T0, "m").starts) == 2
+    assert len(choose(BIG, [], 15, Limits(max_in_flight=16, min_decoder=3), T0, "m").starts) == 5
+    assert choose(BIG, [], 13, Limits(max_in_flight=8), T0, "m").start.pod == "d0"
+
+
+def moving(pod, frm, to, step="Drain"):
+    return Switch(pod=pod, uid=pod, from_=frm, to=to, step=step, started=T0, step_started=T0, reason="m")
+
+
+@pytest.mark.parametrize("case, switching, target, aborted", [
+    ("still wanted: nothing stops", [("d0", "Drain"), ("d1", "Drain")], 10, []),
+    ("wanted and more", [("d0", "Drain")], 12, []),
+    ("target lowered by one: the busiest drain stops", [("d0", "Drain"), ("d1", "Drain"), ("d3", "Drain")], 10,
+     ["d3"]),
+    ("target back where it was: every drain stops", [("d0", "Drain"), ("d1", "Drain")], 8, ["d0", "d1"]),
+    ("past Drain they complete", [("d0", "Relink"), ("d1", "Drain")], 8, ["d1"]),
+    ("turned around: every drain towards prefill stops", [("d0", "Drain")], 6, ["d0"]),
+    ("no target", [("d0", "Drain")], None, []),
+])
+def test_retarget_stops_only_drains_that_overshoot(case, switching, target, aborted):
+    sws = [moving(p, "decoder", "prefill", step) for p, step in switching]
+    by = {p for p, _ in switching}
+    members = [replace(m, role="prefill", available=False) if m.pod in by else m for m in BIG]
+    out = retarget(sws, members, target, T0 + 1)
+    assert [s.pod for s in out if s.step == ABORT] == aborted, case
+    assert all(s.message.startswith(RETARGETED) for s in out if s.step == ABORT)
+    assert [s.pod for s in out] == [s.pod for s in sws], "the order and the others are kept"
+
+
+def test_retarget_a_move_down():
+    sws = [moving("p5", "prefill", "decoder"), moving("p6", "prefill", "decoder")]
+    members = [replace(m, role="decoder", available=False) if m.pod in ("p5", "p6") else m for m in BIG]
+    assert [s.pod for s in retarget(sws, members, 7, T0) if s.step == ABORT] == ["p6"]
+
+
+def test_a_whole_move_is_counted_not_listed_in_the_rebalancing_condition():
+    from pd_operator.status import Observed, rebalancing
+    sws = [moving(f"d{i}", "decoder", "prefill") for i in range(40)] + \
+        [moving(f"e{i}", "decoder", "prefill", step="Relink") for i in range(24)]
+    obs = Observed(generation=1, pods=[], engines=[], problems=[], switches=sws)
+    ok, reason, message = rebalancing(obs)
+    assert (ok, reason) == (True, "Switching")
+    assert message == "64 switches: 40 decoder -> prefill at Drain; 24 decoder -> prefill at Relink"
+    _, _, few = rebalancing(Observed(generation=1, pods=[], engines=[], problems=[], switches=sws[:2]))
+    assert few.startswith("d0: decoder -> prefill, step Drain")

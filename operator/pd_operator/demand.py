@@ -1,0 +1,66 @@
+"""Demand in each role's own units, measured from the serving engines' reports (pure), and what
+the Goodput policy keeps between its evaluations: the demand's history (for the forecast) and the
+capacity it measured last (for when no engine was busy enough to measure it again).
+
+- requests/s and their prompt tokens: what arrived at the prefills in the report's window (what
+  the clients ask for, whether or not the fleet keeps up);
+- output tokens per request: the tokens the decoders generated over the decodes they finished
+  (a request's output is known once it is done);
+- backlogs: the prompt tokens queued at the prefills and the decodes waiting for a batch slot;
+- capacity: capacity.measure over the prefills' (tokens computed, busy seconds) and the decoders'
+  recent steps."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import capacity as cp
+from .goodput import Demand
+from .signals import Signals
+
+
+@dataclass(frozen=True)
+class Learned:
+    history: tuple[tuple[float, float, float, float], ...] = ()   # (at, requests/s, prompt, output tokens)
+    capacity: cp.Capacity | None = None
+
+
+@dataclass(frozen=True)
+class Measured:
+    demand: Demand | None          # None: not measured yet (`missing` says what)
+    learned: Learned
+    max_batch: int = 1
+    decode_concurrency: int = 0    # decodes running and waiting, now
+    context_tokens: float = 0.0    # mean context a running decode holds
+    missing: str = ""
+
+
+def measure(sig: Signals, learned: Learned | None, now: float, keep_s: float) -> Measured:
+    prev = learned or Learned()
+    # what arrived and was done counts the engines draining or switching too (their windows saw
+    # demand a moment ago); what runs and waits now, the serving ones
+    pre, dec = sig.prefills + sig.idle_prefills, sig.decoders + sig.idle_decoders
+    cap = cp.measure([(p.computed_tokens, p.busy_s) for p in pre], [s for d in dec for s in d.steps], prev.capacity)
+    max_batch = max(1, max(d.max_batch for d in dec))
+    running = sum(d.running for d in sig.decoders)
+    context = sum(d.context_tokens for d in sig.decoders) / running if running else 0.0
+    concurrency = running + sum(d.waiting for d in sig.decoders)
+    if not any(p.window_s > 0 for p in pre) or not any(d.window_s > 0 for d in dec):
+        return Measured(None, Learned(prev.history, cap), max_batch, concurrency, context,
+                        "the engines report no load window (agents older than the Goodput policy)")
+    rps = sum(p.arrived / p.window_s for p in pre if p.window_s > 0)
+    arrived = sum(p.arrived for p in pre)
+    done = sum(d.completed for d in dec)
+    last = prev.history[-1] if prev.history else None
+    prompt = sum(p.arrived_tokens for p in pre) / arrived if arrived else (last[2] if last else None)
+    output = sum(d.output_tokens for d in dec) / done if done else (last[3] if last else None)
+    if prompt is None or output is None:
+        return Measured(None, Learned(prev.history, cap), max_batch, concurrency, context,
+                        "no request has arrived yet" if prompt is None else "no decode has finished yet")
+    history = tuple(h for h in prev.history if h[0] >= now - keep_s) + ((now, rps, prompt, output),)
+    demand = Demand(requests_per_s=rps, prompt_tokens=prompt, output_tokens=output,
+                    prompt_backlog=float(sum(p.queued_tokens for p in pre)),
+                    decode_backlog=float(sum(d.waiting for d in sig.decoders)))
+    missing = "" if cap.prefill_tokens_per_s is not None and cap.step is not None else \
+        ("no prefill was busy long enough to time" if cap.prefill_tokens_per_s is None else
+         "no decoder has reported a step")
+    return Measured(demand, Learned(history, cap), max_batch, concurrency, context, missing)

@@ -1,0 +1,220 @@
+"""The goodput model (pure): for a split of the engines into prefills and decoders, the requests
+per second predicted to meet both targets (their own TTFT within ttftP90Ms, their mean TBT within
+tbtP90Ms), from the demand measured in each role's own units and each engine's measured capacity.
+
+Each engine is modelled as its own queue, as routing on loads a second old makes it:
+- a prefill as one server whose service time is a prompt's tokens over its measured tokens per
+  busy second; the wait beyond a time x is rho * exp(-(mu - lambda) x) (M/M/1);
+- a decoder as max_batch slots, each request holding one for its output tokens times the step
+  time at the batch the load keeps (the step-time fit of capacity.py); the wait is Erlang C's;
+- what queues now (prompt tokens, decodes waiting for a slot) drains at the spare capacity, and a
+  role loaded past its capacity builds a queue over the horizon (fluid); the requests whose wait
+  stays within the TTFT budget are the ones counted;
+- the TTFT budget is shared by both waits (their sum is what a request sees);
+- the mean TBT is the step time at that batch.
+
+`choose` picks the prefill count of the highest predicted goodput (among near ties, the one
+with the most headroom in its busier role), and moves only if what the move gains over its
+horizon exceeds what its drains cost: engines that drain serve nothing for the time the move
+takes, which the model prices as the goodput lost by the split without them. When every split
+predicts the same (a backlog none clears within the horizon predicts nothing anywhere), a
+split whose busier role is at capacity moves to the one with the most headroom (Relieve)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .capacity import Capacity
+
+TIE = 0.002          # goodputs within this fraction of the best count as equal
+MIN_GAIN = 0.01      # a move must gain at least this fraction of the current goodput (noise)
+SATURATED = 0.98     # the utilisation whose waits stand for any beyond it
+PRESSED = 0.1        # a split whose busier role has less headroom than this moves to relieve it
+
+
+@dataclass(frozen=True)
+class Demand:
+    requests_per_s: float
+    prompt_tokens: float           # mean per request
+    output_tokens: float           # mean per request
+    prompt_backlog: float = 0.0    # prompt tokens queued at the prefills now
+    decode_backlog: float = 0.0    # decodes waiting for a batch slot now
+
+
+@dataclass(frozen=True)
+class Targets:
+    ttft_ms: float
+    tbt_ms: float
+
+
+@dataclass(frozen=True)
+class Prediction:
+    prefill: int
+    goodput: float                 # requests/s meeting both targets
+    ttft_ok: float                 # fraction of requests within the TTFT target
+    tbt_ms: float                  # the step time at the batch the load keeps
+    prefill_use: float             # utilisation of each role (1: at capacity), its backlog spread over
+    decode_use: float              # the horizon counted in
+
+    @property
+    def headroom(self) -> float:
+        return 1.0 - max(self.prefill_use, self.decode_use)
+
+
+@dataclass(frozen=True)
+class _Wait:
+    """One role's wait: P(W > x) = p * exp(-rate x) once the backlog's `w0` seconds drained (at
+    `drain` per second), or, overloaded, while it grows by `growth` seconds per second."""
+    p: float = 0.0
+    rate: float = math.inf
+    w0: float = 0.0
+    drain: float = 0.0             # steady: the backlog's wait falls by this per second
+    growth: float = 0.0            # overloaded
+
+    @property
+    def overloaded(self) -> bool:
+        return self.growth > 0
+
+
+def _erlang_c(c: int, a: float) -> float:
+    """Probability that a request waits, c servers offered a erlangs (a < c)."""
+    b = 1.0
+    for k in range(1, c + 1):
+        b = a * b / (k + a * b)
+    rho = a / c
+    return b / (1 - rho + rho * b)
+
+
+def _role(arrivals: float, service: float, servers: int, backlog_s: float) -> tuple[_Wait, float]:
+    """(wait, utilisation) of one engine: `arrivals`/s, each needing `service` s of one of
+    `servers`, with `backlog_s` seconds of queued work per server. Past capacity the wait is the
+    one just short of it (where waits already run long) and it grows besides, so a split that
+    overloads a role never looks as good as one that does not."""
+    use = arrivals * service / servers
+    steady = min(use, SATURATED)
+    a = steady * servers
+    p = _erlang_c(servers, a) if servers > 1 else steady
+    rate = servers * (1 - steady) / service if service > 0 else math.inf
+    return _Wait(p=p, rate=rate, w0=backlog_s, drain=max(0.0, 1.0 - use), growth=max(0.0, use - 1.0)), use
+
+
+def _tail(w: _Wait, x: float) -> float:
+    """P(W > x) for a steady wait."""
+    if x <= 0:
+        return 1.0 if w.p > 0 else 0.0
+    return w.p * math.exp(-w.rate * x) if w.rate < math.inf else 0.0
+
+
+def _sum_tail(a: _Wait, b: _Wait, x: float) -> float:
+    """P(Wa + Wb > x), each wait 0 or exponential (independent)."""
+    if x <= 0:
+        return 1.0
+    both = a.p * b.p
+    if both <= 0:
+        return _tail(a, x) + _tail(b, x)
+    ra, rb = a.rate, b.rate
+    if abs(ra - rb) < 1e-9 * max(ra, rb):
+        conv = (1 + ra * x) * math.exp(-ra * x)
+    else:
+        conv = (rb * math.exp(-ra * x) - ra * math.exp(-rb * x)) / (rb - ra)
+    return a.p * (1 - b.p) * math.exp(-ra * x) + b.p * (1 - a.p) * math.exp(-rb * x) + both * conv
+
+
+def _transient_ok(w: _Wait, budget: float, horizon: float) -> float:
+    """The fraction of the horizon in which the queue this role has now, or builds, keeps its
+    wait within the budget: a backlog drains at the spare capacity, an overload grows it."""
+    if horizon <= 0:
+        return 1.0
+    if w.overloaded:
+        return min(1.0, max(0.0, budget - w.w0) / (w.growth * horizon))
+    if w.w0 <= budget:
+        return 1.0
+    if w.drain <= 0:   # at capacity exactly: a backlog past the budget never drains
+        return 0.0
+    return 1.0 - min(1.0, (w.w0 - budget) / w.drain / horizon)
+
+
+def predict(prefills: int, decoders: int, demand: Demand, cap: Capacity, max_batch: int, targets: Targets,
+            horizon: float) -> Prediction:
+    """The goodput of `prefills` + `decoders` engines over the next `horizon` seconds."""
+    lam = demand.requests_per_s
+    if prefills < 1 or decoders < 1 or cap.prefill_tokens_per_s is None or cap.step is None:
+        return Prediction(prefills, 0.0, 0.0, math.inf, math.inf, math.inf)
+    mu = cap.prefill_tokens_per_s
+    s_p = demand.prompt_tokens / mu
+    wp, use_p = _role(lam / prefills, s_p, 1, demand.prompt_backlog / (prefills * mu))
+    # the batch a decoder keeps: B = lambda_d * output * T(B), T linear in B
+    ctx = demand.prompt_tokens + demand.output_tokens / 2
+    lam_d = lam / decoders
+    r = lam_d * demand.output_tokens / 1000.0
+    slope = cap.step.a * ctx + cap.step.b
+    batch = r * cap.step.c / (1 - r * slope) if r * slope < 1 else math.inf
+    batch = min(float(max_batch), max(1.0, batch))
+    step_ms = cap.step.ms(batch, batch * ctx)
+    s_d = demand.output_tokens * step_ms / 1000.0
+    wd, use_d = _role(lam_d, s_d, max_batch, demand.decode_backlog * s_d / (decoders * max_batch))
+    budget = targets.ttft_ms / 1000.0 - s_p - step_ms / 1000.0
+    ttft_ok = (1.0 - min(1.0, _sum_tail(wp, wd, budget))) * _transient_ok(wp, budget / 2, horizon) * \
+        _transient_ok(wd, budget / 2, horizon)
+    tbt_ok = 1.0 if step_ms <= targets.tbt_ms else max(0.0, 1.0 - (step_ms - targets.tbt_ms) / (0.2 * targets.tbt_ms))
+    spread = (lambda w: w.w0 / horizon) if horizon > 0 else (lambda w: 0.0)
+    return Prediction(prefills, lam * ttft_ok * tbt_ok, ttft_ok, step_ms, use_p + spread(wp), use_d + spread(wd))
+
+
+@dataclass(frozen=True)
+class Choice:
+    now: Prediction                # the current split
+    best: Prediction               # the split of the highest goodput
+    target: int                    # best.prefill if the move pays, else the current count
+    gain: float                    # requests the move gains over the horizon (after it is done)
+    cost: float                    # requests its drains lose while it is made
+    move_s: float
+    reason: str                    # Move | Relieve | NoGain | AtBest
+
+
+def choose(total: int, current: int, lo: int, hi: int, demand: Demand, cap: Capacity, max_batch: int,
+           targets: Targets, horizon: float, move_s: float, drains: bool = True, max_in_flight: int | None = None,
+           round_s: dict[str, float] | None = None) -> Choice:
+    """The prefill count to have for the next `horizon` seconds, and whether moving there pays.
+    `move_s`: what one round of a move takes; `round_s`, if known, per direction (the role the
+    engines move to). A move of k engines, `max_in_flight` at a time, takes ceil(k / max_in_flight)
+    rounds. `drains`: the engines that move drain first (a switch); otherwise (a replacement: the
+    new ones serve before the old go) the move costs nothing but the time until it is done."""
+    preds = [predict(p, total - p, demand, cap, max_batch, targets, horizon) for p in range(lo, hi + 1)]
+    now = predict(current, total - current, demand, cap, max_batch, targets, horizon)
+    top = max(x.goodput for x in preds)
+    near = [x for x in preds if x.goodput >= top * (1 - TIE)]
+    best = max(near, key=lambda x: (x.headroom, -abs(x.prefill - current)))
+    if best.prefill == current:
+        return Choice(now, best, current, 0.0, 0.0, move_s, "AtBest")
+    if now.goodput >= top * (1 - TIE):
+        # as good as the best over the horizon; but a role run past what it can carry (a backlog no
+        # split clears within the horizon predicts nothing anywhere) needs the capacity all the same
+        if now.headroom < PRESSED and best.headroom > now.headroom + PRESSED:
+            return Choice(now, best, best.prefill, 0.0, 0.0, move_s, "Relieve")
+        return Choice(now, best, current, 0.0, 0.0, move_s, "AtBest")
+    k = abs(best.prefill - current)
+    at_once = min(k, max_in_flight or k)
+    to = "prefill" if best.prefill > current else "decoder"
+    took = math.ceil(k / at_once) * (round_s[to] if round_s else move_s)
+    # while it moves, the engines in flight serve neither role: what that costs against staying
+    during = predict(current - at_once if to == "decoder" else current,
+                     total - current - (at_once if to == "prefill" else 0), demand, cap, max_batch, targets, took)
+    stay = predict(current, total - current, demand, cap, max_batch, targets, took)
+    gain = (best.goodput - now.goodput) * max(0.0, horizon - took)
+    cost = max(0.0, stay.goodput - during.goodput) * took if drains else 0.0
+    pays = gain > cost and best.goodput - now.goodput >= MIN_GAIN * max(now.goodput, 1e-9)
+    return Choice(now, best, best.prefill if pays else current, gain, cost, took, "Move" if pays else "NoGain")
+
+
+def drain_seconds(to: str, demand: Demand, cap: Capacity, prefills: int, decoders: int, max_batch: int) -> float:
+    """How long the engines leaving a role take to drain: a decoder finishes its decodes (half an
+    output on average at the batch the load keeps; the longest of a batch, about a whole one), a
+    prefill its share of the queue and the prompt it computes."""
+    if cap.prefill_tokens_per_s is None or cap.step is None:
+        return 0.0
+    if to == "prefill":   # decoders leave
+        ctx = demand.prompt_tokens + demand.output_tokens / 2
+        return demand.output_tokens * cap.step.ms(max_batch, max_batch * ctx) / 1000.0
+    queued = demand.prompt_backlog / max(1, prefills) + demand.prompt_tokens
+    return queued / cap.prefill_tokens_per_s

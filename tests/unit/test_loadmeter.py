@@ -1,0 +1,39 @@
+"""The load report's window (pd_agent.loadmeter): what arrived, what was computed, the steps."""
+from pd_agent.loadmeter import STEPS_KEPT, LoadMeter
+from pd_contract.agent_api import Load
+
+
+def test_the_window_counts_what_happened_in_it_and_forgets_the_rest():
+    m = LoadMeter(window_s=10)
+    m.arrived(1000, at=1.0)          # falls out of the window
+    m.arrived(3000, at=5.0)
+    m.arrived(500, at=9.0)
+    m.prefilled(3500, 0.4, at=9.5)
+    for i in range(STEPS_KEPT + 8):
+        m.step(4, 4 * 700, 24.0, at=10.0 + i * 0.024)
+    m.completed(at=10.5)
+    m.context_tokens = 2800
+    load = m.fill(Load(max_batch=4), at=12.0)
+    assert (load.window_s, load.requests_arrived, load.prompt_tokens_arrived) == (10, 2, 3500)
+    assert (load.prefill_tokens, load.prefill_busy_s) == (3500, 0.4)
+    assert load.output_tokens == 4 * (STEPS_KEPT + 8) and load.decodes_completed == 1
+    assert len(load.steps) == STEPS_KEPT and load.steps[-1].batch == 4 and load.context_tokens == 2800
+    assert load.max_batch == 4, "what the serving reported is kept"
+    later = m.fill(Load(), at=30.0)
+    assert (later.requests_arrived, later.prefill_tokens, later.output_tokens, later.decodes_completed) == (0, 0, 0, 0)
+
+
+def test_a_role_switch_starts_an_empty_window_as_long_as_it_is():
+    m = LoadMeter(window_s=10)
+    for i in range(8):
+        m.arrived(200, at=1.0 + i)    # decodes taken on as a decoder
+    m.step(4, 2800, 24.0, at=8.5)
+    m.completed(at=8.6)
+    m.reset(at=9.0)                   # now a prefill
+    just = m.fill(Load(), at=9.5)
+    assert (just.requests_arrived, just.output_tokens, just.decodes_completed, just.steps) == (0, 0, 0, [])
+    assert just.window_s == 2.0, "a rate over half a second is noise: at least MIN_WINDOW_S"
+    m.arrived(3000, at=12.0)
+    later = m.fill(Load(), at=14.0)
+    assert (later.window_s, later.requests_arrived) == (5.0, 1)
+    assert m.fill(Load(), at=30.0).window_s == 10
