@@ -224,7 +224,7 @@ async def run(args: argparse.Namespace) -> Summary:
         await fleet.refresh()
         plan = request_plan(args, rng)
         base_id = rng.getrandbits(40) << 20
-        start = time.monotonic()
+        start, wall0 = time.monotonic(), time.time()
         tasks = []
         ref = asyncio.create_task(fleet.run(1.0))
         for i, (t, prompt, output) in enumerate(plan):
@@ -233,7 +233,7 @@ async def run(args: argparse.Namespace) -> Summary:
             tasks.append(asyncio.create_task(direct_request(fleet, base_id + i, prompt, output, args.retry_window)))
         results = await _finish(tasks, stop, args.stop_grace)
         ref.cancel()
-        _write_requests(args.requests_out, plan, results)
+        _write_requests(args.requests_out, plan, results, wall0)
         return summarize(results, time.monotonic() - start, args.slo_ttft_ms, args.slo_tbt_ms)
 
 
@@ -248,26 +248,27 @@ async def _run_gateway(args: argparse.Namespace, http: httpx.AsyncClient, rng: r
         r.raise_for_status()
         model = r.json()["data"][0]["id"]
     plan = request_plan(args, rng)
-    start = time.monotonic()
+    start, wall0 = time.monotonic(), time.time()
     tasks = []
     for t, prompt, output in plan:
         if await _until(stop.first, start + t):
             break
         tasks.append(asyncio.create_task(gateway_request(http, url, args.api_key, model, prompt, output)))
     results = await _finish(tasks, stop, args.stop_grace)
-    _write_requests(args.requests_out, plan, results)
+    _write_requests(args.requests_out, plan, results, wall0)
     return summarize(results, time.monotonic() - start, args.slo_ttft_ms, args.slo_tbt_ms)
 
 
-def _write_requests(path: str | None, plan: list[tuple[float, int, int]], results) -> None:
-    """One JSON line per request sent: when (s from the start), lengths, and what it got."""
+def _write_requests(path: str | None, plan: list[tuple[float, int, int]], results, wall0: float) -> None:
+    """One JSON line per request sent: when (s from the start, and as Unix time), lengths, and
+    what it got."""
     if not path:
         return
     with open(path, "w") as f:
         for (t, prompt, output), r in zip(plan, results):
-            f.write(json.dumps({"t": round(t, 3), "prompt": prompt, "output": output, "ok": r.ok,
-                                "ttft_ms": round(r.ttft_ms, 2), "tbt_ms": round(r.tbt_ms, 3),
-                                "reason": r.reason}) + "\n")
+            f.write(json.dumps({"t": round(t, 3), "sent_at": round(wall0 + t, 3), "prompt": prompt,
+                                "output": output, "ok": r.ok, "ttft_ms": round(r.ttft_ms, 2),
+                                "tbt_ms": round(r.tbt_ms, 3), "reason": r.reason}) + "\n")
 
 
 class _Stop:

@@ -195,13 +195,16 @@ def test_a_live_switch_through_the_shared_gateway(cluster: Cluster, shared):
     ns, urls, _ = shared
     load = Load(cluster, ns, duration=300, gateway=urls[0], api_key=KEYS["team-a"], name="sim-a")
     time.sleep(3)
-    switch_a(cluster, ns, 3)
-    last = switched(cluster, ns, "prefill", None, "3/3", name="sim-a")
-    time.sleep(2)
-    switch_a(cluster, ns, 2)
-    switched(cluster, ns, "decoder", last["status"]["lastSwitch"]["at"], "4/4", name="sim-a")
-    time.sleep(2)
+    with load.change("decoder -> prefill"):
+        switch_a(cluster, ns, 3)
+        last = switched(cluster, ns, "prefill", None, "3/3", name="sim-a")
+        time.sleep(2)
+    with load.change("prefill -> decoder"):
+        switch_a(cluster, ns, 2)
+        switched(cluster, ns, "decoder", last["status"]["lastSwitch"]["at"], "4/4", name="sim-a")
+        time.sleep(2)
     s = load.stop()
     assert s["failed"] == 0, s["failed_by_reason"]
-    assert s["completed"] > 30
+    assert s["completed"] == s["requests"], s
+    load.assert_traffic_through_changes()
     assert pdd(cluster, ns, "sim-b")["status"]["phase"] == "Ready"

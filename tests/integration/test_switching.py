@@ -78,36 +78,39 @@ def test_manual_switch_both_ways_under_load(cluster: Cluster, fleet: str, operat
     load = Load(cluster, ns, duration=300)
     time.sleep(3)
 
-    t0 = time.monotonic()
-    set_prefill(cluster, ns, 3)
-    obj = switched(cluster, ns, "prefill", None, "3/3")
-    up = time.monotonic() - t0
-    last = obj["status"]["lastSwitch"]
-    pod = last["pod"]
-    assert pod.startswith("sim-small-decoder-"), last
-    after = roles(cluster, ns)
-    assert after[pod][0] == "prefill" and after[pod][1] == "prefill"
-    assert after[pod][2] == before[pod][2] and after[pod][3] == 0, "same pod, no restart"
-    assert agent_status(cluster, ns, pod)["role"] == "prompt"
-    assert obj["status"]["prefill"] == 3 and obj["status"]["decoder"] == 1
-    links_match_roles(cluster, ns)
-    print(f"\ndecoder->prefill: {json.dumps(last)} (patch to Ready {up:.1f}s)")
-    time.sleep(3)
+    with load.change("decoder -> prefill"):
+        t0 = time.monotonic()
+        set_prefill(cluster, ns, 3)
+        obj = switched(cluster, ns, "prefill", None, "3/3")
+        up = time.monotonic() - t0
+        last = obj["status"]["lastSwitch"]
+        pod = last["pod"]
+        assert pod.startswith("sim-small-decoder-"), last
+        after = roles(cluster, ns)
+        assert after[pod][0] == "prefill" and after[pod][1] == "prefill"
+        assert after[pod][2] == before[pod][2] and after[pod][3] == 0, "same pod, no restart"
+        assert agent_status(cluster, ns, pod)["role"] == "prompt"
+        assert obj["status"]["prefill"] == 3 and obj["status"]["decoder"] == 1
+        links_match_roles(cluster, ns)
+        print(f"\ndecoder->prefill: {json.dumps(last)} (patch to Ready {up:.1f}s)")
+        time.sleep(3)
 
-    t0 = time.monotonic()
-    set_prefill(cluster, ns, 2)
-    obj = switched(cluster, ns, "decoder", last["at"], "4/4")
-    down = time.monotonic() - t0
-    back = obj["status"]["lastSwitch"]
-    assert back["pod"] == pod, "the pod away from its home group goes back first"
-    assert roles(cluster, ns)[pod][:3] == before[pod][:3]
-    links_match_roles(cluster, ns)
-    print(f"prefill->decoder: {json.dumps(back)} (patch to Ready {down:.1f}s)")
-    time.sleep(3)
+    with load.change("prefill -> decoder"):
+        t0 = time.monotonic()
+        set_prefill(cluster, ns, 2)
+        obj = switched(cluster, ns, "decoder", last["at"], "4/4")
+        down = time.monotonic() - t0
+        back = obj["status"]["lastSwitch"]
+        assert back["pod"] == pod, "the pod away from its home group goes back first"
+        assert roles(cluster, ns)[pod][:3] == before[pod][:3]
+        links_match_roles(cluster, ns)
+        print(f"prefill->decoder: {json.dumps(back)} (patch to Ready {down:.1f}s)")
+        time.sleep(3)
 
     s = load.stop()
     assert s["failed"] == 0, s["failed_by_reason"]
-    assert s["completed"] > 50, s
+    assert s["completed"] == s["requests"], s
+    load.assert_traffic_through_changes()
     assert force_unlinks(cluster, ns) == []
     reasons = [e["reason"] for e in events(cluster, ns)]
     assert reasons.count("Switched") >= 2 and "SwitchStarted" in reasons
