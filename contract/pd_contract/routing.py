@@ -288,6 +288,9 @@ async def generate(fleet: Fleet, req_id: int, prompt_tokens: int, output_tokens:
             raise EngineError(p["name"], "BAD_REPLY", str(e)) from None
         attempt.prefill, attempt.prefill_ms = p["name"], (time.monotonic() - t0) * 1000
         break
+    # the cache now waits on p: a refused decode gets the whole window again, however long the
+    # prefill queued (a busy fleet must not throw away prefills it has computed)
+    deadline = max(deadline, time.monotonic() + retry_window)
     # decode: the cache waits on p, so only decoders linked to p can take it
     body = {"req_id": req_id, "prompt_cluster_id": p["cluster_id"], "prompt_agent_url": p["url"],
             "prompt_tokens": prompt_tokens, "output_tokens": output_tokens, "stream": True,

@@ -45,6 +45,8 @@ class FakeAgents:
         self.hold: asyncio.Event | None = None
         self.lines: list[bytes] | None = None
         self.prefill_reply: httpx.Response | None = None
+        self.prefill_delay = 0.0
+        self.decode_refusals = 0   # the first decodes answered 503 DRAINING
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
@@ -56,8 +58,12 @@ class FakeAgents:
             return httpx.Response(200, content=st if isinstance(st, bytes) else json.dumps(st).encode())
         body = json.loads(request.content)
         if path == "/v1/prefill":
+            await asyncio.sleep(self.prefill_delay)
             return self.prefill_reply or httpx.Response(200, json={
                 "prompt_cluster_id": 1, "req_id": body["req_id"], "model_id": 0, "queue_ms": 0, "prefill_ms": 1})
+        if self.decode_refusals > 0:
+            self.decode_refusals -= 1
+            return httpx.Response(503, json={"code": "DRAINING", "message": "draining"})
 
         async def stream():
             if self.hold is not None:
@@ -545,6 +551,21 @@ async def test_a_hostile_prefill_answer_is_an_engine_error(reply):
         with pytest.raises(EngineError):
             async for _ in generate(fleet, 7, 10, 3, Attempt(), retry_window=0.5):
                 pass
+
+
+async def test_a_refused_decode_after_a_long_prefill_queue_still_gets_its_retry_window():
+    """The window counts from the refusal: a prefill that queued longer than the window is
+    decoded on another linked decoder, not thrown away."""
+    agents = FakeAgents()
+    agents.status["10.0.0.4"] = {**DECODER, "pod": "d1", "cluster_id": 1002, "ip": "10.0.0.4"}
+    agents.prefill_delay, agents.decode_refusals = 0.3, 1
+    fleet = agents.fleet()
+    async with fleet.http:
+        await fleet.refresh()
+        attempt = Attempt()
+        msgs = [m async for m in generate(fleet, 7, 10, 3, attempt, retry_window=0.2)]
+    assert [m["token"] for m in msgs if "token" in m] == [0, 1, 2]
+    assert attempt.refusals == {"DRAINING": 1} and agents.calls["/v1/decode"] == 2
 
 
 async def test_a_decoder_sending_more_tokens_than_asked_fails_the_request(serve):
