@@ -16,7 +16,10 @@ Each engine is modelled as its own queue, as routing on loads a second old makes
 `choose` picks the prefill count of the highest predicted goodput (among near ties, the one
 with the most headroom in its busier role), and moves only if what the move gains over its
 horizon exceeds what its drains cost: engines that drain serve nothing for the time the move
-takes, which the model prices as the goodput lost by the split without them. When every split
+takes, which the model prices as the goodput lost by the split without them. Of the moves
+towards that split (a move of more engines than may switch at once takes more rounds), it makes
+the one whose gain most exceeds its cost: all the way, or part of the way when the rest would
+not pay within the horizon. When every split
 predicts the same (a backlog none clears within the horizon predicts nothing anywhere), a
 split whose busier role is at capacity moves to the one with the most headroom (Relieve)."""
 from __future__ import annotations
@@ -193,18 +196,47 @@ def choose(total: int, current: int, lo: int, hi: int, demand: Demand, cap: Capa
         if now.headroom < PRESSED and best.headroom > now.headroom + PRESSED:
             return Choice(now, best, best.prefill, 0.0, 0.0, move_s, "Relieve")
         return Choice(now, best, current, 0.0, 0.0, move_s, "AtBest")
-    k = abs(best.prefill - current)
+    # of the moves towards the best split, the one whose gain over the horizon most exceeds its
+    # cost: the whole way if that pays most, else as far as one or more rounds make it worth it
+    step = 1 if best.prefill > current else -1
+    moves = [_move(x, current, now, total, demand, cap, max_batch, targets, horizon, move_s, drains,
+                   max_in_flight, round_s)
+             for x in preds if (x.prefill - current) * step > 0 and (x.prefill - best.prefill) * step <= 0]
+    paying = [m for m in moves if m.gain > m.cost and m.best.goodput - now.goodput >= MIN_GAIN * max(now.goodput, 1e-9)]
+    if not paying:
+        whole = next(m for m in moves if m.best.prefill == best.prefill)
+        return Choice(now, best, current, whole.gain, whole.cost, whole.move_s, "NoGain")
+    m = max(paying, key=lambda m: (m.gain - m.cost, -abs(m.best.prefill - best.prefill)))
+    return Choice(now, best, m.best.prefill, m.gain, m.cost, m.move_s, "Move")
+
+
+def _move(to_x: Prediction, current: int, now: Prediction, total: int, demand: Demand, cap: Capacity,
+          max_batch: int, targets: Targets, horizon: float, move_s: float, drains: bool,
+          max_in_flight: int | None, round_s: dict[str, float] | None) -> Choice:
+    """The move from `current` to `to_x`'s split, round by round: each round's engines serve
+    neither role while they move (the cost, against staying where that round starts), and the
+    split each round reaches serves the rest of the horizon until the next one (the gain)."""
+    k = abs(to_x.prefill - current)
     at_once = min(k, max_in_flight or k)
-    to = "prefill" if best.prefill > current else "decoder"
-    took = math.ceil(k / at_once) * (round_s[to] if round_s else move_s)
-    # while it moves, the engines in flight serve neither role: what that costs against staying
-    during = predict(current - at_once if to == "decoder" else current,
-                     total - current - (at_once if to == "prefill" else 0), demand, cap, max_batch, targets, took)
-    stay = predict(current, total - current, demand, cap, max_batch, targets, took)
-    gain = (best.goodput - now.goodput) * max(0.0, horizon - took)
-    cost = max(0.0, stay.goodput - during.goodput) * took if drains else 0.0
-    pays = gain > cost and best.goodput - now.goodput >= MIN_GAIN * max(now.goodput, 1e-9)
-    return Choice(now, best, best.prefill if pays else current, gain, cost, took, "Move" if pays else "NoGain")
+    to = "prefill" if to_x.prefill > current else "decoder"
+    step = 1 if to == "prefill" else -1
+    d = round_s[to] if round_s else move_s
+    rounds = math.ceil(k / at_once)
+    took = rounds * d
+    gain = cost = 0.0
+    at = current
+    for i in range(1, rounds + 1):
+        n = min(at_once, k - (i - 1) * at_once)
+        if drains:
+            stay = predict(at, total - at, demand, cap, max_batch, targets, took)
+            during = predict(at - n if to == "decoder" else at, total - at - (n if to == "prefill" else 0),
+                             demand, cap, max_batch, targets, took)
+            cost += max(0.0, stay.goodput - during.goodput) * d
+        at += step * n
+        reached = to_x if at == to_x.prefill else predict(at, total - at, demand, cap, max_batch, targets, horizon)
+        until = horizon if i == rounds else min(horizon, (i + 1) * d)
+        gain += (reached.goodput - now.goodput) * max(0.0, until - i * d)
+    return Choice(now, to_x, to_x.prefill, gain, cost, took, "Move")
 
 
 def drain_seconds(to: str, demand: Demand, cap: Capacity, prefills: int, decoders: int, max_batch: int) -> float:

@@ -143,6 +143,18 @@ def test_a_move_takes_a_round_per_max_in_flight_engines_each_the_way_it_goes():
     assert one_by_one.gain < whole.gain
 
 
+def test_a_move_goes_as_far_as_its_rounds_pay_within_the_horizon():
+    d = Demand(3.0, 300, 150)
+    # one engine a round, 5 s each: a second round done at the horizon's end gains nothing
+    short = choose(4, 3, 1, 3, d, CAP, 4, TARGETS, 10, 5, max_in_flight=1)
+    assert short.best.prefill == 1 and short.target == 2 and short.reason == "Move" and short.move_s == 5
+    # a longer horizon: the whole way, the first round's split serving while the second is made
+    long = choose(4, 3, 1, 3, d, CAP, 4, TARGETS, 60, 5, max_in_flight=1)
+    assert long.target == 1 and long.move_s == 10
+    first = predict(2, 2, d, CAP, 4, TARGETS, 60).goodput
+    assert long.gain == pytest.approx((first - long.now.goodput) * 5 + (long.best.goodput - long.now.goodput) * 50)
+
+
 @pytest.mark.parametrize("case, demand, current, horizon, move_s, reason", [
     ("wrong split, cheap move: it pays", Demand(3.0, 300, 150), 3, 30, 4, "Move"),
     ("the best split already", Demand(3.0, 300, 150), 1, 30, 4, "AtBest"),
