@@ -18,8 +18,11 @@ each run's goodput beside another result's (compressed against uncompressed: goa
     python bench/bench_rebalance.py --engines 16 --traces shift --runs best-fixed,Goodput,Load+Replace --one-at-a-time
 
 --engines N runs fleets of N engines on the same generator's trace for N (rates scaled, as
-bench-policy-sim makes it); --one-at-a-time runs the fleets one after another when the machine
-cannot carry them side by side. Each run reports the machine's CPU use while it ran."""
+bench-policy-sim makes it), sent by N/4 load generator processes (each every (N/4)-th request:
+one Python process carries only so many streams; each reports how late its own timers fired,
+and a result whose load generators lagged measures them, not the fleet); --one-at-a-time runs
+the fleets one after another when the machine cannot carry them side by side. Each run reports
+the machine's CPU use while it ran."""
 from __future__ import annotations
 
 import argparse
@@ -87,7 +90,8 @@ def run_trace(bench: Bench, kind: str, compress: float, only: list[str] | None, 
     ns = f"bench-rb-{kind}-{uuid.uuid4().hex[:5]}"
     bench.namespace(ns)
     op, _ = bench.operator(ns, f"bench-rebalance-{kind}-operator.log")
-    loads: dict[str, subprocess.Popen] = {}
+    loads: dict[str, list[subprocess.Popen]] = {}
+    shards = max(1, engines // 4)   # one load generator per 4 engines: one process carries only so many streams
     samples: dict[str, list[dict]] = {}
     work = RESULTS / "work"
     work.mkdir(parents=True, exist_ok=True)
@@ -114,13 +118,14 @@ def run_trace(bench: Bench, kind: str, compress: float, only: list[str] | None, 
         time.sleep(max(0.0, start - time.time() - 1.5))   # the load generators take about that to start
         for r in runs:
             name = kname(r.name)
-            loads[r.name] = subprocess.Popen(
+            loads[r.name] = [subprocess.Popen(
                 [sys.executable, "-m", "pd_agent.loadgen", "--kubeconfig", bench.kubeconfig, "--namespace", ns,
                  "--deployment", name, f"--token={token_of(ns, name)}", "--trace", str(trace),
                  "--trace-speed", str(compress), "--duration", "0", "--max-prompt", str(sc.MAX_SEQ),
                  "--max-output", "4096", "--slo-ttft-ms", str(sc.SLO_TTFT_MS / compress),
-                 "--slo-tbt-ms", str(sc.SLO_TBT_MS / compress), "--requests-out", str(work / f"{kind}-{name}.jsonl"),
-                 "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
+                 "--slo-tbt-ms", str(sc.SLO_TBT_MS / compress), "--shard", f"{k}/{shards}",
+                 "--requests-out", str(work / f"{kind}-{name}-{k}.jsonl"), "--json"],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env) for k in range(shards)]
         time.sleep(max(0.0, start - time.time()))
         cpu0 = cpu_times()
         for r in runs:
@@ -131,7 +136,7 @@ def run_trace(bench: Bench, kind: str, compress: float, only: list[str] | None, 
                     "pdoperator.io", "v1alpha1", ns, "pddeployments", kname(r.name),
                     {"spec": {"rebalance": {"policy": "Schedule", "schedule": entries, "manual": None}}})
         t0 = time.time()
-        while any(p.poll() is None for p in loads.values()):
+        while any(p.poll() is None for ps in loads.values() for p in ps):
             t = (time.time() - t0) * compress
             for r in runs:
                 st = bench.pdd(ns, kname(r.name)).get("status") or {}
@@ -142,16 +147,19 @@ def run_trace(bench: Bench, kind: str, compress: float, only: list[str] | None, 
         cpu = (cpu1[0] - cpu0[0]) / max(1.0, cpu1[1] - cpu0[1])
         out = {}
         for r in runs:
-            stdout, stderr = loads[r.name].communicate()
-            if loads[r.name].returncode not in (0, 1) or not stdout.strip():
-                raise SystemExit(f"load generator of {r.name} failed: {stderr[-2000:]}")
-            s = json.loads(stdout)
-            reqs = [json.loads(x) for x in (work / f"{kind}-{kname(r.name)}.jsonl").read_text().splitlines()]
+            parts, reqs = [], []
+            for k, p in enumerate(loads[r.name]):
+                stdout, stderr = p.communicate()
+                if p.returncode not in (0, 1) or not stdout.strip():
+                    raise SystemExit(f"load generator {k} of {r.name} failed: {stderr[-2000:]}")
+                parts.append(json.loads(stdout))
+                reqs += [json.loads(x) for x in (work / f"{kind}-{kname(r.name)}-{k}.jsonl").read_text().splitlines()]
+            s = combine(parts, reqs, sc.SLO_TTFT_MS / compress, sc.SLO_TBT_MS / compress)
             out[r.name] = in_trace_time(s, reqs, samples[r.name], compress)
             out[r.name]["cpu_busy"] = round(cpu, 3)   # the machine's, over the runs that ran together
         return out
     finally:
-        for p in loads.values():
+        for p in (p for ps in loads.values() for p in ps):
             if p.poll() is None:
                 p.kill()
         op.send_signal(signal.SIGTERM)
@@ -160,6 +168,21 @@ def run_trace(bench: Bench, kind: str, compress: float, only: list[str] | None, 
         except subprocess.TimeoutExpired:
             op.kill()
         bench.core.delete_namespace(ns)
+
+
+def combine(parts: list[dict], reqs: list[dict], slo_ttft_ms: float, slo_tbt_ms: float) -> dict:
+    """The summaries of the load generators that shared a run, as one: counts from the requests
+    each wrote, the longest duration, the worst loop lag."""
+    from pd_agent.loadgen import Result, summarize
+    results = [Result(ok=q["ok"], ttft_ms=q["ttft_ms"], tbt_ms=q["tbt_ms"], reason=q["reason"]) for q in reqs]
+    s = vars(summarize(results, max(p["duration_s"] for p in parts), slo_ttft_ms, slo_tbt_ms))
+    s["retried"] = sum(p["retried"] for p in parts)
+    s["refused_by_reason"] = {}
+    for p in parts:
+        for k, v in p["refused_by_reason"].items():
+            s["refused_by_reason"][k] = s["refused_by_reason"].get(k, 0) + v
+    s["loop_lag_ms"] = {k: max(p.get("loop_lag_ms", {}).get(k, 0.0) for p in parts) for k in ("p99", "max")}
+    return s
 
 
 def in_trace_time(s: dict, reqs: list[dict], samples: list[dict], compress: float) -> dict:
@@ -176,7 +199,7 @@ def in_trace_time(s: dict, reqs: list[dict], samples: list[dict], compress: floa
             "failed_by_reason": s["failed_by_reason"], "retried": s["retried"],
             "goodput_rps": good / dur, "slo_attainment": s["slo_attainment"],
             "ttft_ms": scale(s["ttft_ms"]), "tbt_ms": scale(s["tbt_ms"]), "switches": moves,
-            "wall_s": s["duration_s"], "timeline": tl}
+            "wall_s": s["duration_s"], "loop_lag_ms": s["loop_lag_ms"], "timeline": tl}
 
 
 def plot(kind: str, rows: dict[str, dict], path: Path, compress: float, engines: int = 4) -> None:
@@ -257,7 +280,9 @@ def main() -> None:
                 for name in only or [r.name for r in sc.runs(args.engines, 0, 1.0, kind) if r.name not in MODEL_ONLY]:
                     rows.update(run_trace(bench, kind, args.compress, [name], token_of, args.engines))
                     print(f"  {name}: {rows[name]['goodput_rps']:.3f} req/s, machine CPU busy "
-                          f"{rows[name]['cpu_busy']:.0%}", flush=True)
+                          f"{rows[name]['cpu_busy']:.0%}, load generators' loop lag p99/max "
+                          f"{rows[name]['loop_lag_ms']['p99']:.0f}/{rows[name]['loop_lag_ms']['max']:.0f} ms",
+                          flush=True)
             else:
                 rows = run_trace(bench, kind, args.compress, only, token_of, args.engines)
             result["traces"][kind] = {"runs": rows, "wall_s": round(time.monotonic() - t0)}

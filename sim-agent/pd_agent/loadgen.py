@@ -92,6 +92,35 @@ def request_plan(args: argparse.Namespace, rng: random.Random) -> list[tuple[flo
             for t in times]
 
 
+def parse_shard(text: str) -> tuple[int, int]:
+    """"K/N" -> (K, N): this process sends requests K, K+N, K+2N ... of the plan."""
+    try:
+        k, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected K/N, e.g. 0/4") from None
+    if not 0 <= k < n:
+        raise argparse.ArgumentTypeError(f"{text!r}: K must be in 0..N-1")
+    return k, n
+
+
+class LoopLag:
+    """How late this event loop wakes a timer: one process carries only so many streams, and a
+    loop that falls behind fires its own timeouts late and measures itself, not the fleet."""
+
+    def __init__(self, every: float = 0.1) -> None:
+        self.every = every
+        self.lags: list[float] = []
+
+    async def run(self) -> None:
+        while True:
+            t = time.monotonic()
+            await asyncio.sleep(self.every)
+            self.lags.append(max(0.0, (time.monotonic() - t - self.every) * 1000))
+
+    def summary(self) -> dict[str, float]:
+        return {"p99": round(percentile(self.lags, 99) or 0.0, 1), "max": round(max(self.lags, default=0.0), 1)}
+
+
 def sample_length(mean: float, rng: random.Random, cap: int, sigma: float = 0.8) -> int:
     mu = math.log(mean) - sigma * sigma / 2  # lognormal with the given mean
     return max(1, min(cap, int(rng.lognormvariate(mu, sigma))))
@@ -127,6 +156,9 @@ class Summary:
     tbt_ms: dict[str, float | None] = field(default_factory=dict)
     retried: int = 0                     # requests that were refused at least once
     refused_by_reason: dict[str, int] = field(default_factory=dict)
+    # how late this process's own timers fired (p99, max): past a second or so the load generator,
+    # not the fleet, is what the numbers measure
+    loop_lag_ms: dict[str, float] = field(default_factory=dict)
 
 
 def summarize(results: list[Result], duration_s: float, slo_ttft_ms: float, slo_tbt_ms: float) -> Summary:
@@ -222,19 +254,25 @@ async def run(args: argparse.Namespace) -> Summary:
             find = lambda: fixed_finder(args.agent)() + pods()  # noqa: E731
         fleet = Fleet(http, args.token, find)
         await fleet.refresh()
-        plan = request_plan(args, rng)
-        base_id = rng.getrandbits(40) << 20
+        k, n = args.shard
+        plan = request_plan(args, rng)[k::n]
+        base_id = rng.getrandbits(40) << 20   # the same in every shard: ids by index in the whole plan
         start, wall0 = time.monotonic(), time.time()
         tasks = []
-        ref = asyncio.create_task(fleet.run(1.0))
+        lag = LoopLag()
+        bg = [asyncio.create_task(fleet.run(1.0)), asyncio.create_task(lag.run())]
         for i, (t, prompt, output) in enumerate(plan):
             if await _until(stop.first, start + t):
                 break
-            tasks.append(asyncio.create_task(direct_request(fleet, base_id + i, prompt, output, args.retry_window)))
+            tasks.append(asyncio.create_task(direct_request(fleet, base_id + k + i * n, prompt, output,
+                                                            args.retry_window)))
         results = await _finish(tasks, stop, args.stop_grace)
-        ref.cancel()
+        for b in bg:
+            b.cancel()
         _write_requests(args.requests_out, plan, results, wall0)
-        return summarize(results, time.monotonic() - start, args.slo_ttft_ms, args.slo_tbt_ms)
+        s = summarize(results, time.monotonic() - start, args.slo_ttft_ms, args.slo_tbt_ms)
+        s.loop_lag_ms = lag.summary()
+        return s
 
 
 async def _run_gateway(args: argparse.Namespace, http: httpx.AsyncClient, rng: random.Random,
@@ -247,16 +285,22 @@ async def _run_gateway(args: argparse.Namespace, http: httpx.AsyncClient, rng: r
         r = await http.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {args.api_key}"})
         r.raise_for_status()
         model = r.json()["data"][0]["id"]
-    plan = request_plan(args, rng)
+    k, n = args.shard
+    plan = request_plan(args, rng)[k::n]
     start, wall0 = time.monotonic(), time.time()
     tasks = []
+    lag = LoopLag()
+    bg = asyncio.create_task(lag.run())
     for t, prompt, output in plan:
         if await _until(stop.first, start + t):
             break
         tasks.append(asyncio.create_task(gateway_request(http, url, args.api_key, model, prompt, output)))
     results = await _finish(tasks, stop, args.stop_grace)
+    bg.cancel()
     _write_requests(args.requests_out, plan, results, wall0)
-    return summarize(results, time.monotonic() - start, args.slo_ttft_ms, args.slo_tbt_ms)
+    s = summarize(results, time.monotonic() - start, args.slo_ttft_ms, args.slo_tbt_ms)
+    s.loop_lag_ms = lag.summary()
+    return s
 
 
 def _write_requests(path: str | None, plan: list[tuple[float, int, int]], results, wall0: float) -> None:
@@ -354,6 +398,9 @@ def main(argv: list[str] | None = None) -> int:
                     "lengths, TTFT, TBT, result) to this file")
     ap.add_argument("--stop-grace", type=float, default=60.0, help="after SIGTERM/SIGINT, seconds the requests "
                     "in flight get to finish before they are cancelled (a second signal cancels them at once)")
+    ap.add_argument("--shard", type=parse_shard, default=(0, 1), metavar="K/N",
+                    help="send only requests K, K+N, K+2N ... of the plan (N processes share a load one "
+                    "process cannot carry; run one per K)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if not args.agent and not args.deployment and not args.gateway:
@@ -369,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
               f"SLO attainment {s.slo_attainment:.1%}")
         print(f"TTFT ms {fmt(s.ttft_ms)}")
         print(f"TBT  ms {fmt(s.tbt_ms)}")
+        print(f"load generator's loop lag ms {fmt(s.loop_lag_ms)}")
     return 0 if s.completed else 1
 
 

@@ -76,3 +76,30 @@ def test_only_refusals_before_any_token_are_retried():
     # a data-path error after admission is a failure, never hidden by a retry
     for code in ("LLM_NOT_YET_LINK", "LLM_WAIT_PROCESS_TIMEOUT", "LLM_KV_CACHE_NOT_EXIST", "ReadTimeout"):
         assert not retryable(code)
+
+
+@pytest.mark.parametrize("text, want", [("0/1", (0, 1)), ("3/4", (3, 4)), ("4/4", None), ("-1/2", None),
+                                        ("1", None), ("a/b", None)])
+def test_a_shard_is_k_of_n(text, want):
+    import argparse
+
+    from pd_agent.loadgen import parse_shard
+    if want is None:
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_shard(text)
+    else:
+        assert parse_shard(text) == want
+
+
+async def test_the_loop_lag_is_how_late_a_timer_fires():
+    import asyncio
+    import time
+
+    from pd_agent.loadgen import LoopLag
+    lag = LoopLag(every=0.01)
+    task = asyncio.create_task(lag.run())
+    await asyncio.sleep(0.05)
+    time.sleep(0.2)   # the loop held up: the next timer fires about 200 ms late
+    await asyncio.sleep(0.05)
+    task.cancel()
+    assert lag.summary()["max"] >= 150 and min(lag.lags) < 50
