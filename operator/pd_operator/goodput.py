@@ -168,11 +168,12 @@ def predict(prefills: int, decoders: int, demand: Demand, cap: Capacity, max_bat
 class Choice:
     now: Prediction                # the current split
     best: Prediction               # the split of the highest goodput
-    target: int                    # best.prefill if the move pays, else the current count
-    gain: float                    # requests the move gains over the horizon (after it is done)
+    target: int                    # the split the move that pays most goes to, else the current count
+    gain: float                    # requests that move gains over the horizon (each round's split from then on)
     cost: float                    # requests its drains lose while it is made
-    move_s: float
+    move_s: float                  # how long that move takes
     reason: str                    # Move | Relieve | NoGain | AtBest
+    whole_s: float = 0.0           # how long the whole move to `best` takes (what the horizon must cover)
 
 
 def choose(total: int, current: int, lo: int, hi: int, demand: Demand, cap: Capacity, max_batch: int,
@@ -197,7 +198,7 @@ def choose(total: int, current: int, lo: int, hi: int, demand: Demand, cap: Capa
             return Choice(now, best, best.prefill, 0.0, 0.0, move_s, "Relieve")
         return Choice(now, best, current, 0.0, 0.0, move_s, "AtBest")
     # of the moves towards the best split, the one whose gain over the horizon most exceeds its
-    # cost: the whole way if that pays most, else as far as one or more rounds make it worth it
+    # cost: the whole way if that pays most, else only as far as pays
     step = 1 if best.prefill > current else -1
     moves = [_move(x, current, now, total, demand, cap, max_batch, targets, horizon, move_s, drains,
                    max_in_flight, round_s)
@@ -205,9 +206,10 @@ def choose(total: int, current: int, lo: int, hi: int, demand: Demand, cap: Capa
     paying = [m for m in moves if m.gain > m.cost and m.best.goodput - now.goodput >= MIN_GAIN * max(now.goodput, 1e-9)]
     if not paying:
         whole = next(m for m in moves if m.best.prefill == best.prefill)
-        return Choice(now, best, current, whole.gain, whole.cost, whole.move_s, "NoGain")
+        return Choice(now, best, current, whole.gain, whole.cost, whole.move_s, "NoGain", whole.move_s)
     m = max(paying, key=lambda m: (m.gain - m.cost, -abs(m.best.prefill - best.prefill)))
-    return Choice(now, best, m.best.prefill, m.gain, m.cost, m.move_s, "Move")
+    whole_s = next(x.move_s for x in moves if x.best.prefill == best.prefill)
+    return Choice(now, best, m.best.prefill, m.gain, m.cost, m.move_s, "Move", whole_s)
 
 
 def _move(to_x: Prediction, current: int, now: Prediction, total: int, demand: Demand, cap: Capacity,

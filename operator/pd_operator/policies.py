@@ -269,8 +269,9 @@ def goodput(spec: PDDeploymentSpec, sig: Signals, current: int, total: int, limi
     targets = gp.Targets(rb.targets.ttft_p90_ms, rb.targets.tbt_p90_ms)
     c = gp.choose(total, current, lo, hi, fd, cap, m.max_batch, targets, horizon, move_s, drains=not replacing,
                   max_in_flight=limits.max_in_flight, round_s=round_s)
-    if 2 * c.move_s > horizon:
+    if 2 * max(c.move_s, c.whole_s) > horizon:
         # a move of several rounds: the split it makes is held at least as long as making it took
+        # (the whole move's, so the whole move is weighed over that horizon even if part of it pays)
         horizon = 2 * c.move_s
         c = gp.choose(total, current, lo, hi, fd, cap, m.max_batch, targets, horizon, move_s, drains=not replacing,
                       max_in_flight=limits.max_in_flight, round_s=round_s)

@@ -148,6 +148,7 @@ def test_a_move_goes_as_far_as_its_rounds_pay_within_the_horizon():
     # one engine a round, 5 s each: a second round done at the horizon's end gains nothing
     short = choose(4, 3, 1, 3, d, CAP, 4, TARGETS, 10, 5, max_in_flight=1)
     assert short.best.prefill == 1 and short.target == 2 and short.reason == "Move" and short.move_s == 5
+    assert short.whole_s == 10, "the whole move's time, which the caller's horizon must cover"
     # a longer horizon: the whole way, the first round's split serving while the second is made
     long = choose(4, 3, 1, 3, d, CAP, 4, TARGETS, 60, 5, max_in_flight=1)
     assert long.target == 1 and long.move_s == 10
