@@ -95,11 +95,11 @@ def test_load_through_the_gateway_during_switches_both_ways(cluster: Cluster, se
     with load.change("decoder -> prefill"):
         set_prefill(cluster, ns, 3)
         last = switched(cluster, ns, "prefill", None, "3/3")["status"]["lastSwitch"]
-        time.sleep(2)
+    time.sleep(2)
     with load.change("prefill -> decoder"):
         set_prefill(cluster, ns, 2)
         switched(cluster, ns, "decoder", last["at"], "4/4")
-        time.sleep(2)
+    time.sleep(2)
     s = load.stop()
     assert s["failed"] == 0, s["failed_by_reason"]
     assert s["completed"] == s["requests"], s

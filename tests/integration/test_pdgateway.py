@@ -198,11 +198,11 @@ def test_a_live_switch_through_the_shared_gateway(cluster: Cluster, shared):
     with load.change("decoder -> prefill"):
         switch_a(cluster, ns, 3)
         last = switched(cluster, ns, "prefill", None, "3/3", name="sim-a")
-        time.sleep(2)
+    time.sleep(2)
     with load.change("prefill -> decoder"):
         switch_a(cluster, ns, 2)
         switched(cluster, ns, "decoder", last["status"]["lastSwitch"]["at"], "4/4", name="sim-a")
-        time.sleep(2)
+    time.sleep(2)
     s = load.stop()
     assert s["failed"] == 0, s["failed_by_reason"]
     assert s["completed"] == s["requests"], s

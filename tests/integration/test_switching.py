@@ -93,7 +93,7 @@ def test_manual_switch_both_ways_under_load(cluster: Cluster, fleet: str, operat
         assert obj["status"]["prefill"] == 3 and obj["status"]["decoder"] == 1
         links_match_roles(cluster, ns)
         print(f"\ndecoder->prefill: {json.dumps(last)} (patch to Ready {up:.1f}s)")
-        time.sleep(3)
+    time.sleep(3)
 
     with load.change("prefill -> decoder"):
         t0 = time.monotonic()
@@ -105,7 +105,7 @@ def test_manual_switch_both_ways_under_load(cluster: Cluster, fleet: str, operat
         assert roles(cluster, ns)[pod][:3] == before[pod][:3]
         links_match_roles(cluster, ns)
         print(f"prefill->decoder: {json.dumps(back)} (patch to Ready {down:.1f}s)")
-        time.sleep(3)
+    time.sleep(3)
 
     s = load.stop()
     assert s["failed"] == 0, s["failed_by_reason"]

@@ -84,7 +84,7 @@ class Load:
 
     @contextlib.contextmanager
     def change(self, what: str):
-        """A change made under this load (with the time its new shape serves after it)."""
+        """A change made under this load, from the request for it until it is done."""
         t0 = time.time()
         yield
         self.changes[what] = (t0, time.time())
@@ -134,7 +134,7 @@ def test_scaling_and_operator_restart_under_load_fail_no_request(cluster: Cluste
             t0 = time.time()
             fn()
             steps.append(f"{what} {time.time() - t0:.1f}s")
-            time.sleep(2)   # the new shape serves traffic before the next change
+        time.sleep(2)   # the new shape serves traffic before the next change
 
     time.sleep(5)
     step("prefill 2->3", lambda: (scale(cluster, ns, "prefill", 3), settled(cluster, ns, "6/6", 5)))
