@@ -125,7 +125,9 @@ def run_trace(bench: Bench, kind: str, compress: float, only: list[str] | None, 
                  "--max-output", "4096", "--slo-ttft-ms", str(sc.SLO_TTFT_MS / compress),
                  "--slo-tbt-ms", str(sc.SLO_TBT_MS / compress), "--shard", f"{k}/{shards}",
                  "--requests-out", str(work / f"{kind}-{name}-{k}.jsonl"), "--json"],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env) for k in range(shards)]
+                # files, not pipes: nobody reads a pipe while the run goes, and a full one blocks
+                stdout=open(work / f"{kind}-{name}-{k}.out", "w+"), stderr=open(work / f"{kind}-{name}-{k}.err", "w+"),
+                text=True, cwd=REPO, env=env) for k in range(shards)]
         time.sleep(max(0.0, start - time.time()))
         cpu0 = cpu_times()
         for r in runs:
@@ -149,7 +151,9 @@ def run_trace(bench: Bench, kind: str, compress: float, only: list[str] | None, 
         for r in runs:
             parts, reqs = [], []
             for k, p in enumerate(loads[r.name]):
-                stdout, stderr = p.communicate()
+                p.wait()
+                stdout = (work / f"{kind}-{kname(r.name)}-{k}.out").read_text()
+                stderr = (work / f"{kind}-{kname(r.name)}-{k}.err").read_text()
                 if p.returncode not in (0, 1) or not stdout.strip():
                     raise SystemExit(f"load generator {k} of {r.name} failed: {stderr[-2000:]}")
                 parts.append(json.loads(stdout))

@@ -240,7 +240,8 @@ def _message(pod: str, line: bytes) -> dict:
 async def generate(fleet: Fleet, req_id: int, prompt_tokens: int, output_tokens: int, attempt: Attempt,
                    retry_window: float = 10.0) -> AsyncIterator[dict]:
     """Yield {"token": i, "ms": ...} per token, then {"done": {...}}. Raises Unavailable when
-    no pair took the request, EngineError when one failed it."""
+    no pair took the request (refusals are retried for `retry_window` seconds from the start for
+    the prefill, and from the prefill's end for the decode), EngineError when one failed it."""
     deadline = time.monotonic() + retry_window
     avoid: set[str] = set()
 

@@ -387,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slo-tbt-ms", type=float, default=80)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--retry-window", type=float, default=10.0,
-                    help="seconds a refused request (draining pod, no linked pair) keeps trying other pairs")
+                    help="seconds a refused request (draining pod, no linked pair) keeps trying other pairs: "
+                    "from its start for the prefill, and again from the prefill's end for the decode")
     ap.add_argument("--trace", default=None, help="replay a JSON-lines trace (timestamp ms, input_length, "
                     "output_length: the Mooncake format) instead of the synthetic arrivals; --duration 0 plays it all")
     ap.add_argument("--trace-speed", type=float, default=1.0, help="play the trace this many times faster")

@@ -554,7 +554,7 @@ async def test_a_hostile_prefill_answer_is_an_engine_error(reply):
 
 
 async def test_a_refused_decode_after_a_long_prefill_queue_still_gets_its_retry_window():
-    """The window counts from the refusal: a prefill that queued longer than the window is
+    """The decode's window counts from the prefill's end: a prefill that queued longer than the window is
     decoded on another linked decoder, not thrown away."""
     agents = FakeAgents()
     agents.status["10.0.0.4"] = {**DECODER, "pod": "d1", "cluster_id": 1002, "ip": "10.0.0.4"}
