@@ -272,7 +272,7 @@ def goodput(spec: PDDeploymentSpec, sig: Signals, current: int, total: int, limi
     if 2 * max(c.move_s, c.whole_s) > horizon:
         # a move of several rounds: the split it makes is held at least as long as making it took
         # (the whole move's, so the whole move is weighed over that horizon even if part of it pays)
-        horizon = 2 * c.move_s
+        horizon = 2 * max(c.move_s, c.whole_s)
         c = gp.choose(total, current, lo, hi, fd, cap, m.max_batch, targets, horizon, move_s, drains=not replacing,
                       max_in_flight=limits.max_in_flight, round_s=round_s)
     assert cap.step is not None and cap.prefill_tokens_per_s is not None
@@ -285,7 +285,8 @@ def goodput(spec: PDDeploymentSpec, sig: Signals, current: int, total: int, limi
             f"{cap.step.a:.3g}*context+{cap.step.b:.3g}*batch+{cap.step.c:.3g}", "decodeStepMsFullBatch":
             round(full_ms, 2), "predictor": g.predictor, "forecastRequestsPerS": round(fd.requests_per_s, 3),
             "forecastPromptTokens": round(fd.prompt_tokens), "forecastOutputTokens": round(fd.output_tokens),
-            "moveS": round(c.move_s, 2), "horizonS": round(horizon, 1), "goodputNow": round(c.now.goodput, 3),
+            "moveS": round(c.move_s, 2), "wholeMoveS": round(max(c.move_s, c.whole_s), 2),
+            "horizonS": round(horizon, 1), "goodputNow": round(c.now.goodput, 3),
             "bestPrefill": c.best.prefill, "goodputAtBest": round(c.best.goodput, 3), "gain": round(c.gain, 1),
             "cost": round(c.cost, 1)}
     text = (f"demand {d.requests_per_s:.2f} req/s ({d.prompt_tokens:.0f} prompt, {d.output_tokens:.0f} output "

@@ -336,6 +336,22 @@ def test_goodput_without_targets_freezes_rather_than_fails():
     assert v.target is None and v.reason == "NoTargets" and "spec.rebalance.targets" in v.message
 
 
+def test_goodput_weighs_a_move_over_a_horizon_that_covers_the_whole_move(monkeypatch):
+    """A partial move that pays (5 s) must not size the horizon: the whole move (20 s) does."""
+    real, horizons = policies.gp.choose, []
+
+    def choose(*args, **kw):
+        horizons.append(args[8])
+        c = real(*args, **kw)
+        return replace(c, move_s=5.0, whole_s=20.0)
+    monkeypatch.setattr(policies.gp, "choose", choose)
+    rs = spec("Goodput", targets={"ttftP90Ms": 3000, "tbtP90Ms": 60}, cooldownSeconds=1,
+              evaluationIntervalSeconds=5)
+    v = policies.evaluate(rs, measured(4.0, 3000, 20, 1, 5), 1, limits(rs, 0), 1000.0)
+    assert horizons[1:] == [40.0] and v.numbers["horizonS"] == 40 and v.numbers["wholeMoveS"] == 20, \
+        (horizons, v.numbers)
+
+
 def test_goodput_sizes_replace_from_the_same_model():
     rs = spec("Goodput", targets={"ttftP90Ms": 3000, "tbtP90Ms": 60}, method="Replace",
               goodput={"replaceSeconds": 90})
