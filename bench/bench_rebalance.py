@@ -91,6 +91,7 @@ def run_trace(bench: Bench, kind: str, compress: float, only: list[str] | None, 
     bench.namespace(ns)
     op, _ = bench.operator(ns, f"bench-rebalance-{kind}-operator.log")
     loads: dict[str, list[subprocess.Popen]] = {}
+    outputs: list = []   # the load generators' stdout/stderr files, closed at the end
     shards = max(1, engines // 4)   # one load generator per 4 engines: one process carries only so many streams
     samples: dict[str, list[dict]] = {}
     work = RESULTS / "work"
@@ -126,8 +127,9 @@ def run_trace(bench: Bench, kind: str, compress: float, only: list[str] | None, 
                  "--slo-tbt-ms", str(sc.SLO_TBT_MS / compress), "--shard", f"{k}/{shards}",
                  "--requests-out", str(work / f"{kind}-{name}-{k}.jsonl"), "--json"],
                 # files, not pipes: nobody reads a pipe while the run goes, and a full one blocks
-                stdout=open(work / f"{kind}-{name}-{k}.out", "w+"), stderr=open(work / f"{kind}-{name}-{k}.err", "w+"),
-                text=True, cwd=REPO, env=env) for k in range(shards)]
+                stdout=_opened(outputs, work / f"{kind}-{name}-{k}.out"),
+                stderr=_opened(outputs, work / f"{kind}-{name}-{k}.err"), text=True, cwd=REPO, env=env)
+                for k in range(shards)]
         time.sleep(max(0.0, start - time.time()))
         cpu0 = cpu_times()
         for r in runs:
@@ -166,12 +168,20 @@ def run_trace(bench: Bench, kind: str, compress: float, only: list[str] | None, 
         for p in (p for ps in loads.values() for p in ps):
             if p.poll() is None:
                 p.kill()
+        for f in outputs:
+            f.close()
         op.send_signal(signal.SIGTERM)
         try:
             op.wait(30)
         except subprocess.TimeoutExpired:
             op.kill()
         bench.core.delete_namespace(ns)
+
+
+def _opened(files: list, path: Path):
+    f = open(path, "w")
+    files.append(f)
+    return f
 
 
 def combine(parts: list[dict], reqs: list[dict], slo_ttft_ms: float, slo_tbt_ms: float) -> dict:
