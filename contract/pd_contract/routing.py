@@ -148,6 +148,16 @@ class Fleet:
             await self.refresh()
             await asyncio.sleep(interval)
 
+    def context(self) -> int | None:
+        """The longest prompt + output the engines hold: the smallest CacheDesc sequence length
+        (shape[1]) among the engines routed to, or None before any reported."""
+        seqs = []
+        for s in self.prefills + self.decoders:
+            shape = (s.get("cache_desc") or {}).get("shape")
+            if isinstance(shape, list) and len(shape) > 1 and isinstance(shape[1], int) and shape[1] > 0:
+                seqs.append(shape[1])
+        return min(seqs) if seqs else None
+
     @staticmethod
     def linked(p: dict, d: dict) -> bool:
         return any(link["cluster_id"] == p["cluster_id"] and link.get("healthy", True) for link in d["links"])
@@ -237,11 +247,28 @@ def _message(pod: str, line: bytes) -> dict:
     return msg
 
 
+def _first_token(pod: str, answer: bytes) -> int | None:
+    """The prefill's first token, if its engine computes one (the timing engine does not)."""
+    try:
+        body = json.loads(answer)
+    except (ValueError, RecursionError):
+        raise EngineError(pod, "BAD_REPLY", "the prefill's answer is not JSON") from None
+    tok = body.get("first_token") if isinstance(body, dict) else None
+    if tok is None:
+        return None
+    if not isinstance(tok, int) or isinstance(tok, bool) or not 0 <= tok < 2**32:
+        raise EngineError(pod, "BAD_REPLY", f"the prefill's first_token is not a token id: {str(tok)[:40]}")
+    return tok
+
+
 async def generate(fleet: Fleet, req_id: int, prompt_tokens: int, output_tokens: int, attempt: Attempt,
-                   retry_window: float = 10.0) -> AsyncIterator[dict]:
-    """Yield {"token": i, "ms": ...} per token, then {"done": {...}}. Raises Unavailable when
-    no pair took the request (refusals are retried for `retry_window` seconds from the start for
-    the prefill, and from the prefill's end for the decode), EngineError when one failed it."""
+                   retry_window: float = 10.0, token_ids: list[int] | None = None,
+                   sampling: dict | None = None) -> AsyncIterator[dict]:
+    """Yield {"token": i, "ms": ..., "id": token id} per token, then {"done": {...}}. Raises
+    Unavailable when no pair took the request (refusals are retried for `retry_window` seconds
+    from the start for the prefill, and from the prefill's end for the decode), EngineError when
+    one failed it. `token_ids` (the prompt) and `sampling` go to the prefill; the first token it
+    chose and `sampling` go to the decoder, which continues from the pulled KV cache."""
     deadline = time.monotonic() + retry_window
     avoid: set[str] = set()
 
@@ -266,6 +293,12 @@ async def generate(fleet: Fleet, req_id: int, prompt_tokens: int, output_tokens:
         refuse(code, pod["url"])
         await wait()
 
+    prefill_body: dict = {"req_id": req_id, "prompt_tokens": prompt_tokens}
+    if token_ids is not None:
+        prefill_body["token_ids"] = token_ids
+    if sampling is not None:
+        prefill_body["sampling"] = sampling
+    first_token = None
     while True:
         p = fleet.pick_prefill(avoid)
         if p is None:
@@ -276,11 +309,12 @@ async def generate(fleet: Fleet, req_id: int, prompt_tokens: int, output_tokens:
         t0 = time.monotonic()
         try:
             async with fleet.http.stream("POST", f"{p['url']}/v1/prefill", headers=fleet.headers,
-                                         json={"req_id": req_id, "prompt_tokens": prompt_tokens}) as r:
+                                         json=prefill_body) as r:
                 if r.status_code != 200:
                     await refused(r, p)
                     continue
-                await read_capped(r, MAX_REPLY_BYTES, "the prefill's answer")   # read, so the connection is reused
+                # read whole, so the connection is reused
+                answer = await read_capped(r, MAX_REPLY_BYTES, "the prefill's answer")
         except httpx.HTTPError as e:
             refuse(type(e).__name__, p["url"])
             await wait()
@@ -288,6 +322,7 @@ async def generate(fleet: Fleet, req_id: int, prompt_tokens: int, output_tokens:
         except BadReport as e:
             raise EngineError(p["name"], "BAD_REPLY", str(e)) from None
         attempt.prefill, attempt.prefill_ms = p["name"], (time.monotonic() - t0) * 1000
+        first_token = _first_token(p["name"], answer)
         break
     # the cache now waits on p: a refused decode gets the whole window again, however long the
     # prefill queued (a busy fleet must not throw away prefills it has computed)
@@ -296,6 +331,10 @@ async def generate(fleet: Fleet, req_id: int, prompt_tokens: int, output_tokens:
     body = {"req_id": req_id, "prompt_cluster_id": p["cluster_id"], "prompt_agent_url": p["url"],
             "prompt_tokens": prompt_tokens, "output_tokens": output_tokens, "stream": True,
             "prefill_ms": round(attempt.prefill_ms, 3)}
+    if first_token is not None:
+        body["first_token"] = first_token
+    if sampling is not None:
+        body["sampling"] = sampling
     while True:
         d = fleet.pick_decoder(p, avoid)
         if d is None:

@@ -6,10 +6,15 @@ Every error is the API's own error object, so a client always has something to r
 malformed request is a 4xx, refused before any engine works on it.
 Open endpoints: /healthz, /metrics, /stats (recent TTFT/TBT percentiles).
 
+The prompt is tokenized here (pd_contract.tokens) and sent to the prefill as token ids with
+the request's sampling (temperature, top_p, seed); the reply text is the decoder's token ids
+decoded as they arrive. `usage` counts those tokens.
+
 Bounds (env, generous defaults): requests in flight per key (429) and in total (503), the
 body's size (413) and read time (408), the time to send a request's headers (the connection
-is closed), max_tokens against the model's context (400), the gap between tokens from a decoder
-(the stream ends with an error event)."""
+is closed), the prompt and the output tokens asked for against the model's context (400
+context_length_exceeded), the gap between tokens from a decoder (the stream ends with an error
+event)."""
 from __future__ import annotations
 
 import argparse
@@ -29,6 +34,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
+from pd_contract import tokens
 from pd_contract.names import AGENT_PORT
 from pd_contract.routing import (
     TOKEN_GAP_TIMEOUT_S,
@@ -50,9 +56,13 @@ from .usage import SYNC_S, ConfigMapStore, Usage
 log = logging.getLogger("pd_gateway")
 PORT = 8000
 MAX_OUTPUT_TOKENS = 4096
-# the gateway has no tokenizer or model config: the context a request's max_tokens may not
-# exceed (the common 128k of current models) unless PD_GATEWAY_MAX_CONTEXT_TOKENS says otherwise
+# the most a request's prompt and output tokens may add up to (the common 128k of current models)
+# unless PD_GATEWAY_MAX_CONTEXT_TOKENS says otherwise: the context before the engines report
+# theirs (their KV cache's sequence length), and a ceiling on it after
 MAX_CONTEXT_TOKENS = 131072
+# a prompt longer than this (characters) is tokenized in a worker thread, so the event loop
+# goes on serving the other requests meanwhile (about 15 ms per 100 KB)
+THREAD_TOKENIZE_CHARS = 64 << 10
 # in flight: below the engine connection pool (2048), so the pods' status polls and prefills
 # always find a connection; a key gets a quarter, so one client cannot take every slot
 MAX_STREAMS = 1024
@@ -298,12 +308,19 @@ class Gateway:
         refused = p and policy.model_allowed(key, p, body.model, (route.model, *route.aliases))
         if refused:
             return None, self.refuse(api, refused)
+        context = self.context(route)
         for field, value in body.token_fields().items():
-            if value > self.cfg.max_context_tokens:
+            if value > context:   # whatever the prompt: refused before it is tokenized
                 return None, self.error(api, 400, f"{field}: {value} is more than this model's context of "
-                                                  f"{self.cfg.max_context_tokens} tokens", "invalid_request_error",
-                                        "invalid_value", param=field)
+                                                  f"{context} tokens", "invalid_request_error",
+                                        "context_length_exceeded", param=field)
         return (body, route), None
+
+    def context(self, route: Route) -> int:
+        """The most a request's prompt and output tokens may add up to on this route: what its
+        engines hold, once they reported it, never more than the configured context."""
+        engines = route.fleet.context()
+        return min(engines, self.cfg.max_context_tokens) if engines else self.cfg.max_context_tokens
 
     # ---- routes ------------------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
@@ -369,8 +386,7 @@ class Gateway:
                 self.m.requests.labels(name, endpoint, str(err.status)).inc()
                 return err
             body, route = parsed
-            return await self.serve(request, name, endpoint, body.text(), body.output_tokens(), bool(body.stream),
-                                    include_usage=body.include_usage(), route=route)
+            return await self.serve(request, name, endpoint, body, route)
         finally:
             self.streams.give(name)
 
@@ -401,20 +417,40 @@ class Gateway:
                               "internal_error")
 
     # ---- one request -----------------------------------------------------------------------------
-    async def serve(self, request: web.Request, key: str, api: str, prompt: str, max_tokens: int, stream: bool,
-                    include_usage: bool = False, route: Route | None = None) -> web.StreamResponse:
+    async def serve(self, request: web.Request, key: str, api: str, body: wire.ApiRequest,
+                    route: Route | None = None) -> web.StreamResponse:
         route = route or self.routes[0]
         model = route.model
+        stream, include_usage = bool(body.stream), body.include_usage()
         t0 = time.monotonic()
-        prompt_tokens = wire.approx_tokens(prompt)
-        seed = wire.seed(prompt)   # the prompt is digested once; each token then costs the same
-        out_tokens = min(max_tokens, self.cfg.max_output_tokens)
+        prompt = body.text()
+        if len(prompt) > THREAD_TOKENIZE_CHARS:   # the tokenizer lets go of the GIL meanwhile
+            ids = await asyncio.to_thread(tokens.encode, prompt)
+        else:
+            ids = tokens.encode(prompt)
+        if not ids:   # an empty prompt: the model starts from a document boundary
+            ids = [tokens.ENDOFTEXT]
+        prompt_tokens = len(ids)
+        # before any engine work: the prompt and the output asked for must fit the context; when
+        # the client named no number, the default output shrinks to what fits
+        context, asked = self.context(route), body.asked_tokens()
+        room = context - prompt_tokens
+        if (asked is not None and asked > room) or room < 1:
+            self.m.requests.labels(key, api, "400").inc()
+            return self.error("anthropic" if api == "anthropic" else "openai", 400,
+                              wire.context_exceeded(api, context, prompt_tokens, asked), "invalid_request_error",
+                              "context_length_exceeded", param=body.PROMPT_PARAM)
+        out_tokens = min(asked if asked is not None else min(body.default_tokens(), room), self.cfg.max_output_tokens)
+        seed: bytes | None = None   # placeholder text's: the prompt digested once, if a token comes without its id
+        detok = tokens.Detokenizer()
         rid = wire.new_id({"anthropic": "msg", "chat": "chatcmpl", "responses": "resp"}.get(api, "cmpl"))
         rs = wire.ResponsesStream(rid, model) if api == "responses" else None
         attempt = Attempt()
-        gen = generate(route.fleet, random.getrandbits(63), prompt_tokens, out_tokens, attempt)
+        gen = generate(route.fleet, random.getrandbits(63), prompt_tokens, out_tokens, attempt, token_ids=ids,
+                       sampling=body.sampling(random.getrandbits(63)))
         pieces: list[str] = []
         times: list[float] = []
+        out_ids: list[int] = []
         accounted = False
         resp: web.StreamResponse | None = None
         status = "200"
@@ -426,23 +462,38 @@ class Gateway:
                         raise EngineError(attempt.decoder, "TOO_MANY_TOKENS",
                                           f"the decoder sent more than the {out_tokens} tokens asked for")
                     times.append(time.monotonic())
-                    text = wire.piece(seed, n)
-                    if stream:
-                        if resp is None:
-                            resp = await self._open_stream(request, api, rid, prompt_tokens, model, rs)
-                        await resp.write(rs.delta(text) if rs else self._chunk(api, rid, text, model))
+                    tid = msg.get("id")
+                    if tid is None:   # an engine that only models timing: placeholder text
+                        if seed is None:
+                            seed = wire.seed(prompt)
+                        text = detok.flush() + wire.piece(seed, n)
+                    elif isinstance(tid, int) and not isinstance(tid, bool):
+                        text = detok.push(tid)
+                        out_ids.append(tid)
                     else:
-                        pieces.append(text)
+                        raise EngineError(attempt.decoder, "BAD_STREAM",
+                                          f"a token's id is not an integer: {str(tid)[:40]}")
+                    if stream and resp is None:
+                        resp = await self._open_stream(request, api, rid, prompt_tokens, model, rs)
+                    if text:   # a character split across tokens is sent once whole
+                        await self._emit(resp, pieces, api, rid, text, model, rs)
+            if text := detok.flush():
+                if stream and resp is None:
+                    resp = await self._open_stream(request, api, rid, prompt_tokens, model, rs)
+                await self._emit(resp, pieces, api, rid, text, model, rs)
             n = len(times)
             finish = "length" if n >= out_tokens else "stop"
             accounted = True
             self._account(key, api, attempt, t0, times, prompt_tokens, n, model)
             if not stream:
                 text = "".join(pieces)
-                if api == "chat":
-                    return web.json_response(wire.chat_reply(rid, model, text, prompt_tokens, n, finish))
-                if api == "completions":
-                    return web.json_response(wire.completion_reply(rid, model, text, prompt_tokens, n, finish))
+                if api in ("chat", "completions"):
+                    reply = (wire.chat_reply if api == "chat" else wire.completion_reply)(
+                        rid, model, text, prompt_tokens, n, finish)
+                    if body.return_token_ids and len(out_ids) == n:
+                        reply["prompt_token_ids"] = ids
+                        reply["choices"][0]["token_ids"] = out_ids
+                    return web.json_response(reply)
                 if api == "responses":
                     return web.json_response(wire.responses_reply(rid, model, text, prompt_tokens, n))
                 return web.json_response(wire.message_reply(rid, model, text, prompt_tokens, n,
@@ -487,6 +538,14 @@ class Gateway:
                     self.m.pod_requests.labels(pod, role, "ok" if status == "200" else "failed").inc()
             for reason, n in attempt.refusals.items():
                 self.m.retries.labels(reason).inc(n)
+
+    async def _emit(self, resp: web.StreamResponse | None, pieces: list[str], api: str, rid: str, text: str,
+                    model: str, rs: wire.ResponsesStream | None) -> None:
+        """Text for the client: a stream chunk if streaming (resp), else kept for the reply."""
+        if resp is None:
+            pieces.append(text)
+        else:
+            await resp.write(rs.delta(text) if rs else self._chunk(api, rid, text, model))
 
     @staticmethod
     async def _stream_error(resp: web.StreamResponse, api: str, status: int, message: str, code: str,
@@ -661,6 +720,7 @@ async def serve(cfg: Config, host: str, port: int) -> None:
     keys = Keys(from_secret(cfg.namespace, cfg.keys_secret) if cfg.keys_secret else from_env(),
                 min_length=cfg.min_key_length)
     await asyncio.to_thread(keys.refresh)
+    await asyncio.to_thread(tokens.encoding)   # built before the first request, not during it
     usage = Usage(ConfigMapStore(cfg.namespace, cfg.usage_configmap) if cfg.usage_configmap else None)
     gw = Gateway(cfg, keys, routes=routes, usage=usage)
     if usage.store is not None:

@@ -1,28 +1,24 @@
 """The OpenAI and Anthropic wire formats (pure): requests as the gateway reads them, replies,
 stream chunks and error objects as clients parse them.
 
-Token counts: there is no tokenizer here. One approximation is used everywhere, for `usage`
-and for the prompt length the simulated prefill is given: a token per 4 characters of text
-(at least one), the rule of thumb for English with BPE vocabularies."""
+Token counts are the tokenizer's (pd_contract.tokens) over a request's text as the chat
+template lays it out (`ApiRequest.text`: a line "role: content" per message): `usage` counts
+the prompt's tokens and the tokens the decoder produced, and the reply text is the decoder's
+tokens decoded."""
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import time
 import uuid
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-CHARS_PER_TOKEN = 4
 DEFAULT_MAX_TOKENS = 256
+DEFAULT_COMPLETION_TOKENS = 16    # the legacy completions API's default max_tokens
 WORDS = ("the", "cache", "moves", "from", "prefill", "to", "decode", "over", "a", "link", "and", "tokens",
          "follow", "at", "the", "pace", "of", "each", "step", "while", "engines", "share", "load")
-
-
-def approx_tokens(text: str) -> int:
-    return max(1, math.ceil(len(text) / CHARS_PER_TOKEN))
 
 
 def seed(prompt: str) -> bytes:
@@ -32,7 +28,9 @@ def seed(prompt: str) -> bytes:
 
 
 def piece(seed: bytes, i: int) -> str:
-    """The i-th piece of the simulated completion: deterministic for a prompt (its seed)."""
+    """Placeholder text for the i-th output token when the decoder sent no token id (an engine
+    that only models timing): a word, deterministic for a prompt (its seed). A token that
+    carries its id is decoded instead (pd_contract.tokens)."""
     h = int.from_bytes(hashlib.sha256(seed + i.to_bytes(8, "big")).digest()[:4], "big")
     word = WORDS[h % len(WORDS)]
     return word if i == 0 else " " + word
@@ -100,9 +98,16 @@ def _text(content: Any) -> str:
 
 
 class _Lenient(BaseModel):
-    # Clients send many optional fields (temperature, top_p, tools, ...): accepted and ignored.
-    # The fields read here have their JSON type checked strictly ("5" is not a number).
+    # Clients send many optional fields (tools, stop, ...): accepted and ignored. The fields
+    # read here have their JSON type checked strictly ("5" is not a number).
     model_config = ConfigDict(extra="allow")
+
+
+# sampling as the APIs take it: null is the default; top_p 0 keeps only the likeliest token
+Temperature = Annotated[StrictFloat, Field(ge=0, le=2, allow_inf_nan=False)]
+TopP = Annotated[StrictFloat, Field(ge=0, le=1, allow_inf_nan=False)]
+Seed = Annotated[StrictInt, Field(ge=-(2**63), lt=2**63)]      # OpenAI's: a signed 64-bit integer
+SEEDS = 2**63                                                    # the engines take 0..2**63-1
 
 
 class Message(_Lenient):
@@ -114,12 +119,36 @@ class ApiRequest(_Lenient):
     """What the three APIs' requests have in common, as the gateway reads them."""
     model: Text
     stream: StrictBool | None = False
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    # vLLM's extension: each choice also carries the output's token ids (non-streamed replies)
+    return_token_ids: StrictBool | None = None
+
+    # the field that holds the prompt, named in a context_length_exceeded error
+    PROMPT_PARAM: ClassVar[str] = "messages"
 
     def text(self) -> str:
         raise NotImplementedError
 
-    def output_tokens(self) -> int:
+    def asked_tokens(self) -> int | None:
+        """The output tokens the client asked for, None if it named no number."""
         raise NotImplementedError
+
+    def default_tokens(self) -> int:
+        """The output tokens when the client names no number (the API's default)."""
+        return DEFAULT_MAX_TOKENS
+
+    def sampling(self, default_seed: int) -> dict:
+        """How the engines choose tokens: the API's defaults (temperature 1, top_p 1) for what
+        is not set, and `default_seed` (0..2**63-1) unless the request has a seed, so the
+        prefill and the decoder draw alike."""
+        temperature = 1.0 if self.temperature is None else float(self.temperature)
+        top_p = 1.0 if self.top_p is None else float(self.top_p)
+        if top_p == 0:
+            temperature, top_p = 0.0, 1.0
+        seed = getattr(self, "seed", None)
+        return {"temperature": temperature, "top_p": top_p,
+                "seed": default_seed if seed is None else seed % SEEDS}
 
     def include_usage(self) -> bool:
         opts = getattr(self, "stream_options", None)
@@ -135,24 +164,31 @@ class ChatRequest(ApiRequest):
     max_tokens: StrictInt | None = Field(default=None, ge=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     stream_options: dict | None = None
+    seed: Seed | None = None
 
     def text(self) -> str:
         return "\n".join(f"{m.role}: {_text(m.content)}" for m in self.messages)
 
-    def output_tokens(self) -> int:
-        return self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_TOKENS
+    def asked_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
 
 
 class CompletionRequest(ApiRequest):
     prompt: Annotated[Any, AfterValidator(_prompt)]
-    max_tokens: StrictInt | None = Field(default=16, ge=1)
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
     stream_options: dict | None = None
+    seed: Seed | None = None
+
+    PROMPT_PARAM: ClassVar[str] = "prompt"
 
     def text(self) -> str:
         return self.prompt if isinstance(self.prompt, str) else "\n".join(self.prompt)
 
-    def output_tokens(self) -> int:
-        return self.max_tokens or 16
+    def asked_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def default_tokens(self) -> int:
+        return DEFAULT_COMPLETION_TOKENS
 
 
 class MessagesRequest(ApiRequest):
@@ -160,12 +196,13 @@ class MessagesRequest(ApiRequest):
     messages: list[Message] = Field(min_length=1)
     max_tokens: StrictInt = Field(ge=1)
     system: Content = None
+    temperature: Annotated[StrictFloat, Field(ge=0, le=1, allow_inf_nan=False)] | None = None   # Anthropic's range
 
     def text(self) -> str:
-        head = _text(self.system) if self.system else ""
-        return head + "\n".join(f"{m.role}: {_text(m.content)}" for m in self.messages)
+        head = [f"system: {_text(self.system)}"] if self.system else []
+        return "\n".join(head + [f"{m.role}: {_text(m.content)}" for m in self.messages])
 
-    def output_tokens(self) -> int:
+    def asked_tokens(self) -> int | None:
         return self.max_tokens
 
 
@@ -197,6 +234,8 @@ class ResponsesRequest(ApiRequest):
     instructions: Text | None = None
     max_output_tokens: StrictInt | None = Field(default=None, ge=1)
 
+    PROMPT_PARAM: ClassVar[str] = "input"
+
     def text(self) -> str:
         def one(it: dict) -> str:
             body = _text(it.get("content")) or _text(it.get("output")) or it.get("text", "")
@@ -204,8 +243,8 @@ class ResponsesRequest(ApiRequest):
         items = [self.input] if isinstance(self.input, str) else [one(it) for it in self.input]
         return "\n".join(([self.instructions] if self.instructions else []) + items)
 
-    def output_tokens(self) -> int:
-        return self.max_output_tokens or DEFAULT_MAX_TOKENS
+    def asked_tokens(self) -> int | None:
+        return self.max_output_tokens
 
     def token_fields(self) -> dict[str, int]:
         return {"max_output_tokens": self.max_output_tokens} if self.max_output_tokens else {}
@@ -215,6 +254,25 @@ class ResponsesRequest(ApiRequest):
 
 def openai_error(message: str, etype: str, code: str | None = None, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": etype, "param": param, "code": code}}
+
+
+def context_exceeded(api: str, context: int, prompt: int, output: int | None) -> str:
+    """Why a request does not fit the model's context, in the words of the API's own error:
+    `output` is what the client asked for, None if it named no number (then the prompt alone
+    left no room). `api`: chat, completions, responses or anthropic."""
+    if api == "anthropic":
+        if output is None or prompt > context:
+            return f"prompt is too long: {prompt} tokens > {context} maximum"
+        return (f"input length and `max_tokens` exceed context limit: {prompt} + {output} > {context}, "
+                f"decrease input length or `max_tokens` and try again")
+    what = {"completions": "prompt", "responses": "input"}.get(api, "messages")
+    part = "output" if api == "responses" else "completion"
+    head = f"This model's maximum context length is {context} tokens. "
+    if output is None:
+        room = f", which leaves no room for the {part}" if prompt == context else ""
+        return head + f"However, your {what} resulted in {prompt} tokens{room}. Please reduce the length of the {what}."
+    return head + (f"However, you requested {prompt + output} tokens ({prompt} in the {what}, {output} in the {part}). "
+                   f"Please reduce the length of the {what} or {part}.")
 
 
 ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",

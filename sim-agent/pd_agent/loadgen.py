@@ -13,8 +13,9 @@ refusals and retries are reported apart from failures: a request fails only when
 could take it, or when it failed after it was admitted.
 
 With --gateway URL --api-key KEY the requests go through pd-gateway instead, as OpenAI
-streaming chat completions; TTFT and TBT are measured client-side from the SSE chunks, and
-whatever the gateway answers is what counts (it does the retrying)."""
+streaming chat completions (greedy, temperature 0) whose prompt tokenizes to the planned
+length; TTFT and TBT are measured client-side from the SSE chunks, and whatever the gateway
+answers is what counts (it does the retrying)."""
 from __future__ import annotations
 
 import argparse
@@ -205,14 +206,27 @@ async def direct_request(fleet: Fleet, req_id: int, prompt: int, output: int, re
                   refusals=attempt.refusals)
 
 
+# the gateway's chat template lays a message out as "user: <content>": "user" and ":" are a
+# token each, and each " x" of the content is one more (pd_contract.tokens, cl100k_base)
+CHAT_TEMPLATE_TOKENS = 2
+
+
+def gateway_content(prompt: int) -> str:
+    """A user message whose chat text is `prompt` tokens (at least 3) under the gateway's tokenizer."""
+    return "x" + " x" * (max(1, prompt - CHAT_TEMPLATE_TOKENS) - 1)
+
+
 async def gateway_request(http: httpx.AsyncClient, url: str, key: str, model: str, prompt: int,
                           output: int) -> Result:
-    """One streamed chat completion through the gateway; a prompt of about `prompt` tokens
-    (4 characters each, the gateway's approximation)."""
-    body = {"model": model, "stream": True, "max_tokens": output,
-            "messages": [{"role": "user", "content": "x" * max(1, prompt * 4 - 10)}]}
+    """One streamed chat completion through the gateway, of `prompt` tokens (as the gateway
+    counts them) and greedy; the output counts as the usage chunk says (a chunk carries the
+    text its token completed, so a character split across tokens arrives in fewer chunks)."""
+    body = {"model": model, "stream": True, "max_tokens": output, "temperature": 0,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": gateway_content(prompt)}]}
     t0 = time.monotonic()
     times: list[float] = []
+    produced: int | None = None
     try:
         async with http.stream("POST", f"{url}/v1/chat/completions", json=body,
                                headers={"Authorization": f"Bearer {key}"}) as r:
@@ -231,9 +245,11 @@ async def gateway_request(http: httpx.AsyncClient, url: str, key: str, model: st
                     return Result(ok=False, reason=msg["error"].get("code") or "stream_error")
                 if msg.get("choices") and msg["choices"][0]["delta"].get("content"):
                     times.append(time.monotonic())
+                if isinstance(msg.get("usage"), dict):
+                    produced = msg["usage"].get("completion_tokens")
     except httpx.HTTPError as e:
         return Result(ok=False, reason=type(e).__name__)
-    if len(times) < output:
+    if not times or (produced if isinstance(produced, int) else len(times)) < output:
         return Result(ok=False, reason="ShortStream")
     gaps = [(b - a) * 1000 for a, b in zip(times, times[1:])]
     return Result(ok=True, ttft_ms=(times[0] - t0) * 1000, tbt_ms=sum(gaps) / len(gaps) if gaps else 0.0)

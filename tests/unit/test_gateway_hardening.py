@@ -2,7 +2,9 @@
 behind an httpx MockTransport (they count the work they are given), the gateway serves on a
 loopback port. Every malformed request is a 4xx in its API's error shape with no engine work;
 a pod's bad status report skips that pod only; the gateway's work per token does not grow
-with the prompt; requests in flight, bodies, headers and key reloads are bounded."""
+with the prompt; requests in flight, bodies, headers and key reloads are bounded.
+test_gateway_tokens uses these fakes for the tokenizer's part: the prompt's ids, the reply's
+text, the context."""
 from __future__ import annotations
 
 import asyncio
@@ -15,7 +17,7 @@ import httpx
 import pytest
 from aiohttp import web
 
-from pd_contract import routing
+from pd_contract import routing, tokens
 from pd_contract.routing import Attempt, EngineError, Fleet, fixed_finder, generate
 from pd_gateway import wire
 from pd_gateway.keys import Keys
@@ -32,16 +34,21 @@ PREFILL = {"pod": "p0", "role": "prompt", "cluster_id": 1, "boot_id": "b1", "bac
            "ip": P_HOST, "port": 26000, "model_id": 0, "draining": False, "load": LOAD, "links": []}
 DECODER = {**PREFILL, "pod": "d0", "role": "decoder", "cluster_id": 1001, "boot_id": "b2", "ip": D_HOST,
            "links": [{"name": "p0", "cluster_id": 1, "code": "LLM_SUCCESS"}]}
+REPLY = " the cache moves from prefill to decode over a link"
 
 
 class FakeAgents:
     """Agents as an httpx transport: /v1/status answers each host's report (a dict, raw bytes
     or a whole response), /v1/prefill accepts, /v1/decode streams the tokens asked for (or
-    `lines`), after `hold` is set if there is one."""
+    `lines`), after `hold` is set if there is one. Token i carries the id reply_ids[i] (cycled),
+    or no id if reply_ids is None (an engine that only models timing). The prefill and decode
+    bodies are kept."""
 
     def __init__(self) -> None:
         self.status: dict[str, object] = {P_HOST: PREFILL, D_HOST: DECODER}
         self.calls: collections.Counter[str] = collections.Counter()
+        self.bodies: dict[str, list[dict]] = collections.defaultdict(list)
+        self.reply_ids: list[int] | None = tokens.encode(REPLY)
         self.hold: asyncio.Event | None = None
         self.lines: list[bytes] | None = None
         self.prefill_reply: httpx.Response | None = None
@@ -57,6 +64,7 @@ class FakeAgents:
                 return st
             return httpx.Response(200, content=st if isinstance(st, bytes) else json.dumps(st).encode())
         body = json.loads(request.content)
+        self.bodies[path].append(body)
         if path == "/v1/prefill":
             await asyncio.sleep(self.prefill_delay)
             return self.prefill_reply or httpx.Response(200, json={
@@ -72,8 +80,10 @@ class FakeAgents:
                 for line in self.lines:
                     yield line
                 return
+            ids = self.reply_ids
             for i in range(body["output_tokens"]):
-                yield json.dumps({"token": i, "ms": i}).encode() + b"\n"
+                msg = {"token": i, "ms": i} if ids is None else {"token": i, "ms": i, "id": ids[i % len(ids)]}
+                yield json.dumps(msg).encode() + b"\n"
             yield json.dumps({"done": {"tokens": body["output_tokens"]}}).encode() + b"\n"
         return httpx.Response(200, content=stream())
 
@@ -112,6 +122,7 @@ async def serve():
         cfg = {"max_context_tokens": CONTEXT, "max_body_bytes": BODY_LIMIT, **cfg}
         keys = Keys(lambda: {"team-a": KEY, "team-b": OTHER}) if keys is None else keys
         keys.refresh()
+        tokens.encoding()   # as the gateway's start does: built before the first request
         gw = Gateway(Config(model=MODEL, namespace="t", **cfg), keys, fleet)
         await fleet.refresh()
         runner = gw.runner()
@@ -148,6 +159,7 @@ CHAT, COMPLETIONS, MESSAGES = "/v1/chat/completions", "/v1/completions", "/v1/me
 GOOD = {CHAT: {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
         COMPLETIONS: {"model": MODEL, "prompt": "hi", "max_tokens": 4},
         MESSAGES: {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}}
+GOOD_TEXT = {CHAT: "user: hi", COMPLETIONS: "hi", MESSAGES: "user: hi"}   # as the chat template lays it out
 DEEP = b"[" * 20_000 + b"]" * 20_000   # far past the recursion limit, within the body limit
 
 
@@ -201,6 +213,16 @@ MALFORMED = [
     ("stream a string", CHAT, with_(CHAT, stream="yes"), None, 400),
     ("stream a number", CHAT, with_(CHAT, stream=1), None, 400),
     ("stream_options a string", CHAT, with_(CHAT, stream_options="usage"), None, 400),
+    ("temperature a string", CHAT, with_(CHAT, temperature="0.5"), None, 400),
+    ("temperature a boolean", CHAT, with_(CHAT, temperature=True), None, 400),
+    ("temperature past 2", CHAT, with_(CHAT, temperature=2.5), None, 400),
+    ("temperature negative", CHAT, with_(CHAT, temperature=-0.1), None, 400),
+    ("temperature NaN", CHAT, with_(CHAT).replace(b'"max_tokens": 4', b'"temperature": NaN'), None, 400),
+    ("top_p a string", CHAT, with_(CHAT, top_p="0.9"), None, 400),
+    ("top_p past 1", CHAT, with_(CHAT, top_p=1.5), None, 400),
+    ("seed a float", CHAT, with_(CHAT, seed=1.5), None, 400),
+    ("seed a string", CHAT, with_(CHAT, seed="7"), None, 400),
+    ("seed past 64 bits", CHAT, with_(CHAT, seed=2**63), None, 400),
     ("a Bearer key that is not UTF-8", CHAT, with_(CHAT), b"\xff\xfe\xfd-not-utf8-key", 401),
     ("a Bearer key that is not ASCII", CHAT, with_(CHAT), "ключ-ключ-ключ-ключ".encode(), 401),
     ("the wrong method", CHAT, None, None, 405),
@@ -209,11 +231,15 @@ MALFORMED = [
     ("prompt with a lone surrogate", COMPLETIONS, with_(COMPLETIONS, prompt=["ok", "\udc80"]), None, 400),
     ("completions max_tokens a string", COMPLETIONS, with_(COMPLETIONS, max_tokens="x"), None, 400),
     ("completions max_tokens past the context", COMPLETIONS, with_(COMPLETIONS, max_tokens=CONTEXT + 1), None, 400),
+    ("completions temperature an object", COMPLETIONS, with_(COMPLETIONS, temperature={"v": 1}), None, 400),
+    ("completions seed a boolean", COMPLETIONS, with_(COMPLETIONS, seed=True), None, 400),
     ("completions nested too deeply", COMPLETIONS, DEEP, None, 400),
     ("anthropic max_tokens missing", MESSAGES, with_(MESSAGES, drop=("max_tokens",)), None, 400),
     ("anthropic max_tokens a string", MESSAGES, with_(MESSAGES, max_tokens="10"), None, 400),
     ("anthropic max_tokens past the context", MESSAGES, with_(MESSAGES, max_tokens=CONTEXT + 1), None, 400),
     ("anthropic system a number", MESSAGES, with_(MESSAGES, system=5), None, 400),
+    ("anthropic temperature past 1", MESSAGES, with_(MESSAGES, temperature=1.5), None, 400),
+    ("anthropic top_p a string", MESSAGES, with_(MESSAGES, top_p="high"), None, 400),
     ("anthropic system text a number", MESSAGES, with_(MESSAGES, system=[{"type": "text", "text": 5}]), None, 400),
     ("anthropic a null content part", MESSAGES, with_(MESSAGES, messages=msgs([None])), None, 400),
     ("anthropic a lone surrogate", MESSAGES, with_(MESSAGES, messages=msgs([{"type": "text", "text": "\ud800"}])),
@@ -259,8 +285,25 @@ async def test_output_tokens_past_the_context_name_the_field(serve, path, field)
     assert field in err["message"] and str(CONTEXT) in err["message"]
     if api == "openai":
         assert err["param"] == field
-    ok = await s.post(path, with_(path, **{field: CONTEXT}), api=api)
+    room = CONTEXT - tokens.count(GOOD_TEXT[path])
+    ok = await s.post(path, with_(path, **{field: room}), api=api)
     assert ok.status_code == 200, ok.text
+    assert s.agents.bodies["/v1/decode"][-1]["output_tokens"] == room
+
+
+@pytest.mark.parametrize("path,param,value", [(CHAT, "temperature", "hot"), (CHAT, "top_p", 2),
+                                              (CHAT, "seed", 0.5), (COMPLETIONS, "seed", -(2**63) - 1),
+                                              (MESSAGES, "temperature", 1.01)])
+async def test_a_bad_sampling_parameter_is_a_400_naming_it(serve, path, param, value):
+    s = await serve()
+    api = "anthropic" if path == MESSAGES else "openai"
+    r = await s.post(path, with_(path, **{param: value}), api=api)
+    assert r.status_code == 400
+    if api == "openai":
+        assert openai_shaped(r)["param"] == param
+    else:
+        assert param in anthropic_shaped(r)["message"]
+    assert s.agents.engine_calls == 0
 
 
 async def test_well_formed_variants_are_served(serve):
@@ -281,9 +324,9 @@ async def test_well_formed_variants_are_served(serve):
 async def test_an_unexpected_error_is_a_500_in_the_api_shape_and_logged(serve, monkeypatch, caplog):
     s = await serve()
 
-    def broken(text: str) -> int:
+    def broken(text: str) -> list[int]:
         raise RuntimeError("boom")
-    monkeypatch.setattr(wire, "approx_tokens", broken)
+    monkeypatch.setattr(tokens, "encode", broken)
     with caplog.at_level(logging.ERROR, logger="pd_gateway"):
         r = await s.post(CHAT, with_(CHAT))
         assert r.status_code == 500 and openai_shaped(r)["code"] == "internal_error"
@@ -293,15 +336,27 @@ async def test_an_unexpected_error_is_a_500_in_the_api_shape_and_logged(serve, m
     assert len(logged) == 2 and CHAT in logged[0].getMessage()
 
 
-async def test_an_unexpected_error_mid_stream_ends_the_stream_with_an_error_event(serve, monkeypatch, caplog):
-    s = await serve()
-    real = wire.piece
+@pytest.mark.parametrize("with_ids", [True, False], ids=["token ids", "timing only"])
+async def test_an_unexpected_error_mid_stream_ends_the_stream_with_an_error_event(serve, monkeypatch, caplog,
+                                                                                  with_ids):
+    agents = FakeAgents()
+    if not with_ids:
+        agents.reply_ids = None
+    s = await serve(agents)
+    real_piece, real_push, pushed = wire.piece, tokens.Detokenizer.push, []
 
     def piece(seed: bytes, i: int) -> str:
         if i == 2:
             raise RuntimeError("boom")
-        return real(seed, i)
+        return real_piece(seed, i)
+
+    def push(self, token_id: int) -> str:
+        pushed.append(token_id)
+        if len(pushed) == 3:
+            raise RuntimeError("boom")
+        return real_push(self, token_id)
     monkeypatch.setattr(wire, "piece", piece)
+    monkeypatch.setattr(tokens.Detokenizer, "push", push)
     with caplog.at_level(logging.ERROR, logger="pd_gateway"):
         r = await s.post(CHAT, with_(CHAT, stream=True, max_tokens=5))
     events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
@@ -329,7 +384,10 @@ class _Counted:
 
 
 async def test_per_token_work_does_not_depend_on_the_prompt_length(serve, monkeypatch):
-    s = await serve(max_body_bytes=4 << 20)
+    """The placeholder text of an engine that sends no token ids: seeded by the prompt, digested once."""
+    agents = FakeAgents()
+    agents.reply_ids = None
+    s = await serve(agents, max_body_bytes=4 << 20, max_context_tokens=1 << 20)
     seen: list[int] = []
     real = hashlib.sha256
 

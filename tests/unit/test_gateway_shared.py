@@ -10,6 +10,7 @@ import json
 import pytest
 from aiohttp import web
 
+from pd_contract import tokens
 from pd_gateway import policy
 from pd_gateway.keys import Keys
 from pd_gateway.server import Config, Gateway, Route
@@ -72,6 +73,9 @@ def chat(model: str, n: int = 4) -> dict:
     return {"model": model, "max_tokens": n, "messages": [{"role": "user", "content": "x" * 40}]}
 
 
+P = tokens.count("user: " + "x" * 40)   # chat()'s prompt tokens (9)
+
+
 async def test_requests_route_by_model_and_alias(shared):
     s = await shared()
     for model, agents in (("llama-8b", s.agents), ("llama", s.agents), ("qwen-7b", s.second)):
@@ -108,7 +112,7 @@ async def test_a_key_scoped_to_one_model_gets_403_on_another(shared):
 
 @pytest.mark.parametrize("limits, first_n, status, says", [
     ({"requestsPerMinute": 2}, 2, 429, "requestsPerMinute 2"),
-    # each request: 12 prompt tokens + 4 output tokens; the third one starts at 32 >= 25
+    # each request: P (9) prompt tokens + 4 output tokens; the third one starts at 26 >= 25
     ({"tokensPerDay": 25}, 2, 429, "tokensPerDay 25"),
 ])
 async def test_quotas_refuse_with_the_limit_and_retry_after(shared, limits, first_n, status, says):
@@ -148,10 +152,10 @@ async def test_usage_own_for_a_key_everyone_for_an_admin(shared):
     assert (await s.post("/v1/chat/completions", chat("qwen-7b", 2), key=OTHER)).status_code == 200
     own = (await s.http.get("/v1/usage", headers={"Authorization": f"Bearer {KEY}"})).json()
     assert own["usage"] == {"team-a": {"2026-12-03": {
-        "llama-8b": {"requests": 2, "input": 24, "output": 8}, "qwen-7b": {"requests": 1, "input": 12, "output": 4}}}}
+        "llama-8b": {"requests": 2, "input": 2 * P, "output": 8}, "qwen-7b": {"requests": 1, "input": P, "output": 4}}}}
     everyone = (await s.http.get("/v1/usage", headers={"Authorization": f"Bearer {ADMIN}"})).json()
     assert set(everyone["usage"]) == {"team-a", "team-b"} and everyone["admin"] is True
-    assert everyone["usage"]["team-b"]["2026-12-03"]["qwen-7b"] == {"requests": 1, "input": 12, "output": 2}
+    assert everyone["usage"]["team-b"]["2026-12-03"]["qwen-7b"] == {"requests": 1, "input": P, "output": 2}
 
 
 # ---- the shared document ----------------------------------------------------------------------
@@ -274,7 +278,7 @@ async def test_quotas_count_completions_only_and_a_cut_stream_counts_its_tokens(
             if '"content":"' in line and '"content":""' not in line:
                 break   # the client leaves after its first token
     await asyncio.sleep(0.2)
-    assert s.gw.usage.tokens_today("team-a", NOW) >= 12 + 1
+    assert s.gw.usage.tokens_today("team-a", NOW) >= P + 1
     r = await s.http.get("/v1/usage", headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 200 and r.json()["usage"]["team-a"]["2026-12-03"]["llama-8b"]["requests"] == 1
 
