@@ -34,5 +34,26 @@ step "10 s of simulated chat traffic through the linked pairs"
 token=$("$kubectl" -n pd-demo get secret sim-small-agent-data-token -o jsonpath='{.data.token}' | base64 -d)
 "$PY" -m pd_agent.loadgen --kubeconfig "$KUBECONFIG" --namespace pd-demo --deployment sim-small \
   --token "$token" --rate 8 --duration 10 --max-prompt 1024 --max-output 32
+
+step "real text: examples/sim-chat.yaml (the reference engine behind pd-gateway, TP 2)"
+"$kubectl" -n pd-demo create secret generic sim-chat-keys --from-literal=demo=sk-pd-demo-key-0001 \
+  --dry-run=client -o yaml | "$kubectl" apply -f - >/dev/null
+"$kubectl" -n pd-demo label secret sim-chat-keys pdoperator.io/keys=true --overwrite >/dev/null
+"$kubectl" -n pd-demo apply -f examples/sim-chat.yaml
+"$kubectl" -n pd-demo wait pdd/sim-chat --for=jsonpath='{.status.phase}'=Ready --timeout=240s
+"$kubectl" -n pd-demo wait pod -l pdoperator.io/gateway=sim-chat --for=condition=Ready --timeout=120s
+gw=$("$kubectl" -n pd-demo get pod -l pdoperator.io/gateway=sim-chat -o jsonpath='{.items[0].status.podIP}')
+question="What does a decoder pull from a prefill engine?"
+echo "Q: $question"
+for _ in $(seq 30); do   # the gateway routes once it has seen a linked pair
+  answer=$(curl -s --noproxy '*' "http://$gw:8000/v1/chat/completions" -H "Authorization: Bearer sk-pd-demo-key-0001" \
+    -H "Content-Type: application/json" \
+    -d "{\"model\": \"tiny-chat\", \"max_tokens\": 24, \"temperature\": 0, \"messages\": [{\"role\": \"user\", \"content\": \"$question\"}]}")
+  echo "$answer" | grep -q '"choices"' && break
+  sleep 1
+done
+"$PY" -c 'import json, sys; r = json.loads(sys.argv[1]); print("A:", repr(r["choices"][0]["message"]["content"])); print("  usage:", r["usage"])' "$answer"
+echo "(a small transformer with seeded weights: its text is not meant to be good; the tokens, the KV each"
+echo " rank computed and the pulls are real, and P-D output equals one engine's token for token)"
 echo
 echo "Done. Try: KUBECONFIG=$KUBECONFIG $kubectl -n pd-demo get pdd -w"

@@ -2,7 +2,7 @@
 operator's client and kubectl pdd."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -69,6 +69,7 @@ class VerifyRequest(_Body):
 
 class RankVerify(_Reply):
     rank: int
+    peer_rank: int | None = None   # the prefill rank it pulled from (rank_map)
     ok: bool
     code: str
     message: str = ""
@@ -89,6 +90,8 @@ class VerifyResult(_Reply):
 
 class ProbeRequest(_Body):
     req_id: int = Field(ge=0, lt=2**64)
+    content: bool = Field(default=False, description="the reference engine: prefill the fixed probe prompt (real "
+                          "KV) instead of random bytes, so the decoder can check what it pulls against the model")
 
 
 class ProbeResponse(_Reply):
@@ -99,6 +102,8 @@ class ProbeResponse(_Reply):
     bytes: int
     paged: bool = False
     block: int | None = None
+    content: bool = False      # the reference engine's probe prompt (real KV), not random bytes
+    seq: int | None = None     # content probes: the probe prompt's length
 
 
 class DrainRequest(_Body):
@@ -112,9 +117,27 @@ class DrainResult(_Reply):
     drained: bool
 
 
+MAX_PROMPT_IDS = 1 << 20
+TokenId = Annotated[int, Field(ge=0, lt=2**32)]
+
+
+class Sampling(_Body):
+    """How the next token is chosen. temperature 0 is greedy; otherwise the token at output
+    position i is drawn with a generator seeded by (seed, i), so the prefill (which samples the
+    first token) and the decoder (the rest) draw the same way a single engine would."""
+    temperature: float = Field(default=0.0, ge=0, le=2)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    seed: int = Field(default=0, ge=0, lt=2**63)
+
+
 class PrefillRequest(_Body):
     req_id: int = Field(ge=0, lt=2**64)
     prompt_tokens: int = Field(gt=0)
+    token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_PROMPT_IDS,
+                                            description="the prompt, tokenized (len == prompt_tokens); without "
+                                            "it an engine that computes (the reference engine) prefills "
+                                            "prompt_tokens copies of token 0")
+    sampling: Sampling | None = None
     admitted: bool = Field(default=False, description="set by a multi-rank pod's agent for its ranks: the "
                            "instance took the request on, so a rank finishes its part even while draining")
 
@@ -125,6 +148,7 @@ class PrefillResponse(_Reply):
     model_id: int
     queue_ms: float
     prefill_ms: float
+    first_token: int | None = None   # an engine that computes: the token the prompt's last position chose
 
 
 class DecodeRequest(_Body):
@@ -134,6 +158,9 @@ class DecodeRequest(_Body):
                                          "decoder does not know the prefill's agent from its link")
     prompt_tokens: int = Field(gt=0)
     output_tokens: int = Field(gt=0)
+    first_token: TokenId | None = Field(default=None, description="the prefill's first token (PrefillResponse): "
+                                        "the decoder emits it first and continues from it")
+    sampling: Sampling | None = None
     stream: bool = Field(default=False, description="NDJSON, a line per token as it is produced")
     prefill_ms: float | None = Field(default=None, ge=0, description="the prefill's queue and compute time, "
                                      "so the decoder records the request's whole TTFT")
@@ -160,6 +187,7 @@ class PullResponse(_Reply):
 
 class DecodeResponse(_Reply):
     tokens: int
+    token_ids: list[int] | None = None   # an engine that computes: the output, in order
     pull_ms: float
     first_token_ms: float
     tbt_ms_mean: float
@@ -184,6 +212,9 @@ class FaultsRequest(_Body):
     refuse_switch: bool | None = Field(default=None, description="switch_role is refused (LLM_FEATURE_NOT_ENABLED)")
     switch_crash_after_ranks: int | None = Field(default=None, ge=0, description="a multi-rank pod's agent: switch "
                                                  "ranks one by one and crash after this many switched")
+    kv_fault: Literal["", "corrupt", "truncate", "swap"] | None = Field(
+        default=None, description="the prompt side serves pulls wrong: corrupt (bytes flipped), truncate (the "
+        "second half never sent), swap (the tensors in the wrong order); \"\" clears it")
     crash: bool = False
 
 
@@ -282,6 +313,7 @@ class AgentStatus(_Reply):
     proxy_env: dict[str, str] = {}
     memory_scale: int = 1
     cache_desc: dict = {}
+    engine: str = "timing"           # what serves requests: "timing" (the timing model) or "reference"
     last_error: str = ""
     tensor_parallel: int = 1
     ranks: list[RankInfo] = []       # multi-rank pods: every rank, registered or not

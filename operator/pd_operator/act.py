@@ -119,7 +119,8 @@ async def verify(body: dict, agents: AgentClient, events: Events, mem: Memory,
         before = mem.verify.get(r["decoder"])
         mem.verify[r["decoder"]] = r
         if not r["ok"] and (before is None or before.get("ok")):
-            await events.post(body, "Warning", "KVPathVerifyFailed",
+            reason = "KVContentMismatch" if r["code"] == "KV_CONTENT_MISMATCH" else "KVPathVerifyFailed"
+            await events.post(body, "Warning", reason,
                               f"{r['decoder']} <- {r['prefill']}: {r['code']} {r.get('message', '')}")
     if first_time and results and all(r["ok"] for r in results):
         await events.post(body, "Normal", "KVPathVerified", "; ".join(

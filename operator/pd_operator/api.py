@@ -288,6 +288,19 @@ class Sim(Model):
     engine_start_seconds: float = Field(default=0, ge=0, le=3600,
                                         description="delay before the engine initialises, like loading weights")
     faults: SimFaults | None = None
+    engine: Literal["timing", "reference"] = Field(
+        default="timing", description="what serves requests: timing (the Ascend timing model; tokens are "
+        "placeholders) or reference (a small real transformer on CPU with seeded weights: real token ids in and "
+        "out, real KV sharded by rank; for profiles of at most 16 layers and width 1024)")
+    seed: int = Field(default=0, ge=0, le=(1 << 31) - 1, description="reference engine: the weights' seed")
+
+
+# what the reference engine computes on a CPU (pd_agent.refmodel.Profile.check says the same)
+REFERENCE_MAX_LAYERS = 16
+REFERENCE_MAX_WIDTH = 1024
+REFERENCE_MAX_SEQ = 8192
+_REF = "has(self.sim) && has(self.sim.engine) && self.sim.engine == 'reference'"
+_KV = "self.model.kvCache"
 
 
 # each group's TP and cluster id base, as CEL (the defaults of Group.tensorParallel and clusterIdBase)
@@ -333,6 +346,26 @@ class PDDeploymentSpec(Model):
          "spec.model.kvCache.numKvHeads, or be a multiple of it (GQA heads are split across ranks)", ".prefill"),
         ("!has(self.sim) || self.backend == 'sim'",
          "spec.sim applies only to backend sim", ".sim"),
+        ("!(" + _REF + ") || " + _KV + ".numLayers <= " + str(REFERENCE_MAX_LAYERS),
+         f"spec.model.kvCache.numLayers must be at most {REFERENCE_MAX_LAYERS} with spec.sim.engine reference "
+         "(a CPU model; use engine timing to model a large one)", ".sim"),
+        ("!(" + _REF + ") || " + _KV + ".maxSeqLen <= " + str(REFERENCE_MAX_SEQ),
+         f"spec.model.kvCache.maxSeqLen must be at most {REFERENCE_MAX_SEQ} with spec.sim.engine reference", ".sim"),
+        ("!(" + _REF + ") || !has(" + _KV + ".dtype) || " + _KV + ".dtype != 'int8'",
+         "spec.model.kvCache.dtype int8 is not computed by spec.sim.engine reference (float16, bfloat16, float32)",
+         ".sim"),
+        ("!(" + _REF + ") || " + _KV + ".attention != 'GQA' || 2 * " + _KV + ".numKvHeads * "
+         + _KV + ".headDim <= " + str(REFERENCE_MAX_WIDTH),
+         f"spec.model.kvCache: 2 x numKvHeads x headDim (the reference model's width) must be at most "
+         f"{REFERENCE_MAX_WIDTH} with spec.sim.engine reference", ".sim"),
+        ("!(" + _REF + ") || " + _KV + ".attention != 'MLA' || (" + _KV + ".latentDim <= "
+         + str(REFERENCE_MAX_WIDTH) + " && 8 * " + _KV + ".headDim <= " + str(REFERENCE_MAX_WIDTH) + ")",
+         f"spec.model.kvCache.latentDim and 8 x headDim must be at most {REFERENCE_MAX_WIDTH} with "
+         "spec.sim.engine reference", ".sim"),
+        ("!(" + _REF + ") || " + _KV + ".attention != 'GQA' || [" + _P_TP + ", " + _D_TP + "].all(t, "
+         + _KV + ".numKvHeads % t == 0)",
+         "spec.prefill.tensorParallel and spec.decoder.tensorParallel must divide spec.model.kvCache.numKvHeads "
+         "with spec.sim.engine reference (each rank holds its own heads' KV)", ".sim"),
     ))
     backend: Literal["sim", "llm-datadist"] = "sim"
     image: str = Field(min_length=1, max_length=1024, pattern=r"^\S+$")

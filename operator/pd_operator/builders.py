@@ -161,7 +161,9 @@ def _env(name: str, spec: PDDeploymentSpec, group: str, resource: str = NPU_RESO
     switching = spec.rebalance is not None and spec.rebalance.method == "Switch"
     env.append({"name": "PD_ENABLE_SWITCH_ROLE", "value": "1" if switching else "0"})
     if spec.backend == "sim":
-        scale = derive(spec.kv_cache_for("prefill")).sim_memory_scale()
+        reference = spec.sim is not None and spec.sim.engine == "reference"
+        # the reference engine's caches hold its real KV: never scaled down
+        scale = 1 if reference else derive(spec.kv_cache_for("prefill")).sim_memory_scale()
         env.append({"name": "PD_SIM_MEMORY_SCALE", "value": str(scale)})
         env += sim_env(spec)
     g = spec.prefill if group == "prefill" else spec.decoder
@@ -176,11 +178,28 @@ def sim_env(spec: PDDeploymentSpec) -> list[dict]:
     sim = spec.sim
     values: dict[str, object] = {"PD_SIM_TIME_SCALE": sim.time_scale,
                                  "PD_SIM_ENGINE_START_S": sim.engine_start_seconds}
+    if sim.engine == "reference":
+        values["PD_SIM_ENGINE"] = "reference"
+        values["PD_REFERENCE_MODEL"] = json.dumps(reference_profile(spec), sort_keys=True)
+        # small matrices: one BLAS thread per rank process, so ranks do not fight over the cores
+        values["OPENBLAS_NUM_THREADS"] = 1
     for k, v in (sim.timing.model_dump(exclude_none=True) if sim.timing else {}).items():
         values[f"PD_SIM_{k.upper()}"] = v
     for k, v in (sim.faults.model_dump() if sim.faults else {}).items():
         values[f"PD_SIM_FAULT_{k.upper()}"] = int(v) if isinstance(v, bool) else v
     return [{"name": k, "value": str(v)} for k, v in values.items()]
+
+
+def reference_profile(spec: PDDeploymentSpec) -> dict:
+    """What the reference engine builds its model from (pd_agent.refmodel.Profile): the model
+    profile, whole (every rank computes the whole model and keeps its own heads' shard)."""
+    kv = spec.model.kv_cache
+    out: dict[str, object] = {"attention": kv.attention, "numLayers": kv.num_layers, "numKvHeads": kv.num_kv_heads,
+                              "headDim": kv.head_dim, "dtype": kv.dtype, "maxSeqLen": kv.max_seq_len,
+                              "seed": spec.sim.seed if spec.sim else 0}
+    if kv.latent_dim is not None:
+        out["latentDim"] = kv.latent_dim
+    return out
 
 
 def termination_grace_seconds(spec: PDDeploymentSpec) -> int:

@@ -33,11 +33,12 @@ def set_condition(conditions: list[dict] | None, ctype: str, status: bool | str,
     return sorted(out, key=lambda c: order.get(c["type"], len(order)))
 
 
-ORDER = ("Ready", "PodsReady", "AgentsReady", "LinksReady", "KVPathVerified", "ProxyEnvironment", "Rebalancing")
+ORDER = ("Ready", "PodsReady", "AgentsReady", "LinksReady", "KVPathVerified", "KVContentMismatch", "ProxyEnvironment",
+         "Rebalancing")
 # Ready summarises these, all of positive polarity (good when True), in this order.
 SUMMARISED = ("PodsReady", "AgentsReady", "LinksReady", "KVPathVerified")
 # Negative polarity: the condition is bad when True (a warning, not summarised into Ready).
-NEGATIVE = frozenset({"ProxyEnvironment"})
+NEGATIVE = frozenset({"ProxyEnvironment", "KVContentMismatch"})
 # Informational: neither good nor bad (True while a switch runs; otherwise why none runs).
 INFORMATIONAL = frozenset({"Rebalancing"})
 

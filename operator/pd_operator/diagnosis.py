@@ -48,6 +48,12 @@ def verify_failure(code: str, decoder: str, prefill: str, message: str, model_id
         return Diagnosis("NotLinked", f"{pair}: no usable link for the probe. {message}")
     if code == "PEER_AGENT_UNREACHABLE":
         return Diagnosis("AgentUnreachable", f"{pair}: {message}")
+    if code == "KV_CONTENT_MISMATCH":
+        return Diagnosis("KVContentMismatch",
+                         f"{pair}: the content probe's KV crossed the link wrong; {message}. The link reports "
+                         f"success, so look at the prefill's engine and memory, not the network")
+    if code == "ENGINE_MISMATCH":
+        return Diagnosis("EngineMismatch", f"{pair}: {message}")
     if code == "DATA_MISMATCH":
         return Diagnosis("DataMismatch", f"{pair}: pulled bytes differ from the prefill's probe")
     return Diagnosis("VerifyFailed", f"{pair}: {code} {message}")

@@ -187,12 +187,27 @@ def kv_path_verified(obs: Observed, expected: int, up: int, prev: dict | None) -
     return None
 
 
+def kv_content(obs: Observed) -> Verdict | None:
+    """The reference engine's content probe. Negative polarity: True names the pairs and ranks
+    whose pulled KV is not the model's. None: no probe answered yet."""
+    results = [obs.verify[d] for d in sorted(obs.verify)]
+    bad = [r for r in results if r["code"] == "KV_CONTENT_MISMATCH"]
+    if bad:
+        return True, "KVContentMismatch", _listed([
+            verify_failure(r["code"], *_rank_pair(r), r.get("message", ""), obs.model_id).message for r in bad])
+    if any(r["ok"] for r in results):
+        return False, "ContentMatches", ("every decoder's KV of the probe prompt, as pulled, is what the model "
+                                         "computes, and decodes as one engine alone does")
+    return None
+
+
 def _rank_pair(r: dict) -> tuple[str, str]:
     """(decoder, prefill) of a verification, naming the first rank pair that failed."""
     bad = next((x for x in r.get("ranks") or [] if not x["ok"]), None)
     if bad is None:
         return r["decoder"], r["prefill"]
-    return f"{r['decoder']} rank {bad['rank']}", f"{r['prefill']} rank {bad['rank']}"
+    peer_rank = bad["rank"] if bad.get("peer_rank") is None else bad["peer_rank"]
+    return f"{r['decoder']} rank {bad['rank']}", f"{r['prefill']} rank {peer_rank}"
 
 
 def proxy_environment(obs: Observed) -> Verdict:
@@ -269,6 +284,12 @@ def build_status(spec: PDDeploymentSpec, obs: Observed, previous: dict | None, a
                            ("ProxyEnvironment", proxy_environment(obs))):
         if verdict is not None:
             conds = cond.set_condition(conds, ctype, *verdict, gen, at=at)
+    if spec.backend == "sim" and spec.sim is not None and spec.sim.engine == "reference":
+        content = kv_content(obs)
+        if content is not None:
+            conds = cond.set_condition(conds, "KVContentMismatch", *content, gen, at=at)
+    else:
+        conds = [c for c in conds if c["type"] != "KVContentMismatch"]
     phase = phase_of(obs, conds)
     conds = cond.set_condition(conds, "Ready", *ready(obs, phase, conds), gen, at=at)
     conds = cond.set_condition(conds, "GatewayKeys", *obs.gateway_keys, gen, at=at) \

@@ -328,6 +328,7 @@ class _PromptServer:
         size = req.get("size", -1)
         n = cache.slot_bytes if size is None or size < 0 else min(size, cache.slot_bytes)
         views = [cache.slot(t, index)[:n] for t in range(cache.cache_desc.num_tensors)]
+        n, views = _kv_fault(_faults.current().kv_fault, n, views)
         send_msg(conn, {"ret": C.LLM_SUCCESS.name, "length": n}, views)
         mgr._consume_key(ident)
 
@@ -351,6 +352,22 @@ class _PromptServer:
             return
         views = [cache.slot(t, b) for t in range(cache.cache_desc.num_tensors) for b in blocks]
         send_msg(conn, {"ret": C.LLM_SUCCESS.name, "length": cache.slot_bytes}, views)
+
+
+def _kv_fault(fault: str, n: int, views: list[memoryview]) -> tuple[int, list]:
+    """A pull served wrong while the link reports success: what the content probe must catch."""
+    if fault == "corrupt":
+        bad = [bytearray(v) for v in views]
+        for b in bad:
+            for i in range(0, len(b), 7):
+                b[i] ^= 0x5A
+        return n, bad
+    if fault == "truncate":   # the decoder's buffers keep what they held past the half
+        half = n // 2
+        return half, [v[:half] for v in views]
+    if fault == "swap" and len(views) > 1:
+        return n, views[1:] + views[:1]
+    return n, views
 
 
 class KvCacheManager:

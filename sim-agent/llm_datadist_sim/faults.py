@@ -18,6 +18,9 @@ class Faults:
     unlink_delay_ms: int = 0     # the prompt side lets go of a decoder that unlinks this late (a busy host)
     pull_fail: bool = False      # the prompt side answers pulls with LLM_FAILED
     refuse_switch: bool = False  # switch_role answers LLM_FEATURE_NOT_ENABLED (an engine that cannot switch)
+    # the prompt side serves pulls wrong, the link still says success: "corrupt" (bytes flipped),
+    # "truncate" (only the first half of each tensor sent), "swap" (the tensors in the wrong order)
+    kv_fault: str = ""
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "Faults":
@@ -33,7 +36,14 @@ class Faults:
         return asdict(self)
 
 
+KV_FAULTS = ("", "corrupt", "truncate", "swap")
+
+
 def _parse(typ, raw):
+    if typ in (str, "str"):
+        if str(raw) not in KV_FAULTS:
+            raise ValueError(f"kv_fault must be one of {KV_FAULTS}, got {raw!r}")
+        return str(raw)
     if typ in (bool, "bool"):
         return str(raw).lower() in ("1", "true", "yes", "on")
     return int(raw)

@@ -293,11 +293,26 @@ class AgentCore:
                 await hook(old, role)
 
     # ---- KV-path verification ---------------------------------------------------------------
-    async def probe(self, req_id: int) -> ProbeResponse:
-        """Prompt side: put random bytes under a probe CacheKey (or in a block) for a decoder to pull."""
+    async def probe(self, req_id: int, content: bool = False) -> ProbeResponse:
+        """Prompt side: put random bytes under a probe CacheKey (or in a block) for a decoder to pull;
+        `content` on the reference engine: this rank's shard of the probe prompt's real KV."""
         self._require("prompt", "probe")
         mgr = self.engine.kv_cache_manager
         self._expire_probes()
+        ref = self.inference.ref if self.inference is not None else None
+        if content and ref is not None:
+            shard = await asyncio.to_thread(ref.probe_shard)
+            key = self.llm.CacheKey(self.id.cluster_id, req_id, self.id.model_id)
+            seq = shard.shape[1]
+            cache = await asyncio.to_thread(mgr.allocate_cache, self.desc(batch=1, seq=seq), [key])
+            try:
+                ref.write(cache, shard)
+            finally:
+                await asyncio.to_thread(mgr.deallocate_cache, cache)
+            self._probes[req_id] = time.monotonic()
+            data = shard.tobytes()
+            return ProbeResponse(prompt_cluster_id=self.id.cluster_id, req_id=req_id, model_id=self.id.model_id,
+                                 sha256=hashlib.sha256(data).hexdigest(), bytes=len(data), content=True, seq=seq)
         if self.paged:
             cache = self.blocks_cache
             block = random.randrange(cache.cache_desc.shape[0])
@@ -337,8 +352,9 @@ class AgentCore:
         if not peer.agent_url:
             raise AgentError("LLM_PARAM_INVALID", "verify needs peer.agent_url", 400)
         req_id = random.getrandbits(63)
+        ref = self.inference.ref if self.inference is not None else None
         try:
-            r = await http.post(f"{peer.agent_url}/v1/probe", json={"req_id": req_id},
+            r = await http.post(f"{peer.agent_url}/v1/probe", json={"req_id": req_id, "content": ref is not None},
                                 headers={"Authorization": f"Bearer {token}"} if token else {}, timeout=10)
         except (httpx.HTTPError, httpx.InvalidURL) as e:
             return VerifyResult(ok=False, code="PEER_AGENT_UNREACHABLE",
@@ -355,6 +371,7 @@ class AgentCore:
                                 message=f"prefill agent's probe is not one: {e}", **base)
         mgr = self.engine.kv_cache_manager
         t0 = time.perf_counter()
+        pulled = None
         try:
             if probe.paged:
                 cache = self.blocks_cache
@@ -363,17 +380,27 @@ class AgentCore:
                 pull_ms = (time.perf_counter() - t0) * 1000
                 got = _read(cache, [probe.block])
             else:
-                seq = min(PROBE_SEQ, self.id.cache_desc["shape"][1])
+                seq = probe.seq if probe.content and probe.seq else min(PROBE_SEQ, self.id.cache_desc["shape"][1])
                 cache = await asyncio.to_thread(mgr.allocate_cache, self.desc(batch=1, seq=seq))
                 try:
                     key = self.llm.CacheKey(probe.prompt_cluster_id, probe.req_id, probe.model_id)
                     await asyncio.to_thread(mgr.pull_cache, key, cache, 0)
                     pull_ms = (time.perf_counter() - t0) * 1000
                     got = _read(cache, [0])
+                    pulled = ref.read(cache, seq) if probe.content and ref is not None else None
                 finally:
                     await asyncio.to_thread(mgr.deallocate_cache, cache)
         except self.llm.LLMException as e:
             return VerifyResult(ok=False, code=_code_name(e.status_code), message=str(e), **base)
+        if ref is not None and not probe.content:
+            return VerifyResult(ok=False, code="ENGINE_MISMATCH", bytes=len(got), pull_ms=pull_ms,
+                                message="this decoder runs the reference engine but the prefill does not (its probe "
+                                        "has no content): both sides must run the same spec.sim.engine", **base)
+        if pulled is not None:
+            wrong = await asyncio.to_thread(ref.check_probe, pulled)
+            if wrong is not None:
+                return VerifyResult(ok=False, code="KV_CONTENT_MISMATCH", bytes=len(got), pull_ms=pull_ms,
+                                    message=wrong, **base)
         if hashlib.sha256(got).hexdigest() != probe.sha256:
             return VerifyResult(ok=False, code="DATA_MISMATCH", bytes=len(got), pull_ms=pull_ms,
                                 message="pulled bytes differ from the prefill's probe", **base)
@@ -469,8 +496,8 @@ class AgentCore:
             model_id=self.id.model_id, links=self.link_states(), incoming=incoming, load=load,
             draining=self.draining, terminating=self.terminating, switchable=self.id.switchable,
             proxy_env=proxy_environment(), memory_scale=scale,
-            cache_desc=self.id.cache_desc, last_error=self.last_error, device_ips=self.device_ips,
-            device_error=self.device_error,
+            cache_desc=self.id.cache_desc, engine=self.id.engine, last_error=self.last_error,
+            device_ips=self.device_ips, device_error=self.device_error,
         )
 
 

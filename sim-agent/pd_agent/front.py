@@ -68,6 +68,7 @@ from .identity import Identity, cluster_id_of, proxy_environment
 from .inference import OVERLOADED_RETRY_S
 from .metrics import AgentMetrics
 from .server import (
+    MAX_BODY_BYTES,
     METRICS,
     _body,
     _error,
@@ -321,7 +322,8 @@ class Front:
             terminating=self.terminating or any(s.terminating for s in live),
             switchable=all(s.switchable for s in live) if live else self.id.switchable,
             proxy_env=proxy_environment(), memory_scale=first.memory_scale if first else 1,
-            cache_desc=first.cache_desc if first else self.id.cache_desc, last_error=last_error,
+            cache_desc=first.cache_desc if first else self.id.cache_desc,
+            engine=first.engine if first else self.id.engine, last_error=last_error,
             tensor_parallel=self.tp, ranks=infos, device_ips=self.devices.source if self.devices else "",
             device_error=self.device_error)
 
@@ -420,16 +422,21 @@ class Front:
             raise AgentError("LLM_PARAM_INVALID", f"ranks {bad} do not exist: this pod has ranks 0-{self.tp - 1}", 400)
         bodies = {r: VerifyRequest(peer=self._rank_peer(req.peer, r)) for r in ranks}
 
+        peer_tp = len(req.peer.ranks) if req.peer.ranks else 1
+
         async def one(r: int) -> RankVerify:
+            j = rank_map(self.tp, peer_tp, r)
             try:
                 v = VerifyResult.model_validate(await self.call(r, "POST", "/v1/verify", bodies[r], timeout=15))
-                return RankVerify(rank=r, ok=v.ok, code=v.code, message=v.message, bytes=v.bytes, pull_ms=v.pull_ms)
+                return RankVerify(rank=r, peer_rank=j, ok=v.ok, code=v.code, message=v.message, bytes=v.bytes,
+                                  pull_ms=v.pull_ms)
             except AgentError as e:
-                return RankVerify(rank=r, ok=False, code=e.code, message=str(e))
+                return RankVerify(rank=r, peer_rank=j, ok=False, code=e.code, message=str(e))
         results = await asyncio.gather(*(one(r) for r in ranks))
         failed = next((x for x in results if not x.ok), None)
         return VerifyResult(ok=failed is None, code=failed.code if failed else "LLM_SUCCESS",
-                            message=f"rank {failed.rank}: {failed.message}" if failed else "",
+                            message=f"rank {failed.rank} (from prefill rank {failed.peer_rank}): {failed.message}"
+                            if failed else "",
                             prefill=req.peer.name, decoder=self.id.pod, bytes=sum(x.bytes for x in results),
                             pull_ms=max((x.pull_ms for x in results), default=0), ranks=list(results))
 
@@ -487,8 +494,10 @@ class Front:
             await asyncio.gather(*(self._release(r, req.req_id) for r in made), return_exceptions=True)
             raise failed
         out = [PrefillResponse.model_validate(x) for x in res]
+        # every rank computes the whole (reference) model, so every rank chose the same first token
         return PrefillResponse(prompt_cluster_id=self.id.cluster_id, req_id=req.req_id, model_id=self.id.model_id,
-                               queue_ms=max(x.queue_ms for x in out), prefill_ms=max(x.prefill_ms for x in out))
+                               queue_ms=max(x.queue_ms for x in out), prefill_ms=max(x.prefill_ms for x in out),
+                               first_token=out[0].first_token)
 
     async def _release(self, r: int, req_id: int, url: str | None = None) -> None:
         body = NotifyRequest(decoder_cluster_id=self.id.cluster_id, released=[req_id])
@@ -685,7 +694,7 @@ class Front:
 def build_front_app(front: Front, token: str | None, data_token: str | None = None,
                     peer_token: str | None = None) -> web.Application:
     app = web.Application(middlewares=[auth_middleware(token, data_token, peer_token), error_middleware],
-                          client_max_size=1 << 20)
+                          client_max_size=MAX_BODY_BYTES)
     app[METRICS] = AgentMetrics()
     app[FRONT] = front
 

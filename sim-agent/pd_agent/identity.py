@@ -38,6 +38,10 @@ class Identity:
     switchable: bool = True          # init with llm.EnableSwitchRole (the operator sets it when rebalancing)
     max_prefill_queue: int = 1024    # prefills waiting beyond this are refused (OVERLOADED, 503), not queued
     idle_timeout_s: float = 75.0     # an HTTP connection with no request in progress is closed after this
+    engine: str = "timing"           # what serves requests: "timing" (the timing model) or "reference"
+    reference_model: dict | None = None   # the reference engine's profile (pd_agent.refmodel.Profile.from_json)
+    rank: int = 0                    # this process's tensor-parallel rank, of `tensor_parallel`
+    tensor_parallel: int = 1
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "Identity":
@@ -80,6 +84,15 @@ class Identity:
             except ValueError as e:
                 raise ConfigError(f"LLM_DATADIST_CACHE_DESC is not JSON: {e}") from e
         token = _secret(env, "PD_AGENT_TOKEN")
+        engine = (env.get("PD_SIM_ENGINE") or "timing").lower()
+        if engine not in ("timing", "reference"):
+            raise ConfigError(f"PD_SIM_ENGINE must be timing or reference, got {engine!r}")
+        reference_model = None
+        if engine == "reference":
+            try:
+                reference_model = json.loads(need("PD_REFERENCE_MODEL"))
+            except ValueError as e:
+                raise ConfigError(f"PD_REFERENCE_MODEL is not JSON: {e}") from e
         return cls(
             pod=env.get("POD_NAME") or env.get("HOSTNAME") or f"agent-{cluster_id}",
             role=role, cluster_id=cluster_id, ip=ip, port=port,
@@ -98,6 +111,9 @@ class Identity:
             switchable=env.get("PD_ENABLE_SWITCH_ROLE", "1").lower() not in ("0", "false", "no"),
             max_prefill_queue=_positive_int(env, "PD_AGENT_MAX_PREFILL_QUEUE", 1024),
             idle_timeout_s=_float(env, "PD_AGENT_IDLE_TIMEOUT_S", 75.0),
+            engine=engine, reference_model=reference_model,
+            rank=_positive_int(env, "PD_RANK", 0) if env.get("PD_RANK") not in (None, "", "0") else 0,
+            tensor_parallel=_positive_int(env, "PD_TENSOR_PARALLEL", 1),
         )
 
 

@@ -1,12 +1,22 @@
-"""Simulated serving, so load is real: a prefill costs time by the timing model and leaves
-a KV cache under a CacheKey; a decode pulls that cache from the named prefill over the
-link and emits tokens at the decode-step time of the current batch."""
+"""Serving, so load is real: a prefill costs time by the timing model and leaves a KV cache
+under a CacheKey; a decode pulls that cache from the named prefill over the link and emits
+tokens at the decode-step time of the current batch.
+
+Two engines (spec.sim.engine): `timing` models only the time, and its caches carry no content
+(its tokens have no ids: a router writes placeholders); `reference` also computes (pd_agent.reference):
+the prefill leaves the prompt's real KV shard in the cache, the decoder continues generation
+from what it pulled, and every token has its id. Both take the timing model's time, so the
+benchmarks measure the same thing."""
 from __future__ import annotations
 
 import asyncio
 import collections
+import os
 import time
 from dataclasses import dataclass, field
+from typing import Iterator
+
+import httpx
 
 from pd_contract.agent_api import (
     DecodeRequest,
@@ -22,6 +32,8 @@ from pd_contract.names import BROKEN_CODES
 from .core import AgentCore, AgentError, _code_name
 from .metrics import AgentMetrics
 from .timing import TimingModel
+
+HELD_TTL_S = 120.0   # a multi-rank decoder's rank keeps a pulled shard this long for rank 0 to gather
 
 BUSY_WINDOW_S = 10.0   # the prefill busy fraction covers this window
 OVERLOADED_RETRY_S = 1   # Retry-After of an OVERLOADED refusal: another pod now, this one a little later
@@ -55,6 +67,8 @@ class _Decode:
     started: float
     token_times: list[float] = field(default_factory=list)
     out: asyncio.Queue | None = None     # streaming: a message per token
+    gen: Iterator[int] | None = None     # the reference engine: the output tokens, computed a step at a time
+    ids: list[int] = field(default_factory=list)
 
 
 class Inference:
@@ -79,6 +93,12 @@ class Inference:
         self._prefill_busy = 0
         self._busy: collections.deque[tuple[float, float]] = collections.deque(maxlen=4096)  # prefill batches
         self._busy_since: float | None = None
+        self.ref = None
+        if core.id.engine == "reference":
+            from .reference import ReferenceEngine
+            self.ref = ReferenceEngine(core.id)
+        self.held: dict[int, tuple[float, object]] = {}   # req_id -> (pulled at, shard): for rank 0 to gather
+        self._http: httpx.AsyncClient | None = None
         core.inference = self
         core.before_switch.append(self._before_switch)
 
@@ -96,6 +116,8 @@ class Inference:
     async def stop(self) -> None:
         for t in self._tasks:
             t.cancel()
+        if self._http is not None:
+            await self._http.aclose()
 
     async def _compute(self, seconds: float, due_attr: str) -> float:
         """Take `seconds` of engine time. Back-to-back batches run on the engine's own clock: a
@@ -157,6 +179,12 @@ class Inference:
                              retry_after=OVERLOADED_RETRY_S)
         if req.req_id in self.core.kv_pending or any(p.req.req_id == req.req_id for p in self.prefill_q):
             raise AgentError("LLM_REPEAT_REQUEST", f"req_id {req.req_id} is already prefilled or queued here", 409)
+        if req.token_ids is not None and len(req.token_ids) != req.prompt_tokens:
+            raise AgentError("LLM_PARAM_INVALID", f"token_ids has {len(req.token_ids)} tokens, prompt_tokens says "
+                             f"{req.prompt_tokens}", 400)
+        if self.ref is not None and req.prompt_tokens >= self.ref.max_seq:
+            raise AgentError("LLM_SEQ_LENOVERLIMIT", f"a prompt of {req.prompt_tokens} tokens leaves no room for "
+                             f"output in the model's {self.ref.max_seq} positions", 400)
         fut = asyncio.get_running_loop().create_future()
         self.in_flight += 1
         try:
@@ -177,14 +205,20 @@ class Inference:
             self._prefill_busy = len(batch)
             lens = [min(b.req.prompt_tokens, self.max_seq) for b in batch]
             t0 = self._busy_since = time.monotonic()
+            computed = asyncio.ensure_future(asyncio.to_thread(self._ref_prefill, batch)) if self.ref else None
             took = await self._compute(self.timing.prefill_ms(lens) / 1000, "_prefill_due")
+            outs = await computed if computed is not None else [None] * len(batch)
             prefill_ms = (time.monotonic() - t0) * 1000
             self.core.meter.prefilled(sum(lens), took)
             mgr = self.core.engine.kv_cache_manager
-            for b, n in zip(batch, lens):
+            for b, n, out in zip(batch, lens, outs):
                 try:
+                    if isinstance(out, Exception):
+                        raise out
                     key = self.core.llm.CacheKey(self.core.id.cluster_id, b.req.req_id, self.core.id.model_id)
                     cache = await asyncio.to_thread(mgr.allocate_cache, self.core.desc(batch=1, seq=n), [key])
+                    if out is not None:
+                        self.ref.write(cache, out[0])
                     # The engine frees it once the decoder pulls the key.
                     await asyncio.to_thread(mgr.deallocate_cache, cache)
                     self.core.cache_ready(b.req.req_id)
@@ -193,7 +227,8 @@ class Inference:
                     self.m.requests.labels("prefill").inc()
                     b.fut.set_result(PrefillResponse(
                         prompt_cluster_id=self.core.id.cluster_id, req_id=b.req.req_id,
-                        model_id=self.core.id.model_id, queue_ms=queue_ms, prefill_ms=prefill_ms))
+                        model_id=self.core.id.model_id, queue_ms=queue_ms, prefill_ms=prefill_ms,
+                        first_token=out[1] if out is not None else None))
                 except self.core.llm.LLMException as e:
                     self.failed += 1
                     code = _code_name(e.status_code)
@@ -203,6 +238,20 @@ class Inference:
             self._prefill_busy = 0
             self._busy.append((t0, time.monotonic()))
             self._busy_since = None
+
+    def _ref_prefill(self, batch: list[_Prefill]) -> list:
+        """The reference engine's compute for a batch, one prompt at a time (a prompt's KV must not
+        depend on what it was batched with): per request (shard, first token) or the exception."""
+        out: list = []
+        for b in batch:
+            s = b.req.sampling
+            ids = list(b.req.token_ids) if b.req.token_ids is not None else [0] * b.req.prompt_tokens
+            try:
+                out.append(self.ref.prefill(ids, s.temperature if s else 0.0, s.top_p if s else 1.0,
+                                            s.seed if s else 0))
+            except ValueError as e:
+                out.append(AgentError("LLM_PARAM_INVALID", f"the reference engine refused the prompt: {e}", 400))
+        return out
 
     # ---- decode (decoder role) ----------------------------------------------------------------
     async def _pull(self, req: DecodeRequest | PullRequest) -> tuple[float, object]:
@@ -251,10 +300,61 @@ class Inference:
         self.in_flight += 1
         try:
             pull_ms, cache = await self._pull(req)
-            await asyncio.to_thread(self.core.engine.kv_cache_manager.deallocate_cache, cache)
+            try:
+                if self.ref is not None:   # kept for the rank that decodes (GET /v1/kv/<req_id>)
+                    self._expire_held()
+                    self.held[req.req_id] = (time.monotonic(), self.ref.read(cache, min(req.prompt_tokens,
+                                                                                         self.max_seq)))
+            finally:
+                await asyncio.to_thread(self.core.engine.kv_cache_manager.deallocate_cache, cache)
             return PullResponse(pull_ms=pull_ms)
         finally:
             self.in_flight -= 1
+
+    def _expire_held(self) -> None:
+        now = time.monotonic()
+        for k, (at, _) in list(self.held.items()):
+            if now - at > HELD_TTL_S:
+                del self.held[k]
+
+    def take_held(self, req_id: int) -> bytes:
+        """A pulled shard, once, as the bytes of its tensors in order (for the rank that decodes)."""
+        self._expire_held()
+        got = self.held.pop(req_id, None)
+        if got is None:
+            raise AgentError("KV_NOT_HELD", f"no pulled KV shard for req_id {req_id} on {self.core.id.pod} rank "
+                             f"{self.core.id.rank}", 404)
+        return got[1].tobytes()  # type: ignore[attr-defined]
+
+    async def _gather(self, req: DecodeRequest, n: int) -> list:
+        """Rank 0 of a multi-rank decoder: every rank's pulled shard, in rank order (its own is held
+        here; the others' through the pod's agent). Tensor parallelism's collectives, in one process."""
+        own = self.held.pop(req.req_id, None)
+        if own is None:
+            raise AgentError("KV_NOT_HELD", f"rank 0 holds no pulled KV shard for req_id {req.req_id}", 502)
+        shards = [own[1]]
+        tp = self.core.id.tensor_parallel
+        if tp > 1:
+            front = os.environ.get("PD_RANK_REGISTER_URL", "").removesuffix("/v1/ranks")
+            if not front:
+                raise AgentError("KV_NOT_HELD", "rank 0 does not know its pod's agent (PD_RANK_REGISTER_URL)", 502)
+            if self._http is None:
+                self._http = httpx.AsyncClient(trust_env=False, timeout=30)
+            token = self.core.id.token
+            headers = {"Authorization": f"Bearer {token}"} if token else {}
+
+            async def one(r: int) -> bytes:
+                resp = await self._http.get(f"{front}/r/{r}/v1/kv/{req.req_id}", headers=headers)  # type: ignore
+                if resp.status_code != 200:
+                    raise AgentError("KV_NOT_HELD", f"rank {r}'s shard: HTTP {resp.status_code} "
+                                     f"{resp.text[:200]}", 502)
+                return resp.content
+            try:
+                raws = await asyncio.gather(*(one(r) for r in range(1, tp)))
+            except httpx.HTTPError as e:
+                raise AgentError("KV_NOT_HELD", f"gathering the ranks' shards: {e!r}", 502) from None
+            shards += [self.ref.from_bytes(raw, n) for raw in raws]
+        return shards
 
     async def decode(self, req: DecodeRequest, out: asyncio.Queue | None = None) -> DecodeResponse:
         self._admit("decoder", req.admitted)
@@ -264,12 +364,24 @@ class Inference:
         cache = None
         try:
             n = min(req.prompt_tokens, self.max_seq)
+            if self.ref is not None and req.first_token is None:
+                raise AgentError("LLM_PARAM_INVALID", "the reference engine continues from the prefill's first token: "
+                                 "send first_token (the prefill's answer has it)", 400)
             if req.kv_pulled_ms is not None:   # every rank pulled its shard already: the first token waited for them
                 pull_ms = req.kv_pulled_ms
                 t0 -= pull_ms / 1000
             else:
                 pull_ms, cache = await self._pull(req)
-            job = _Decode(ctx=n, remaining=req.output_tokens,
+            remaining, gen = req.output_tokens, None
+            if self.ref is not None:
+                shards = await self._gather(req, n) if req.kv_pulled_ms is not None else [self.ref.read(cache, n)]
+                s = req.sampling
+                # what fits in the model's positions (the gateway refuses more before any engine work)
+                remaining = max(1, min(remaining, self.ref.max_seq - n))
+                st = await asyncio.to_thread(self.ref.model.state, shards, n)
+                gen = self.ref.model.continue_(st, req.first_token, remaining, s.temperature if s else 0.0,
+                                               s.top_p if s else 1.0, s.seed if s else 0)
+            job = _Decode(ctx=n, remaining=remaining, gen=gen,
                           fut=asyncio.get_running_loop().create_future(), started=time.monotonic(), out=out)
             self.core.meter.arrived(n)
             self.decode_wait.append(job)
@@ -297,7 +409,8 @@ class Inference:
             self._tbt.extend((done_at, g) for g in gaps)
             self.completed += 1
             self.m.requests.labels("decode").inc()
-            return DecodeResponse(tokens=len(job.token_times), pull_ms=pull_ms, first_token_ms=first,
+            return DecodeResponse(tokens=len(job.token_times), token_ids=job.ids if job.gen is not None else None,
+                                  pull_ms=pull_ms, first_token_ms=first,
                                   tbt_ms_mean=sum(gaps) / len(gaps) if gaps else 0.0,
                                   tbt_ms_max=max(gaps) if gaps else 0.0,
                                   total_ms=(time.monotonic() - t0) * 1000)
@@ -315,14 +428,30 @@ class Inference:
                 await self._decode_wake.wait()
                 continue
             ctx = [j.ctx for j in self.decode_running]
+            running = list(self.decode_running)
+            computed = asyncio.ensure_future(asyncio.to_thread(_next_tokens, running)) \
+                if any(j.gen is not None for j in running) else None
             took = await self._compute(self.timing.decode_step_ms(ctx) / 1000, "_decode_due")
+            toks = await computed if computed is not None else [None] * len(running)
+            tok_of = {id(j): t for j, t in zip(running, toks)}
             now = time.monotonic()
             self.core.meter.step(len(ctx), sum(ctx), took * 1000, now)
             still = []
             for j in self.decode_running:
+                tok = tok_of.get(id(j))
+                if j.gen is not None and tok is None:   # the model's positions are used up: the answer ends here
+                    j.remaining = 0
+                    if not j.fut.done():
+                        j.fut.set_result(None)
+                    continue
                 j.token_times.append(now)
+                if tok is not None:
+                    j.ids.append(tok)
                 if j.out is not None:
-                    j.out.put_nowait({"token": len(j.token_times) - 1, "ms": round((now - j.started) * 1000, 2)})
+                    msg = {"token": len(j.token_times) - 1, "ms": round((now - j.started) * 1000, 2)}
+                    if tok is not None:
+                        msg["id"] = tok
+                    j.out.put_nowait(msg)
                 j.ctx += 1
                 j.remaining -= 1
                 if j.remaining <= 0:
@@ -333,3 +462,9 @@ class Inference:
                     still.append(j)
             self.decode_running = still
             self.core.meter.context_tokens = sum(j.ctx for j in still)
+
+
+def _next_tokens(jobs: list[_Decode]) -> list[int | None]:
+    """One decode step of the reference engine: each running request's next token (None when its
+    generation ended), one request at a time so a token never depends on the batch."""
+    return [next(j.gen, None) if j.gen is not None else None for j in jobs]

@@ -45,6 +45,7 @@ CORE = web.AppKey("core", AgentCore)
 METRICS = web.AppKey("metrics", AgentMetrics)
 HTTP = web.AppKey("http", httpx.AsyncClient)
 BODY_TIMEOUT_S = 30.0   # a request body (at most client_max_size) must arrive within this
+MAX_BODY_BYTES = 8 << 20   # a prefill's token ids (up to 2**20 of them, as JSON)
 
 
 def _error(status: int, code: str, message: str, **extra) -> web.Response:
@@ -247,6 +248,15 @@ def routes(core: AgentCore, token: str | None, http: httpx.AsyncClient) -> list[
 
     inf = core.inference
 
+    async def kv_held(request: web.Request) -> web.Response:
+        """A rank of a multi-rank decoder: the shard it pulled for a request, once, for the rank
+        that decodes (the reference engine)."""
+        try:
+            req_id = int(request.match_info["req_id"])
+        except ValueError:
+            return _error(400, "BadRequest", "req_id must be an integer")
+        return web.Response(body=inf.take_held(req_id), content_type="application/octet-stream")
+
     async def decode(request: web.Request) -> web.StreamResponse:
         """Plain: one JSON reply. `stream: true`: NDJSON, a line per token as the decode loop
         emits it ({"token": i, "ms": since the decode started}), then {"done": DecodeResponse}
@@ -306,7 +316,7 @@ def routes(core: AgentCore, token: str | None, http: httpx.AsyncClient) -> list[
         web.post("/v1/unlink", handler(UnlinkRequest, core.unlink)),
         web.post("/v1/switch_role", handler(SwitchRoleRequest, switch)),
         web.post("/v1/verify", handler(VerifyRequest, verify)),
-        web.post("/v1/probe", handler(ProbeRequest, lambda b: core.probe(b.req_id))),
+        web.post("/v1/probe", handler(ProbeRequest, lambda b: core.probe(b.req_id, b.content))),
         web.post("/v1/drain", handler(DrainRequest, lambda b: core.drain(b.timeout_s))),
         web.post("/v1/undrain", handler(None, lambda _: core.undrain())),
         web.post("/v1/notify", handler(NotifyRequest, notify, control=("released",), scopes=("control", "peer"))),
@@ -316,7 +326,8 @@ def routes(core: AgentCore, token: str | None, http: httpx.AsyncClient) -> list[
     if inf is not None:
         r += [web.post("/v1/prefill", handler(PrefillRequest, inf.prefill, control=("admitted",))),
               web.post("/v1/decode", decode),
-              web.post("/v1/pull", handler(PullRequest, inf.pull))]
+              web.post("/v1/pull", handler(PullRequest, inf.pull)),
+              web.get("/v1/kv/{req_id}", kv_held)]
     return r
 
 
@@ -329,7 +340,7 @@ def build_app(core: AgentCore, token: str | None, metrics: AgentMetrics | None =
     if serve_inference and core.inference is None:
         Inference(core, metrics)
     app = web.Application(middlewares=[auth_middleware(token, data_token, peer_token), error_middleware],
-                          client_max_size=1 << 20)
+                          client_max_size=MAX_BODY_BYTES)
     app[CORE] = core
     app[METRICS] = metrics
     # agent-to-agent calls (verify) must not go through a proxy

@@ -36,7 +36,8 @@ class Load:
     """`python -m pd_agent.loadgen` against the deployment, as a user runs it."""
 
     def __init__(self, cluster: Cluster, ns: str, duration: float, rate: float = 7, workload: str = "code",
-                 max_output: int = 32, name: str = "sim-small", gateway: str | None = None, api_key: str = ""):
+                 max_output: int = 32, name: str = "sim-small", gateway: str | None = None, api_key: str = "",
+                 max_prompt: int = 2048):
         if gateway:   # through pd-gateway, as a client would
             target = ["--gateway", gateway, f"--api-key={api_key}"]
         else:         # straight to the agents, with the routers' (data-scope) token
@@ -49,7 +50,7 @@ class Load:
         self.requests_out = tempfile.NamedTemporaryFile("r", suffix=".jsonl")
         self.proc = spawn(
             [sys.executable, "-m", "pd_agent.loadgen", *target, "--rate", str(rate), "--duration", str(duration),
-             "--workload", workload, "--max-prompt", "2048", "--max-output", str(max_output),
+             "--workload", workload, "--max-prompt", str(max_prompt), "--max-output", str(max_output),
              "--requests-out", self.requests_out.name, "--json"],
             stdout=self.out, stderr=self.err, text=True, cwd=REPO)
         self.started = time.monotonic()

@@ -374,7 +374,7 @@ async def test_bodies_no_client_should_send_are_4xx_in_the_agents_shape(agent):
     r = await post_raw(a, "/v1/prefill", b'{"req_id": 1, "prompt_tokens": 8, "priority": 9}')
     assert shaped(r, 400)["field"] == "priority"
     # too large: refused before it is read whole
-    big = b'{"peers": [' + b" " * (2 << 20) + b"]}"
+    big = b'{"peers": [' + b" " * (9 << 20) + b"]}"
     assert shaped(await post_raw(a, "/v1/link", big), 413)["code"] == "RequestEntityTooLarge"
     # no such route, no such method
     async with a.client() as c:
