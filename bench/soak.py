@@ -188,7 +188,7 @@ def main() -> int:
         requests_out = logs / "requests.jsonl"
         load = subprocess.Popen(
             [sys.executable, "-m", "pd_agent.loadgen", "--gateway", url, f"--api-key={KEY}", "--rate", str(args.rate),
-             "--duration", str(args.minutes * 60 + 600), "--workload", "code", "--max-prompt", "2048",
+             "--duration", str(args.minutes * 60 + 600), "--workload", "code", "--max-prompt", "2000",
              "--max-output", "32", "--requests-out", str(requests_out), "--json"],
             stdout=open(logs / "loadgen.json", "w"), stderr=open(logs / "loadgen.err", "w"), cwd=REPO)
         t0 = time.monotonic()

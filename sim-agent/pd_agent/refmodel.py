@@ -12,18 +12,24 @@ and in every decode step, so what crosses the link is exactly what the model att
 from __future__ import annotations
 
 import math
+import os
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-import numpy as np
+# One BLAS thread, when this module is the first to load numpy: the model's matrices are small, so
+# threads only add synchronisation (and spin when the CPU is shared), and with one thread no sum's
+# order depends on the machine's core count. A process that loads numpy earlier sets it itself.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
 
 VOCAB = 4096            # rows of the embedding, tied to the LM head
 OUT_BASE = 256          # output id = OUT_BASE + row: ids in [256, 4352), common subwords in cl100k
 # a fixed prompt whose KV both sides can compute, to check a pulled shard's content
 PROBE_PROMPT: tuple[int, ...] = (
-    791, 3938, 1917, 315, 5526, 374, 264, 1296, 369, 1475, 2038, 430,
-    4131, 279, 3575, 11, 323, 433, 2011, 2586, 1203, 2132, 1101, 13,
+    791, 3938, 1917, 315, 3526, 374, 264, 1296, 369, 1475, 2038, 430,
+    4131, 279, 3575, 1174, 323, 433, 2011, 2586, 1203, 2132, 1101, 3639,
 )
 
 MAX_LAYERS = 16         # what a CPU computes in reasonable time (pd_operator.api.REFERENCE_MAX_*)
@@ -32,9 +38,10 @@ MAX_SEQ = 8192
 MLA_QUERY_HEADS = 8
 DTYPES = ("float16", "bfloat16", "float32")
 
-_EMBED_SCALE = 0.1      # the token embedding's weight in the input: the blocks, not the tied LM head's
-_POS_SCALE = 0.1        # echo of the current token, decide the output, so it depends on the context
-_QUERY_GAIN = 2.0       # sharper attention: an output depends on particular earlier positions
+# The token and position embeddings enter the residual stream at 1/sqrt(width): the blocks, not the
+# tied LM head's echo of the current token, decide the output, so the output depends on the context.
+_EMBED_GAIN = 1.0
+_QUERY_GAIN = 4.0       # sharp attention: an output depends on particular earlier positions
 _LOGIT_STD = 4.0        # logits of this spread: sampling at temperature ~1 picks among a few tens of ids
 _EPS = np.float32(1e-6)
 _GELU_C = np.float32(math.sqrt(2.0 / math.pi))
@@ -245,7 +252,8 @@ class Model:
             return w
 
         emb = draw("embed", (VOCAB, d), 1)
-        self._embed_in = emb * np.float32(_EMBED_SCALE)
+        in_scale = np.float32(_EMBED_GAIN / math.sqrt(d))
+        self._embed_in = emb * in_scale
         self._lm_head = np.ascontiguousarray(emb.T * np.float32(_LOGIT_STD / math.sqrt(d)))
         self._layers: list[_Layer] = []
         for i in range(p.num_layers):
@@ -261,16 +269,21 @@ class Model:
             else:
                 ly.wk = draw(f"{i}.wk", (d, self.kv_heads * hd), d)
                 ly.wv = draw(f"{i}.wv", (d, self.kv_heads * hd), d)
-            ly.wo = draw(f"{i}.wo", (hq * hd, d), hq * hd)
+            # each block's output at 1/sqrt(2 x layers), and the MLP's columns centred (GELU's
+            # positive mean would add the same vector whatever the input): deep profiles do not
+            # collapse to one repeated token
+            out_gain = 1.0 / math.sqrt(2 * p.num_layers)
+            ly.wo = draw(f"{i}.wo", (hq * hd, d), hq * hd, out_gain)
             ly.w1 = draw(f"{i}.w1", (d, 4 * d), d)
-            ly.w2 = draw(f"{i}.w2", (4 * d, d), 4 * d)
+            w2 = draw(f"{i}.w2", (4 * d, d), 4 * d, out_gain)
+            ly.w2 = self.weights[f"{i}.w2"] = w2 - w2.mean(axis=0, keepdims=True)
             self._layers.append(ly)
         pos = np.arange(p.max_seq, dtype=np.float64)[:, None]
         freq = 10000.0 ** (-np.arange(0, d, 2, dtype=np.float64) / d)
         table = np.zeros((p.max_seq, d), dtype=np.float64)
         table[:, 0::2] = np.sin(pos * freq)
         table[:, 1::2] = np.cos(pos * freq)[:, : d // 2]
-        self._pos = (table * _POS_SCALE).astype(np.float32)
+        self._pos = (table * float(in_scale)).astype(np.float32)
 
     # -- storage ----------------------------------------------------------------------------------
     def to_storage(self, x: np.ndarray) -> np.ndarray:

@@ -37,7 +37,7 @@ class Load:
 
     def __init__(self, cluster: Cluster, ns: str, duration: float, rate: float = 7, workload: str = "code",
                  max_output: int = 32, name: str = "sim-small", gateway: str | None = None, api_key: str = "",
-                 max_prompt: int = 2048):
+                 max_prompt: int | None = None):
         if gateway:   # through pd-gateway, as a client would
             target = ["--gateway", gateway, f"--api-key={api_key}"]
         else:         # straight to the agents, with the routers' (data-scope) token
@@ -45,6 +45,11 @@ class Load:
                 "token"]).decode()
             target = ["--kubeconfig", str(cluster.kubeconfig), "--namespace", ns, "--deployment", name,
                       f"--token={token}"]
+        if max_prompt is None:
+            # the engines hold 2048 positions: through the gateway, prompt (with the chat template's
+            # few tokens) and output must fit them or the request is refused before any engine work;
+            # straight to the agents, a longer prompt is cut at the cache's length
+            max_prompt = 2048 - max_output - 16 if gateway else 2048
         # output to files, not pipes: a pipe nobody reads fills up and blocks the writer
         self.out, self.err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
         self.requests_out = tempfile.NamedTemporaryFile("r", suffix=".jsonl")
