@@ -105,6 +105,7 @@ class Checker:
             got = r.choices[0].model_extra.get("token_ids")
             out = {"ok": True, "match": got == want and r.choices[0].message.content == tokens.decode(want),
                    "prompt_tokens": r.usage.prompt_tokens, "want_prompt": len(ids), "got": got, "want": want,
+                   "completion_tokens": r.usage.completion_tokens,
                    "text": r.choices[0].message.content}
         except Exception as e:  # noqa: BLE001 - a failed request is counted, and shown
             out = {"ok": False, "match": False, "error": f"{type(e).__name__}: {e}"}
@@ -127,6 +128,7 @@ def assert_all_match(results: list[dict]) -> None:
     bad = [r for r in results if not r["match"]]
     assert not bad, f"{len(bad)} of {len(results)} completions differ from one engine's decode: {bad[:3]}"
     assert all(r["prompt_tokens"] == r["want_prompt"] for r in results), "usage.prompt_tokens is the tokenizer's"
+    assert all(r["completion_tokens"] == len(r["want"]) for r in results), "usage.completion_tokens: the output's"
 
 
 @pytest.fixture
