@@ -298,6 +298,8 @@ async def generate(fleet: Fleet, req_id: int, prompt_tokens: int, output_tokens:
         prefill_body["token_ids"] = token_ids
     if sampling is not None:
         prefill_body["sampling"] = sampling
+    # an engine that only models timing takes the count alone: its requests stay as small as they were
+    timing_body = {"req_id": req_id, "prompt_tokens": prompt_tokens}
     first_token = None
     while True:
         p = fleet.pick_prefill(avoid)
@@ -309,7 +311,7 @@ async def generate(fleet: Fleet, req_id: int, prompt_tokens: int, output_tokens:
         t0 = time.monotonic()
         try:
             async with fleet.http.stream("POST", f"{p['url']}/v1/prefill", headers=fleet.headers,
-                                         json=prefill_body) as r:
+                                         json=prefill_body if p.get("engine") != "timing" else timing_body) as r:
                 if r.status_code != 200:
                     await refused(r, p)
                     continue
@@ -331,10 +333,10 @@ async def generate(fleet: Fleet, req_id: int, prompt_tokens: int, output_tokens:
     body = {"req_id": req_id, "prompt_cluster_id": p["cluster_id"], "prompt_agent_url": p["url"],
             "prompt_tokens": prompt_tokens, "output_tokens": output_tokens, "stream": True,
             "prefill_ms": round(attempt.prefill_ms, 3)}
-    if first_token is not None:
+    if first_token is not None:   # an engine that computes: it continues from there, sampling the same way
         body["first_token"] = first_token
-    if sampling is not None:
-        body["sampling"] = sampling
+        if sampling is not None:
+            body["sampling"] = sampling
     while True:
         d = fleet.pick_decoder(p, avoid)
         if d is None:

@@ -146,7 +146,8 @@ class ApiRequest(_Lenient):
         top_p = 1.0 if self.top_p is None else float(self.top_p)
         if top_p == 0:
             temperature, top_p = 0.0, 1.0
-        seed = getattr(self, "seed", None)
+        # only the APIs that define a seed (chat, completions) read one; elsewhere it is an unknown field
+        seed = getattr(self, "seed", None) if "seed" in type(self).model_fields else None
         return {"temperature": temperature, "top_p": top_p,
                 "seed": default_seed if seed is None else seed % SEEDS}
 

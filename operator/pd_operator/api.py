@@ -299,6 +299,7 @@ class Sim(Model):
 REFERENCE_MAX_LAYERS = 16
 REFERENCE_MAX_WIDTH = 1024
 REFERENCE_MAX_SEQ = 8192
+REFERENCE_MIN_SEQ = 64
 _REF = "has(self.sim) && has(self.sim.engine) && self.sim.engine == 'reference'"
 _KV = "self.model.kvCache"
 
@@ -349,8 +350,10 @@ class PDDeploymentSpec(Model):
         ("!(" + _REF + ") || " + _KV + ".numLayers <= " + str(REFERENCE_MAX_LAYERS),
          f"spec.model.kvCache.numLayers must be at most {REFERENCE_MAX_LAYERS} with spec.sim.engine reference "
          "(a CPU model; use engine timing to model a large one)", ".sim"),
-        ("!(" + _REF + ") || " + _KV + ".maxSeqLen <= " + str(REFERENCE_MAX_SEQ),
-         f"spec.model.kvCache.maxSeqLen must be at most {REFERENCE_MAX_SEQ} with spec.sim.engine reference", ".sim"),
+        ("!(" + _REF + ") || (" + _KV + ".maxSeqLen >= " + str(REFERENCE_MIN_SEQ) + " && " + _KV + ".maxSeqLen <= "
+         + str(REFERENCE_MAX_SEQ) + ")",
+         f"spec.model.kvCache.maxSeqLen must be {REFERENCE_MIN_SEQ} to {REFERENCE_MAX_SEQ} with spec.sim.engine "
+         "reference (the content probe's prompt and decode must fit)", ".sim"),
         ("!(" + _REF + ") || !has(" + _KV + ".dtype) || " + _KV + ".dtype != 'int8'",
          "spec.model.kvCache.dtype int8 is not computed by spec.sim.engine reference (float16, bfloat16, float32)",
          ".sim"),

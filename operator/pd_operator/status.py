@@ -195,10 +195,10 @@ def kv_content(obs: Observed) -> Verdict | None:
     if bad:
         return True, "KVContentMismatch", _listed([
             verify_failure(r["code"], *_rank_pair(r), r.get("message", ""), obs.model_id).message for r in bad])
-    if any(r["ok"] for r in results):
+    if results and all(r["ok"] for r in results):
         return False, "ContentMatches", ("every decoder's KV of the probe prompt, as pulled, is what the model "
                                          "computes, and decodes as one engine alone does")
-    return None
+    return None   # no answer yet, or other failures (KVPathVerified names them): what it said stands
 
 
 def _rank_pair(r: dict) -> tuple[str, str]:

@@ -305,11 +305,11 @@ class AgentCore:
             key = self.llm.CacheKey(self.id.cluster_id, req_id, self.id.model_id)
             seq = shard.shape[1]
             cache = await asyncio.to_thread(mgr.allocate_cache, self.desc(batch=1, seq=seq), [key])
+            self._probes[req_id] = time.monotonic()   # expires with the probes, whatever happens next
             try:
                 ref.write(cache, shard)
             finally:
                 await asyncio.to_thread(mgr.deallocate_cache, cache)
-            self._probes[req_id] = time.monotonic()
             data = shard.tobytes()
             return ProbeResponse(prompt_cluster_id=self.id.cluster_id, req_id=req_id, model_id=self.id.model_id,
                                  sha256=hashlib.sha256(data).hexdigest(), bytes=len(data), content=True, seq=seq)
@@ -380,7 +380,9 @@ class AgentCore:
                 pull_ms = (time.perf_counter() - t0) * 1000
                 got = _read(cache, [probe.block])
             else:
-                seq = probe.seq if probe.content and probe.seq else min(PROBE_SEQ, self.id.cache_desc["shape"][1])
+                seq = min(PROBE_SEQ, self.id.cache_desc["shape"][1])
+                if probe.content and probe.seq:   # the peer's word, bounded by this engine's cache
+                    seq = min(probe.seq, self.id.cache_desc["shape"][1])
                 cache = await asyncio.to_thread(mgr.allocate_cache, self.desc(batch=1, seq=seq))
                 try:
                     key = self.llm.CacheKey(probe.prompt_cluster_id, probe.req_id, probe.model_id)

@@ -433,7 +433,9 @@ class Front:
             except AgentError as e:
                 return RankVerify(rank=r, peer_rank=j, ok=False, code=e.code, message=str(e))
         results = await asyncio.gather(*(one(r) for r in ranks))
-        failed = next((x for x in results if not x.ok), None)
+        # a content mismatch is named first: it is the one failure the link itself does not show
+        failed = next((x for x in results if x.code == "KV_CONTENT_MISMATCH"), None) \
+            or next((x for x in results if not x.ok), None)
         return VerifyResult(ok=failed is None, code=failed.code if failed else "LLM_SUCCESS",
                             message=f"rank {failed.rank} (from prefill rank {failed.peer_rank}): {failed.message}"
                             if failed else "",
@@ -576,6 +578,11 @@ class Front:
         assert isinstance(body, DecodeRequest)
         control_fields(request, body, ("admitted", "kv_pulled_ms"))
         self._admit("decoder")
+        st0 = self.ranks[0].status
+        if body.first_token is None and st0 is not None and st0.engine == "reference":
+            # refused before any rank pulls: a pulled shard is gone from the prefill
+            raise AgentError("LLM_PARAM_INVALID", "the reference engine continues from the prefill's first token: "
+                             "send first_token (the prefill's answer has it)", 400)
         self.serving += 1
         try:
             return await self._decode(request, body)

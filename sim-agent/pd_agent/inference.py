@@ -5,8 +5,10 @@ tokens at the decode-step time of the current batch.
 Two engines (spec.sim.engine): `timing` models only the time, and its caches carry no content
 (its tokens have no ids: a router writes placeholders); `reference` also computes (pd_agent.reference):
 the prefill leaves the prompt's real KV shard in the cache, the decoder continues generation
-from what it pulled, and every token has its id. Both take the timing model's time, so the
-benchmarks measure the same thing."""
+from what it pulled, and every token has its id. Both take the timing model's time (the
+reference engine computes meanwhile, so a step takes the longer of the two; at the small
+profiles it runs, the model's time), so the benchmarks, which run the timing engine, measure
+the same thing."""
 from __future__ import annotations
 
 import asyncio
@@ -34,6 +36,7 @@ from .metrics import AgentMetrics
 from .timing import TimingModel
 
 HELD_TTL_S = 120.0   # a multi-rank decoder's rank keeps a pulled shard this long for rank 0 to gather
+HELD_MAX = 256       # and at most this many (the oldest go first): a decode that failed after its pulls
 
 BUSY_WINDOW_S = 10.0   # the prefill busy fraction covers this window
 OVERLOADED_RETRY_S = 1   # Retry-After of an OVERLOADED refusal: another pod now, this one a little later
@@ -212,13 +215,26 @@ class Inference:
             self.core.meter.prefilled(sum(lens), took)
             mgr = self.core.engine.kv_cache_manager
             for b, n, out in zip(batch, lens, outs):
+                if isinstance(out, Exception):   # the reference engine refused this prompt: only this one
+                    self.failed += 1
+                    self.m.failed.labels(getattr(out, "code", "ENGINE_ERROR")).inc()
+                    b.fut.set_exception(out if isinstance(out, AgentError) else
+                                        AgentError("ENGINE_ERROR", f"the reference engine failed: {out!r}", 500))
+                    continue
                 try:
-                    if isinstance(out, Exception):
-                        raise out
                     key = self.core.llm.CacheKey(self.core.id.cluster_id, b.req.req_id, self.core.id.model_id)
                     cache = await asyncio.to_thread(mgr.allocate_cache, self.core.desc(batch=1, seq=n), [key])
                     if out is not None:
-                        self.ref.write(cache, out[0])
+                        try:
+                            await asyncio.to_thread(self.ref.write, cache, out[0])
+                        except Exception as e:
+                            # the key goes with the cache: nobody may pull a half-written shard
+                            await asyncio.to_thread(mgr.remove_cache_key, key)
+                            await asyncio.to_thread(mgr.deallocate_cache, cache)
+                            self.failed += 1
+                            self.m.failed.labels("ENGINE_ERROR").inc()
+                            b.fut.set_exception(AgentError("ENGINE_ERROR", f"writing the KV shard: {e}", 500))
+                            continue
                     # The engine frees it once the decoder pulls the key.
                     await asyncio.to_thread(mgr.deallocate_cache, cache)
                     self.core.cache_ready(b.req.req_id)
@@ -251,6 +267,8 @@ class Inference:
                                             s.seed if s else 0))
             except ValueError as e:
                 out.append(AgentError("LLM_PARAM_INVALID", f"the reference engine refused the prompt: {e}", 400))
+            except Exception as e:  # noqa: BLE001 - this request fails, the loop and the batch go on
+                out.append(e)
         return out
 
     # ---- decode (decoder role) ----------------------------------------------------------------
@@ -302,9 +320,9 @@ class Inference:
             pull_ms, cache = await self._pull(req)
             try:
                 if self.ref is not None:   # kept for the rank that decodes (GET /v1/kv/<req_id>)
+                    shard = await asyncio.to_thread(self.ref.read, cache, min(req.prompt_tokens, self.max_seq))
+                    self.held[req.req_id] = (time.monotonic(), shard)
                     self._expire_held()
-                    self.held[req.req_id] = (time.monotonic(), self.ref.read(cache, min(req.prompt_tokens,
-                                                                                         self.max_seq)))
             finally:
                 await asyncio.to_thread(self.core.engine.kv_cache_manager.deallocate_cache, cache)
             return PullResponse(pull_ms=pull_ms)
@@ -313,8 +331,8 @@ class Inference:
 
     def _expire_held(self) -> None:
         now = time.monotonic()
-        for k, (at, _) in list(self.held.items()):
-            if now - at > HELD_TTL_S:
+        for k, (at, _) in list(self.held.items()):   # in the order they were pulled
+            if now - at > HELD_TTL_S or len(self.held) > HELD_MAX:
                 del self.held[k]
 
     def take_held(self, req_id: int) -> bytes:
@@ -353,7 +371,7 @@ class Inference:
                 raws = await asyncio.gather(*(one(r) for r in range(1, tp)))
             except httpx.HTTPError as e:
                 raise AgentError("KV_NOT_HELD", f"gathering the ranks' shards: {e!r}", 502) from None
-            shards += [self.ref.from_bytes(raw, n) for raw in raws]
+            shards += await asyncio.to_thread(lambda: [self.ref.from_bytes(raw, n) for raw in raws])
         return shards
 
     async def decode(self, req: DecodeRequest, out: asyncio.Queue | None = None) -> DecodeResponse:
@@ -374,11 +392,13 @@ class Inference:
                 pull_ms, cache = await self._pull(req)
             remaining, gen = req.output_tokens, None
             if self.ref is not None:
-                shards = await self._gather(req, n) if req.kv_pulled_ms is not None else [self.ref.read(cache, n)]
+                shards = await self._gather(req, n) if req.kv_pulled_ms is not None else \
+                    [await asyncio.to_thread(self.ref.read, cache, n)]
                 s = req.sampling
                 # what fits in the model's positions (the gateway refuses more before any engine work)
                 remaining = max(1, min(remaining, self.ref.max_seq - n))
-                st = await asyncio.to_thread(self.ref.model.state, shards, n)
+                # room for this request's output only, not the model's whole length
+                st = await asyncio.to_thread(self.ref.model.state, shards, n, n + remaining)
                 gen = self.ref.model.continue_(st, req.first_token, remaining, s.temperature if s else 0.0,
                                                s.top_p if s else 1.0, s.seed if s else 0)
             job = _Decode(ctx=n, remaining=remaining, gen=gen,
@@ -439,8 +459,16 @@ class Inference:
             still = []
             for j in self.decode_running:
                 tok = tok_of.get(id(j))
+                if isinstance(tok, Exception):
+                    j.remaining = 0
+                    self.failed += 1
+                    self.m.failed.labels("ENGINE_ERROR").inc()
+                    if not j.fut.done():
+                        j.fut.set_exception(AgentError("ENGINE_ERROR", f"the reference engine failed: {tok!r}", 500))
+                    continue
                 if j.gen is not None and tok is None:   # the model's positions are used up: the answer ends here
                     j.remaining = 0
+                    self.core.meter.completed(now)
                     if not j.fut.done():
                         j.fut.set_result(None)
                     continue
@@ -464,7 +492,14 @@ class Inference:
             self.core.meter.context_tokens = sum(j.ctx for j in still)
 
 
-def _next_tokens(jobs: list[_Decode]) -> list[int | None]:
+def _next_tokens(jobs: list[_Decode]) -> list[int | None | Exception]:
     """One decode step of the reference engine: each running request's next token (None when its
-    generation ended), one request at a time so a token never depends on the batch."""
-    return [next(j.gen, None) if j.gen is not None else None for j in jobs]
+    generation ended, the exception when it failed: that request only), one request at a time so
+    a token never depends on the batch."""
+    out: list[int | None | Exception] = []
+    for j in jobs:
+        try:
+            out.append(next(j.gen, None) if j.gen is not None else None)
+        except Exception as e:  # noqa: BLE001 - reported to its request
+            out.append(e)
+    return out

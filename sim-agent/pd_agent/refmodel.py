@@ -35,6 +35,7 @@ PROBE_PROMPT: tuple[int, ...] = (
 MAX_LAYERS = 16         # what a CPU computes in reasonable time (pd_operator.api.REFERENCE_MAX_*)
 MAX_WIDTH = 1024
 MAX_SEQ = 8192
+MIN_SEQ = 64
 MLA_QUERY_HEADS = 8
 DTYPES = ("float16", "bfloat16", "float32")
 
@@ -89,6 +90,9 @@ class Profile:
                 raise ValueError(f"{name} {v} must be at least 1")
         if self.num_layers > MAX_LAYERS:
             raise ValueError(f"numLayers {self.num_layers} is more than the reference model's {MAX_LAYERS}")
+        if self.max_seq < MIN_SEQ:
+            raise ValueError(f"maxSeqLen {self.max_seq} is less than the reference model's {MIN_SEQ} (the content "
+                             f"probe's prompt and its decode must fit)")
         if self.max_seq > MAX_SEQ:
             raise ValueError(f"maxSeqLen {self.max_seq} is more than the reference model's {MAX_SEQ}")
         width = self.query_heads * self.head_dim

@@ -109,6 +109,22 @@ CASES = [
     ("unknown field", with_("spec.datadist.topolgy", "FullMesh"), "topolgy"),
     ("unknown topology", with_("spec.datadist.topology", "Ring"), "spec.datadist.topology"),
     ("name too long", with_("metadata.name", "x" * 45), "metadata.name"),
+    ("unknown sim engine", with_("spec.sim", {"engine": "vllm"}), "spec.sim.engine"),
+    ("reference engine, too many layers",
+     lambda d: (with_("spec.sim", {"engine": "reference"})(d), with_("spec.model.kvCache.numLayers", 80)(d)),
+     "spec.model.kvCache.numLayers must be at most 16 with spec.sim.engine reference"),
+    ("reference engine, too short a context",
+     lambda d: (with_("spec.sim", {"engine": "reference"})(d), with_("spec.model.kvCache.maxSeqLen", 16)(d)),
+     "spec.model.kvCache.maxSeqLen must be 64 to 8192 with spec.sim.engine reference"),
+    ("reference engine, int8",
+     lambda d: (with_("spec.sim", {"engine": "reference"})(d), with_("spec.model.kvCache.dtype", "int8")(d)),
+     "spec.model.kvCache.dtype int8 is not computed by spec.sim.engine reference"),
+    ("reference engine, too wide",
+     lambda d: (with_("spec.sim", {"engine": "reference"})(d), with_("spec.model.kvCache.headDim", 256)(d)),
+     "2 x numKvHeads x headDim"),
+    ("reference engine, TP a multiple of the heads",
+     lambda d: (with_("spec.sim", {"engine": "reference"})(d), with_("spec.model.kvCache.tensorParallel", 8)(d)),
+     "must divide spec.model.kvCache.numKvHeads with spec.sim.engine reference"),
 ]
 
 

@@ -30,7 +30,9 @@ CONTEXT = 1000
 BODY_LIMIT = 64 << 10
 P_HOST, D_HOST, BAD_HOST = "10.0.0.1", "10.0.0.2", "10.0.0.3"
 LOAD = {"queue_depth": 0, "queued_prompt_tokens": 0, "running": 0, "kv_used_bytes": 0}
+# engines that compute (they take token ids and answer with them)
 PREFILL = {"pod": "p0", "role": "prompt", "cluster_id": 1, "boot_id": "b1", "backend": "sim", "initialized": True,
+           "engine": "reference",
            "ip": P_HOST, "port": 26000, "model_id": 0, "draining": False, "load": LOAD, "links": []}
 DECODER = {**PREFILL, "pod": "d0", "role": "decoder", "cluster_id": 1001, "boot_id": "b2", "ip": D_HOST,
            "links": [{"name": "p0", "cluster_id": 1, "code": "LLM_SUCCESS"}]}
@@ -67,8 +69,11 @@ class FakeAgents:
         self.bodies[path].append(body)
         if path == "/v1/prefill":
             await asyncio.sleep(self.prefill_delay)
+            # an engine that computes answers with the first token it chose
+            first = {"first_token": 300} if "token_ids" in body else {}
             return self.prefill_reply or httpx.Response(200, json={
-                "prompt_cluster_id": 1, "req_id": body["req_id"], "model_id": 0, "queue_ms": 0, "prefill_ms": 1})
+                "prompt_cluster_id": 1, "req_id": body["req_id"], "model_id": 0, "queue_ms": 0, "prefill_ms": 1,
+                **first})
         if self.decode_refusals > 0:
             self.decode_refusals -= 1
             return httpx.Response(503, json={"code": "DRAINING", "message": "draining"})

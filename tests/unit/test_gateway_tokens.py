@@ -117,6 +117,20 @@ async def test_an_unknown_or_malformed_token_id(serve):
     assert (await s.post(CHAT, chat("hi", max_tokens=4))).status_code == 502
 
 
+async def test_an_engine_that_only_models_timing_gets_the_count_alone(serve):
+    """Its requests stay what they were (the benchmarks' numbers do not move): no ids, no sampling."""
+    agents = FakeAgents()
+    agents.reply_ids = None
+    agents.status = {h: {**st, "engine": "timing"} for h, st in agents.status.items()}
+    s = await serve(agents)
+    r = await s.post(CHAT, chat("hello there", max_tokens=3, temperature=0))
+    assert r.status_code == 200, r.text
+    assert s.agents.bodies["/v1/prefill"][-1].keys() == {"req_id", "prompt_tokens"}
+    assert s.agents.bodies["/v1/prefill"][-1]["prompt_tokens"] == tokens.count("user: hello there")
+    assert "sampling" not in s.agents.bodies["/v1/decode"][-1] and "first_token" not in s.agents.bodies[
+        "/v1/decode"][-1]
+
+
 async def test_a_decoder_without_token_ids_still_gets_placeholder_text(serve):
     agents = FakeAgents()
     agents.reply_ids = None

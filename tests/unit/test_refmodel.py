@@ -189,6 +189,7 @@ MLA_JSON = {"attention": "MLA", "numLayers": 2, "headDim": 16, "latentDim": 32, 
     (MLA_JSON, {"latentDim": None}, "latentDim"),
     (MLA_JSON, {"latentDim": 2048}, "latentDim"),
     (GQA_JSON, {"maxSeqLen": 16384}, "maxSeqLen"),
+    (GQA_JSON, {"maxSeqLen": 24}, "maxSeqLen"),
     (GQA_JSON, {"numKvHeads": 8, "headDim": 128}, "numKvHeads"),
     (MLA_JSON, {"headDim": 256}, "headDim"),
     (GQA_JSON, {"attention": "MHA"}, "attention"),
@@ -274,13 +275,13 @@ def test_shards_that_do_not_fit_are_refused():
 
 
 def test_max_seq_bounds_prompt_and_output():
-    m = Model(gqa(max_seq=16))
-    out = m.generate(list(range(10)), 100)
+    m = Model(gqa(max_seq=64))
+    out = m.generate(list(range(58)), 100)
     assert len(out) == 6
     with pytest.raises(ValueError, match="maxSeqLen"):
-        m.prefill(list(range(16)))
-    kv, _ = m.prefill(list(range(15)))
-    st = m.state([kv], 15)
+        m.prefill(list(range(64)))
+    kv, _ = m.prefill(list(range(63)))
+    st = m.state([kv], 63)
     m.step(st, out[0])
     with pytest.raises(ValueError, match="maxSeqLen"):
         m.step(st, out[0])
