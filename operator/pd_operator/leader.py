@@ -63,6 +63,17 @@ class LeaseSettings:
         return s
 
 
+def held_for(written, configured: float) -> float:
+    """How long a record another holder wrote keeps this candidate waiting: its duration, never
+    more than this operator's own. Anyone who may update Leases here could otherwise write a
+    duration of decades and stop every replica for good."""
+    try:
+        d = float(written)
+    except (TypeError, ValueError):
+        return configured
+    return min(d, configured) if d > 0 else configured
+
+
 class Elector:
     def __init__(self, kube: Kube, settings: LeaseSettings, on_started: Callable[[], Awaitable[None]],
                  on_stopped: Callable[[], Awaitable[None]]):
@@ -101,7 +112,7 @@ class Elector:
         if record != self._observed:
             self._observed, self._observed_at = record, now
         if holder != self.s.identity:
-            duration = float(spec.get("leaseDurationSeconds") or self.s.lease_duration)
+            duration = held_for(spec.get("leaseDurationSeconds"), self.s.lease_duration)
             if holder and now - self._observed_at < duration:
                 return False    # held, and renewed within its duration as far as this clock can tell
         try:
