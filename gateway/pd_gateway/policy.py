@@ -96,3 +96,17 @@ def quota(name: str, p: KeyPolicy, now: float, requests_this_minute: int, tokens
                        f"{p.tokens_per_day} ({tokens_today} used today, UTC); it resets at {reset}",
                        "rate_limit_error", wait)
     return None
+
+
+def tokens_fit(name: str, p: KeyPolicy, now: float, tokens_today: int, need: int) -> Refusal | None:
+    """A request's prompt and max_tokens against what is left of its key's tokensPerDay (used and
+    reserved by requests in flight), before any engine works on it."""
+    if p.tokens_per_day is None or tokens_today + need <= p.tokens_per_day:
+        return None
+    wait = _until_midnight(now)
+    left = max(0, p.tokens_per_day - tokens_today)
+    reset = dt.datetime.fromtimestamp(now + wait, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return Refusal(429, "token_quota_exceeded", f"token quota for key {name!r}: this request may use {need} tokens "
+                   f"(its prompt and max_tokens) and {left} of tokensPerDay {p.tokens_per_day} are left today "
+                   f"(UTC, requests in flight included); ask for fewer max_tokens, or retry when it resets at "
+                   f"{reset}", "rate_limit_error", wait)

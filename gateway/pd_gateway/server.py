@@ -441,6 +441,17 @@ class Gateway:
                               wire.context_exceeded(api, context, prompt_tokens, asked), "invalid_request_error",
                               "context_length_exceeded", param=body.PROMPT_PARAM)
         out_tokens = min(asked if asked is not None else min(body.default_tokens(), room), self.cfg.max_output_tokens)
+        p = self.policies.get(key)
+        reserved = 0
+        if p is not None and p.tokens_per_day is not None:
+            # reserved now, settled when it ends: concurrent requests cannot all pass the same check
+            refused = policy.tokens_fit(key, p, self.clock(), self.usage.tokens_today(key, self.clock()),
+                                        prompt_tokens + out_tokens)
+            if refused:
+                self.m.requests.labels(key, api, str(refused.status)).inc()
+                return self.refuse("anthropic" if api == "anthropic" else "openai", refused)
+            reserved = prompt_tokens + out_tokens
+            self.usage.reserve(key, reserved)
         seed: bytes | None = None   # placeholder text's: the prompt digested once, if a token comes without its id
         detok = tokens.Detokenizer()
         rid = wire.new_id({"anthropic": "msg", "chat": "chatcmpl", "responses": "resp"}.get(api, "cmpl"))
@@ -529,6 +540,7 @@ class Gateway:
             return resp
         finally:
             await gen.aclose()
+            self.usage.settle(key, reserved)
             if not accounted and attempt.decoder:
                 # cut short (the client left, an engine failed): the tokens produced still count
                 self.usage.record(key, model, prompt_tokens, len(times), self.clock())

@@ -73,9 +73,23 @@ class Usage:
         self.syncing: Doc = empty()     # being added to the shared document right now
         self.synced_at: float | None = None
         self.error = ""
+        self.reserved: dict[str, int] = {}   # key -> tokens its requests in flight here may still use
 
     def _both(self) -> list[Doc]:
         return [self.remote, self.syncing, self.pending]
+
+    def reserve(self, key: str, tokens: int) -> None:
+        """At admission: what a request may use (its prompt and max_tokens) counts against its key's
+        quota until it is settled, so concurrent requests cannot all pass the same check."""
+        self.reserved[key] = self.reserved.get(key, 0) + tokens
+
+    def settle(self, key: str, tokens: int) -> None:
+        """The request ended: its reservation goes (record() counts what it used)."""
+        left = self.reserved.get(key, 0) - tokens
+        if left > 0:
+            self.reserved[key] = left
+        else:
+            self.reserved.pop(key, None)
 
     def admitted(self, key: str, now: float) -> None:
         m = self.pending["minutes"].setdefault(minute_of(now), {})
@@ -93,9 +107,10 @@ class Usage:
         return sum(d["minutes"].get(m, {}).get(key, 0) for d in self._both())
 
     def tokens_today(self, key: str, now: float) -> int:
+        """Used today (every replica, as of the last sync) and reserved here by requests in flight."""
         day = day_of(now)
-        return sum(c["input"] + c["output"] for d in self._both()
-                   for c in d["days"].get(day, {}).get(key, {}).values())
+        return self.reserved.get(key, 0) + sum(c["input"] + c["output"] for d in self._both()
+                                               for c in d["days"].get(day, {}).get(key, {}).values())
 
     def report(self, key: str | None = None) -> dict:
         """{key: {day: {model: {requests, input, output}}}}, one key's or everyone's."""

@@ -112,8 +112,8 @@ async def test_a_key_scoped_to_one_model_gets_403_on_another(shared):
 
 @pytest.mark.parametrize("limits, first_n, status, says", [
     ({"requestsPerMinute": 2}, 2, 429, "requestsPerMinute 2"),
-    # each request: P (9) prompt tokens + 4 output tokens; the third one starts at 26 >= 25
-    ({"tokensPerDay": 25}, 2, 429, "tokensPerDay 25"),
+    # each request: P (9) prompt tokens + 4 output tokens, reserved at admission: the third needs 39 > 26
+    ({"tokensPerDay": 26}, 2, 429, "tokensPerDay 26"),
 ])
 async def test_quotas_refuse_with_the_limit_and_retry_after(shared, limits, first_n, status, says):
     s = await shared({"team-a": limits})
@@ -130,11 +130,24 @@ async def test_quotas_refuse_with_the_limit_and_retry_after(shared, limits, firs
 
 async def test_the_day_quota_resets_at_utc_midnight(shared):
     clock = Clock()
-    s = await shared({"team-a": {"tokensPerDay": 10}}, clock=clock)
+    s = await shared({"team-a": {"tokensPerDay": P + 4}}, clock=clock)
     assert (await s.post("/v1/chat/completions", chat("llama-8b"))).status_code == 200
     assert (await s.post("/v1/chat/completions", chat("llama-8b"))).status_code == 429
     clock.t += 61
     assert (await s.post("/v1/chat/completions", chat("llama-8b"))).status_code == 200
+
+
+async def test_a_day_quota_holds_under_concurrent_requests(shared):
+    """Each request reserves its prompt and max_tokens at admission: of ten sent at once with room
+    for two, two are served and eight refused before any engine work, however the engines pace them."""
+    s = await shared({"team-a": {"tokensPerDay": 2 * (P + 4) + 1}})
+    hold = s.agents.hold = asyncio.Event()
+    sent = [asyncio.create_task(s.post("/v1/chat/completions", chat("llama-8b"))) for _ in range(10)]
+    await asyncio.sleep(0.3)
+    hold.set()
+    codes = sorted(r.status_code for r in await asyncio.gather(*sent))
+    assert codes == [200] * 2 + [429] * 8, codes
+    assert s.gw.usage.tokens_today("team-a", NOW) == 2 * (P + 4) and not s.gw.usage.reserved
 
 
 async def test_an_expired_key_is_401_saying_so(shared):
