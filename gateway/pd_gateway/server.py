@@ -444,14 +444,14 @@ class Gateway:
         p = self.policies.get(key)
         reserved = 0
         if p is not None and p.tokens_per_day is not None:
-            # reserved now, settled when it ends: concurrent requests cannot all pass the same check
-            refused = policy.tokens_fit(key, p, self.clock(), self.usage.tokens_today(key, self.clock()),
-                                        prompt_tokens + out_tokens)
+            # reserved (just before the try below), settled when it ends: concurrent requests cannot
+            # all pass the same check
+            now = self.clock()
+            refused = policy.tokens_fit(key, p, now, self.usage.tokens_today(key, now), prompt_tokens + out_tokens)
             if refused:
                 self.m.requests.labels(key, api, str(refused.status)).inc()
                 return self.refuse("anthropic" if api == "anthropic" else "openai", refused)
             reserved = prompt_tokens + out_tokens
-            self.usage.reserve(key, reserved)
         seed: bytes | None = None   # placeholder text's: the prompt digested once, if a token comes without its id
         detok = tokens.Detokenizer()
         rid = wire.new_id({"anthropic": "msg", "chat": "chatcmpl", "responses": "resp"}.get(api, "cmpl"))
@@ -465,6 +465,7 @@ class Gateway:
         accounted = False
         resp: web.StreamResponse | None = None
         status = "200"
+        self.usage.reserve(key, reserved)
         try:
             async for msg in gen:
                 if "token" in msg:

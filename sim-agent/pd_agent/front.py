@@ -65,7 +65,7 @@ from pd_contract.names import BROKEN_CODES, LINKED_CODES
 from .core import AgentError
 from .devices import DeviceError, Devices, resolve_env
 from .identity import Identity, cluster_id_of, proxy_environment
-from .inference import OVERLOADED_RETRY_S
+from .inference import OVERLOADED_RETRY_S, no_first_token
 from .metrics import AgentMetrics
 from .server import (
     MAX_BODY_BYTES,
@@ -580,9 +580,7 @@ class Front:
         self._admit("decoder")
         st0 = self.ranks[0].status
         if body.first_token is None and st0 is not None and st0.engine == "reference":
-            # refused before any rank pulls: a pulled shard is gone from the prefill
-            raise AgentError("LLM_PARAM_INVALID", "the reference engine continues from the prefill's first token: "
-                             "send first_token (the prefill's answer has it)", 400)
+            raise no_first_token()   # before any rank pulls: a pulled shard is gone from the prefill
         self.serving += 1
         try:
             return await self._decode(request, body)

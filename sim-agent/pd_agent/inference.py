@@ -383,8 +383,7 @@ class Inference:
         try:
             n = min(req.prompt_tokens, self.max_seq)
             if self.ref is not None and req.first_token is None:
-                raise AgentError("LLM_PARAM_INVALID", "the reference engine continues from the prefill's first token: "
-                                 "send first_token (the prefill's answer has it)", 400)
+                raise no_first_token()
             if req.kv_pulled_ms is not None:   # every rank pulled its shard already: the first token waited for them
                 pull_ms = req.kv_pulled_ms
                 t0 -= pull_ms / 1000
@@ -490,6 +489,12 @@ class Inference:
                     still.append(j)
             self.decode_running = still
             self.core.meter.context_tokens = sum(j.ctx for j in still)
+
+
+def no_first_token() -> AgentError:
+    """A decode for the reference engine without the prefill's first token: the caller's error."""
+    return AgentError("LLM_PARAM_INVALID", "the reference engine continues from the prefill's first token: send "
+                      "first_token (the prefill's answer has it)", 400)
 
 
 def _next_tokens(jobs: list[_Decode]) -> list[int | None | Exception]:

@@ -27,6 +27,11 @@ def with_(path: str, value):
 
 
 DELETE = object()
+
+
+def on_reference(kv_field: str, value):
+    """The reference engine with one spec.model.kvCache field it cannot compute."""
+    return lambda d: (with_("spec.sim", {"engine": "reference"})(d), with_(f"spec.model.kvCache.{kv_field}", value)(d))
 REBAL = {"policy": "Load", "minPrefill": 1, "minDecoder": 1}
 
 CASES = [
@@ -110,20 +115,14 @@ CASES = [
     ("unknown topology", with_("spec.datadist.topology", "Ring"), "spec.datadist.topology"),
     ("name too long", with_("metadata.name", "x" * 45), "metadata.name"),
     ("unknown sim engine", with_("spec.sim", {"engine": "vllm"}), "spec.sim.engine"),
-    ("reference engine, too many layers",
-     lambda d: (with_("spec.sim", {"engine": "reference"})(d), with_("spec.model.kvCache.numLayers", 80)(d)),
+    ("reference engine, too many layers", on_reference("numLayers", 80),
      "spec.model.kvCache.numLayers must be at most 16 with spec.sim.engine reference"),
-    ("reference engine, too short a context",
-     lambda d: (with_("spec.sim", {"engine": "reference"})(d), with_("spec.model.kvCache.maxSeqLen", 16)(d)),
+    ("reference engine, too short a context", on_reference("maxSeqLen", 16),
      "spec.model.kvCache.maxSeqLen must be 64 to 8192 with spec.sim.engine reference"),
-    ("reference engine, int8",
-     lambda d: (with_("spec.sim", {"engine": "reference"})(d), with_("spec.model.kvCache.dtype", "int8")(d)),
+    ("reference engine, int8", on_reference("dtype", "int8"),
      "spec.model.kvCache.dtype int8 is not computed by spec.sim.engine reference"),
-    ("reference engine, too wide",
-     lambda d: (with_("spec.sim", {"engine": "reference"})(d), with_("spec.model.kvCache.headDim", 256)(d)),
-     "2 x numKvHeads x headDim"),
-    ("reference engine, TP a multiple of the heads",
-     lambda d: (with_("spec.sim", {"engine": "reference"})(d), with_("spec.model.kvCache.tensorParallel", 8)(d)),
+    ("reference engine, too wide", on_reference("headDim", 256), "2 x numKvHeads x headDim"),
+    ("reference engine, TP a multiple of the heads", on_reference("tensorParallel", 8),
      "must divide spec.model.kvCache.numKvHeads with spec.sim.engine reference"),
 ]
 
