@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 
 from pd_contract.agent_api import Peer, RankEndpoint
@@ -13,8 +12,9 @@ from pd_contract.names import LINKED_CODES
 
 from . import children as ch
 from . import links as lk
+from . import tokens as tk
 from .agentclient import AgentCallError, AgentClient
-from .builders import ANNOTATION_ROLE, LABEL_ROLE, peer_token_secret_name, token_secret
+from .builders import ANNOTATION_ROLE, LABEL_ROLE, token_secret
 from .diagnosis import Diagnosis, link_failure
 from .events import Events
 from .kube import Kube, KubeError
@@ -39,14 +39,19 @@ def _peer_of_link(link: dict) -> Peer:
                 port=link.get("port") or 1, ranks=ranks)
 
 
-async def ensure_token(kube: Kube, name: str, namespace: str, owner: dict) -> None:
-    """The agents' bearer tokens, control (the operator's), data (routers') and peer (pull
-    notices between the deployment's agents): created once, never re-generated (running pods
-    hold them). Hex, so a token never starts with '-', which a command line (`--token $TOKEN`)
-    would take for an option."""
-    await kube.create(token_secret(name, namespace, secrets.token_hex(32), owner))
-    await kube.create(token_secret(name, namespace, secrets.token_hex(32), owner, f"{name}-agent-data-token"))
-    await kube.create(token_secret(name, namespace, secrets.token_hex(32), owner, peer_token_secret_name(name)))
+async def create_tokens(kube: Kube, mem: Memory, name: str, namespace: str, owner: dict) -> None:
+    """The agents' bearer tokens, control (the operator's), data (routers') and peer (pull notices
+    between the deployment's agents), whose digests the status now records: created once, never
+    re-generated (running pods hold them). One that exists already (409) was made by someone
+    else: the next pass reads it and refuses it (tokens.judge)."""
+    for role, token in list(mem.token_create.items()):
+        made = await kube.create(token_secret(name, namespace, token, owner, tk.SECRETS[role](name)))
+        if made is None:
+            mem.token_read_at = 0.0
+            continue
+        del mem.token_create[role]
+        if role == "control":
+            mem.token, mem.token_read_at = token, time.monotonic()
 
 
 async def apply_children(kube: Kube, metrics: OperatorMetrics, mem: Memory, objs: list[dict]) -> None:

@@ -562,6 +562,10 @@ class PDDeploymentStatus(Model):
     last_verified: dict[str, Any] | None = Field(
         default=None, description="the last KV-path verification round: paths probed, bytes, slowest pull")
     observed_generation: int | None = None
+    token_digests: dict[str, str] | None = Field(
+        default=None, description="sha256 of the agent tokens (control, data, peer) the operator generated, recorded "
+                                  "before their Secrets are created: a Secret of that name holding another token "
+                                  "was not made by the operator and is never used")
     replicas: int | None = Field(default=None, description="engine pods that exist (scale subresource)")
     selector: str | None = Field(default=None, description="label selector of the engine pods (scale subresource)")
 

@@ -51,7 +51,8 @@ class Snapshot:
     memory: Memory                      # as read; decide forks it
     npu_resource: str = NPU_RESOURCE    # the extended resource that means NPUs (operator configuration)
     config: OperatorConfig = OperatorConfig()   # what the cluster admin allows
-    token_problem: str | None = None    # a token Secret this deployment does not own
+    token_problem: str | None = None    # a token Secret the operator did not make
+    token_digests: tuple[tuple[str, str], ...] = ()   # status.tokenDigests (tokens.judge)
     keys: tuple[bool, str, str] | None = None   # the gateway's keys Secret: opted in, or why not
     strays: tuple[dict, ...] = ()       # pods with the deployment's labels that its StatefulSets do not own
 
@@ -180,6 +181,8 @@ def decide(snap: Snapshot) -> Plan:
     obs.observed_generation = gen if not to_apply and not blocked else \
         (body.get("status") or {}).get("observedGeneration")
     status = build_status(spec, obs, body.get("status"), at=sw_.iso(wall)[:19] + "Z")
+    if snap.token_digests:   # before any token Secret is created: what proves it is the operator's
+        status["tokenDigests"] = dict(snap.token_digests)
 
     mismatched = lk.mismatches(engines)
     if mismatched:

@@ -32,6 +32,7 @@ from .sharedgateway import (
     usage_configmap,
     usage_configmap_name,
 )
+from .tokens import made_by_operator
 
 log = logging.getLogger("pd_operator.gateways")
 Key = tuple[str, str]
@@ -134,10 +135,10 @@ class GatewayController:
         keys = keys_state(secret, spec.api_keys_secret)
         tokens = set()
         now = time.monotonic()
-        for d in deployments:   # a deployment is routed once its data token exists (pods read it at start)
+        for d in deployments:   # routed once its data token exists (pods read it at start) and is the operator's
             dname = d["metadata"]["name"]
             if now - self.token_seen.get((ns, dname), -RECHECK_S) < RECHECK_S or \
-                    await self.kube.get("v1", "Secret", ns, data_token_secret_name(dname)) is not None:
+                    made_by_operator(d, await self.kube.get("v1", "Secret", ns, data_token_secret_name(dname))):
                 self.token_seen.setdefault((ns, dname), now)
                 tokens.add(dname)
             else:

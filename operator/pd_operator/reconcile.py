@@ -17,7 +17,6 @@ retried hot; transient ones back off."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
 import os
 import time
@@ -30,15 +29,15 @@ from . import act, kinds, observe, policies
 from . import children as ch
 from . import links as lk
 from . import switch as sw_
+from . import tokens as tk
 from .agentclient import AgentClient
 from .api import GROUP, KIND, VERSION, PDDeploymentSpec, parse_spec
-from .builders import LABEL_DEPLOYMENT, peer_token_secret_name, token_secret_name
+from .builders import LABEL_DEPLOYMENT
 from .conditions import set_condition
 from .config import OperatorConfig
 from .decide import Plan, Snapshot, decide
 from .diagnosis import Diagnosis
 from .events import Events
-from .gateway import data_token_secret_name
 from .kube import Kube, KubeError
 from .members import Problem, claimed_owner, foreign, member_of, own_statefulsets, pod_ready
 from .metrics import OperatorMetrics
@@ -57,10 +56,6 @@ TOKEN_TTL_S = 20.0
 STRAY_RELIST_S = 5.0      # a pod claiming a StatefulSet not in the cache makes a fresh list this often
 ACTED_DELAY_S = 0.05      # the next pass after one that acted
 SWITCH_POLL_S = 0.1       # while a switch waits on something observed (a drain)
-
-
-def owned_by(obj: dict, uid: str) -> bool:
-    return bool(uid) and any(o.get("uid") == uid for o in obj["metadata"].get("ownerReferences") or [])
 
 
 class TerminalError(Exception):
@@ -253,28 +248,21 @@ class Controller:
                     cache[k] = (obj, t0)
         self.relisted_at[key] = t0
 
-    async def _token(self, key: Key, mem: Memory, uid: str) -> str | None:
-        """The control token, from the Secret this deployment owns. Re-read now and then: a
-        rotated Secret must show up (as AgentUnauthorized until the pods restart with it), and
-        RBAC allows `get` on the Secret, not a watch. A token Secret of the same name that
-        this deployment does not own (made before it, by someone else) is never adopted: its
-        token would be one another party chose or knows."""
-        if (mem.token or mem.token_problem) and time.monotonic() - mem.token_read_at < TOKEN_TTL_S:
+    async def _token(self, key: Key, mem: Memory, uid: str, status: dict | None) -> str | None:
+        """The control token, from the Secret the operator made (tokens.judge: its digest is in
+        status). Re-read now and then: a Secret deleted to rotate it must show up (a new one is made;
+        the running pods answer AgentUnauthorized until they restart with it), and RBAC allows `get`
+        on the Secret, not a watch."""
+        if (mem.token or mem.token_problem) and not mem.token_create \
+                and time.monotonic() - mem.token_read_at < TOKEN_TTL_S:
             return mem.token
         ns, name = key
-        token, foreign = None, []
-        for sname in (token_secret_name(name), data_token_secret_name(name), peer_token_secret_name(name)):
-            sec = await self.kube.get("v1", "Secret", ns, sname)
-            if sec is None:
-                continue
-            if not owned_by(sec, uid):
-                foreign.append(sname)
-            elif sname == token_secret_name(name) and sec.get("data", {}).get("token"):
-                token = base64.b64decode(sec["data"]["token"]).decode()
-        mem.token = None if token_secret_name(name) in foreign else token
-        mem.token_problem = (f"Secret {', '.join(foreign)} in {ns} is not owned by this PDDeployment, so the "
-                             f"operator does not use it; delete it and the operator creates its own") \
-            if foreign else None
+        found = {role: await self.kube.get("v1", "Secret", ns, secret_name(name))
+                 for role, secret_name in tk.SECRETS.items()}
+        # what this operator wrote last is newer than the cached object's status
+        v = tk.judge(name, ns, uid, found, mem.last_status or status, mem.token_create)
+        mem.token, mem.token_problem, mem.token_digests = v.token, v.problem, v.digests
+        mem.token_create = v.create
         mem.token_read_at = time.monotonic()
         return mem.token
 
@@ -345,7 +333,7 @@ class Controller:
         members = [member_of(p, spec) for p in all_pods]
         problems = tuple(strays) + tuple(m for m in members if isinstance(m, Problem))
         engines = [m for m in members if not isinstance(m, Problem)]
-        token = await self._token(key, mem, uid)
+        token = await self._token(key, mem, uid, body.get("status"))
         keys = await self._keys_secret(key, mem, spec)
         book = mem.book or sw_.Book.from_status(body.get("status"))
         reports: dict = {}
@@ -370,6 +358,7 @@ class Controller:
                         engines=tuple(engines), problems=problems, token=token, reports=reports,
                         gateway_stats=stats, gateway_read=read, asked=frozenset(ask), memory=mem,
                         npu_resource=self.npu_resource, config=self.config, token_problem=mem.token_problem,
+                        token_digests=tuple(sorted(mem.token_digests.items())),
                         keys=keys, strays=stray_pods)
 
     async def _gateway_stats(self, ns: str, name: str) -> tuple[dict, float] | None:
@@ -431,10 +420,9 @@ class Controller:
                                                       plan.switch_probes, token) for its in grouped.values()))
             dirty.update(grouped)
             acted = True
-        if (token is None or not mem.tokens_ensured) and not snap.token_problem:
-            await act.ensure_token(self.kube, name, ns, owner_reference(name, body["metadata"]["uid"]))
-            mem.tokens_ensured = True
-            acted = acted or token is None
+        if mem.token_create and not snap.token_problem:   # their digests are in the status just written
+            await act.create_tokens(self.kube, mem, name, ns, owner_reference(name, body["metadata"]["uid"]))
+            acted = True
         if plan.to_apply:
             await self._apply(body, spec, mem, snap.generation, plan.to_apply, created=not snap.children,
                               everything=len(plan.to_apply) == len(plan.desired),

@@ -38,8 +38,9 @@ class Memory:
     last_status: dict | None = None
     token: str | None = None
     token_read_at: float = 0.0
-    tokens_ensured: bool = False          # the token Secrets exist (checked once per operator run)
-    token_problem: str | None = None      # a token Secret of that name that this deployment does not own
+    token_problem: str | None = None      # a token Secret the operator did not make (tokens.judge)
+    token_digests: dict[str, str] = field(default_factory=dict)   # status.tokenDigests
+    token_create: dict[str, str] = field(default_factory=dict)    # role -> token recorded, not yet created
     keys_verdict: tuple[bool, str, str] | None = None   # the gateway's keys Secret: opted in or why not
     keys_read_at: float = 0.0
     applied_keys: bool | None = None      # whether the children last applied gave the gateway its keys

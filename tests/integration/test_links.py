@@ -114,9 +114,9 @@ def test_wrong_token_is_agent_unauthorized(cluster: Cluster, namespace: str, ope
     ns = namespace
     cluster.apply(sample(**{"prefill.replicas": 1, "decoder.replicas": 1}), ns)
     ready_with(cluster, ns, "1/1")
-    # rotate the Secret under running pods: their agents keep the token they started with
-    cluster.kubectl("patch", "secret", "sim-small-agent-token", "-n", ns, "--type=merge",
-                    "-p", '{"stringData":{"token":"rotated-without-restart"}}')
+    # rotate the Secret under running pods (delete it: the operator makes a new one): their agents
+    # keep the token they started with
+    cluster.kubectl("delete", "secret", "sim-small-agent-token", "-n", ns)
     obj = wait_phase(cluster, ns, "Degraded", extra=lambda o: condition(o, "AgentsReady").get("reason") ==
                      "AgentUnauthorized")
     assert "rejected the operator's token" in condition(obj, "AgentsReady")["message"]

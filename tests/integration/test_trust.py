@@ -1,10 +1,12 @@
 """Trust boundaries the operator keeps itself, with no admission policy installed (the chart
 test covers the policy): host paths and gateway images outside its configuration are refused
-with a condition, a token Secret it does not own is never adopted, and an API-keys Secret
+with a condition, a token Secret it did not make is never used (planted before the deployment or
+right after it, owned by it), and an API-keys Secret
 reaches the gateway only once it opted in."""
 from __future__ import annotations
 
 import base64
+import hashlib
 
 import httpx
 import pytest
@@ -59,6 +61,36 @@ def test_what_the_configuration_does_not_allow_is_refused_with_a_condition(clust
     wait_for("the fixed spec applied", lambda: cluster.kubectl(
         "get", "statefulset", "hostpath-prefill", "-n", ns, check=False).returncode == 0, timeout=60)
     assert operator.proc.poll() is None
+
+
+def test_token_secrets_planted_with_the_deployments_owner_reference_are_never_used(cluster: Cluster, namespace: str,
+                                                                                   operator) -> None:
+    """Someone who may only create Secrets makes the three token Secrets, owned by the deployment
+    (its uid is readable), the moment it appears: the operator refuses them and names them."""
+    ns = namespace
+    operator.stop()   # so the planted Secrets surely come first, as a fast attacker's did
+    cluster.apply(sample(name="race", **SMALL), ns)
+    uid = pdd(cluster, ns, "race")["metadata"]["uid"]
+    owner = [{"apiVersion": "pdoperator.io/v1alpha1", "kind": "PDDeployment", "name": "race", "uid": uid,
+              "controller": True, "blockOwnerDeletion": True}]
+    for sname in ("race-agent-token", "race-agent-data-token", "race-agent-peer-token"):
+        cluster.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": sname, "ownerReferences": owner},
+                       "stringData": {"token": "chosen-by-them"}}, ns)
+    operator.start()
+    o = refused(cluster, ns, "race", "TokenSecretNotOwned")
+    msg = condition(o, "Ready")["message"]
+    assert "race-agent-token" in msg and "race-agent-data-token" in msg and "race-agent-peer-token" in msg, msg
+    sts = {s["metadata"]["name"] for s in cluster.get_json("statefulsets", "-n", ns)["items"]}
+    assert not sts & {"race-prefill", "race-decoder"}, "no engine was started with their tokens"
+    assert not o["status"].get("tokenDigests"), "nothing of theirs is recorded as the operator's"
+
+    # deleting them is all it takes: the operator makes its own, records them, and uses them
+    for sname in ("race-agent-token", "race-agent-data-token", "race-agent-peer-token"):
+        cluster.kubectl("delete", "secret", sname, "-n", ns)
+    o = wait_phase(cluster, ns, "Ready", name="race", timeout=120)
+    token = base64.b64decode(cluster.get_json("secret", "race-agent-token", "-n", ns)["data"]["token"]).decode()
+    assert token != "chosen-by-them" and o["status"]["tokenDigests"]["control"] == \
+        hashlib.sha256(token.encode()).hexdigest()
 
 
 def test_a_keys_secret_reaches_the_gateway_only_once_it_opted_in(cluster: Cluster, namespace: str,

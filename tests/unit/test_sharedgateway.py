@@ -137,6 +137,7 @@ async def test_a_pass_reads_and_applies_what_changed_only(monkeypatch):
     from pd_operator import gatewaycontroller as gc
     from pd_operator.config import OperatorConfig
     from pd_operator.events import Events
+    from pd_operator.tokens import digest
     from tests.unit.controller_fakes import FakeKube, Log
 
     log = Log()
@@ -152,6 +153,7 @@ async def test_a_pass_reads_and_applies_what_changed_only(monkeypatch):
     monkeypatch.setattr(gc.time, "monotonic", lambda: clock[0])
     for d in (dep("a", "llama-8b"), dep("b", "qwen-7b")):
         d["apiVersion"], d["kind"] = "pdoperator.io/v1alpha1", "PDDeployment"
+        d["status"] = {"tokenDigests": {"data": digest("x")}}   # the operator made the data token "x"
         kube._store(d)
         kube._store({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": f"{d['metadata']['name']}"
                      "-agent-data-token", "namespace": "t"}, "data": {"token": "eA=="}})
