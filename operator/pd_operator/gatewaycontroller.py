@@ -196,7 +196,8 @@ class GatewayController:
                 f"{m} -> {d}" + (f" (aliases {', '.join(a)})" if a else "") for m, d, a in served) or "no model"))
         for model, deps in sorted(r.conflicts.items()):
             await self.events.post(gw, "Warning", "ModelConflict",
-                                   f"model {model!r} is claimed by {', '.join(deps)}: not routed")
+                                   f"model {model!r} is claimed by {', '.join(deps)}: routed to {deps[0]}, "
+                                   f"{', '.join(deps[1:])} left out")
         if not keys[0]:
             await self.events.post(gw, "Warning", keys[1], keys[2])
 

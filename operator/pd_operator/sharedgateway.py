@@ -6,8 +6,9 @@ Least privilege, as for a deployment's own gateway: the Role reads pods, gets th
 deployments' StatefulSets by name (membership is by controller, not labels), the keys Secret
 only once it opted in (label pdoperator.io/keys: "true"), and gets and patches the one usage
 ConfigMap. The gateway holds each deployment's data-scope token only (from its Secret, by
-reference). Two deployments claiming one model name (or alias) are both left out of routing
-for that name and reported in a condition: no silent pick."""
+reference). Of deployments claiming one model name (or alias), the one that serves (the oldest
+claim, if several or none do) gets it, and the others are named in a condition: a deployment
+scaled to zero cannot take a served model offline."""
 from __future__ import annotations
 
 import hashlib
@@ -52,16 +53,24 @@ class Served:
 @dataclass
 class Routing:
     served: list[Served]                      # what the gateway routes
-    conflicts: dict[str, list[str]]           # model name -> the deployments claiming it
+    conflicts: dict[str, list[str]]           # model name -> the deployments claiming it, the one routed first
     invalid: dict[str, str]                   # deployment -> why its spec cannot be used
     waiting: list[str] = field(default_factory=list)   # selected, its data token not there yet
+
+
+def serving(deployment: dict) -> bool:
+    """Ready engine pods in both roles (status.prefill and status.decoder, as the operator wrote)."""
+    st = deployment.get("status") or {}
+    return (st.get("prefill") or 0) > 0 and (st.get("decoder") or 0) > 0
 
 
 def routing(deployments: list[dict], selector: Selector | None, tokens: set[str] | None = None) -> Routing:
     """`tokens`: the deployments whose data-token Secret exists (None: all). A gateway pod reads
     the token at its start, so a deployment is routed once its token exists (the routes change,
-    and the gateway rolls)."""
-    claims: dict[str, list[str]] = {}
+    and the gateway rolls). A name (model or alias) claimed by several deployments goes to one
+    that serves; among several (or none) that serve, to the oldest claim: a deployment scaled to
+    zero, or one made later, cannot take a served model offline."""
+    claims: dict[str, list[dict]] = {}
     picked: list[tuple[str, str, list[str]]] = []
     invalid: dict[str, str] = {}
     for d in sorted(deployments, key=lambda d: d["metadata"]["name"]):
@@ -75,17 +84,25 @@ def routing(deployments: list[dict], selector: Selector | None, tokens: set[str]
             continue
         names = [spec.model.name, *(spec.model.aliases or [])]
         for n in dict.fromkeys(names):
-            claims.setdefault(n, []).append(meta["name"])
+            claims.setdefault(n, []).append(d)
         picked.append((meta["name"], spec.model.name, list(spec.model.aliases or [])))
-    conflicts = {n: ds for n, ds in claims.items() if len(ds) > 1}
+    owner: dict[str, str] = {}
+    conflicts: dict[str, list[str]] = {}
+    for n, ds in claims.items():
+        candidates = [d for d in ds if serving(d)] or ds
+        win = min(candidates, key=lambda d: (d["metadata"].get("creationTimestamp") or "", d["metadata"]["name"]))
+        owner[n] = win["metadata"]["name"]
+        if len(ds) > 1:
+            conflicts[n] = [owner[n], *(d["metadata"]["name"] for d in ds if d is not win)]
     served, waiting = [], []
     for dep, model, aliases in picked:
-        if model in conflicts:
+        names = [n for n in dict.fromkeys([model, *aliases]) if owner.get(n) == dep]
+        if not names:
             continue
         if tokens is not None and dep not in tokens:
             waiting.append(dep)
             continue
-        served.append(Served(model, dep, [a for a in aliases if a not in conflicts and a != model]))
+        served.append(Served(names[0], dep, names[1:]))
     return Routing(served, conflicts, invalid, waiting)
 
 
@@ -161,9 +178,10 @@ def status(gw: dict, r: Routing, keys: tuple[bool, str, str], dep_obj: dict | No
     ok, reason, message = keys
     conds = set_condition(conds, "GatewayKeys", ok, reason, message, gen)
     if r.conflicts:
-        msg = "; ".join(f"model {m!r} is claimed by {', '.join(ds)}" for m, ds in sorted(r.conflicts.items()))
+        msg = "; ".join(f"model {m!r} is claimed by {', '.join(ds)}: routed to {ds[0]}, {', '.join(ds[1:])} left "
+                        f"out" for m, ds in sorted(r.conflicts.items()))
         conds = set_condition(conds, "ModelsServed", False, "ModelConflict",
-                              f"{msg}: not routed until one deployment serves it (rename a model or an alias, or "
+                              f"{msg} (a claim that serves wins, else the oldest; rename a model or an alias, or "
                               f"narrow spec.selector)", gen)
     elif r.invalid:
         conds = set_condition(conds, "ModelsServed", False, "InvalidDeployment", "; ".join(

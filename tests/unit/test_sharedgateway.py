@@ -43,14 +43,38 @@ def test_label_selector(labels, selector, want):
 def test_routing_serves_each_model_and_reports_conflicts():
     deps = [dep("a", "llama-8b", ["llama"]), dep("b", "qwen-7b"), dep("c", "qwen-7b"),
             dep("d", "mistral", ["llama"], labels={"team": "x"})]
-    r = routing(deps, None)
-    assert [(s.model, s.deployment, s.aliases) for s in r.served] == [("llama-8b", "a", []), ("mistral", "d", [])]
+    r = routing(deps, None)   # none serves: the oldest claim (same age here: by name) is routed
+    assert [(s.model, s.deployment, s.aliases) for s in r.served] == [
+        ("llama-8b", "a", ["llama"]), ("qwen-7b", "b", []), ("mistral", "d", [])]
     assert r.conflicts == {"llama": ["a", "d"], "qwen-7b": ["b", "c"]}
     r = routing(deps, Selector.model_validate({"matchExpressions": [{"key": "team", "operator": "DoesNotExist"}]}))
-    assert [(s.model, s.aliases) for s in r.served] == [("llama-8b", ["llama"])]
+    assert [(s.model, s.aliases) for s in r.served] == [("llama-8b", ["llama"]), ("qwen-7b", [])]
     broken = dep("e", "x")
     broken["spec"]["model"]["kvCache"]["numLayers"] = 0
     assert "e" in routing([broken], None).invalid
+
+
+def aged(d: dict, created: str, prefill: int = 0, decoder: int = 0) -> dict:
+    d["metadata"]["creationTimestamp"] = created
+    d["status"] = {"prefill": prefill, "decoder": decoder}
+    return d
+
+
+def test_a_deployment_that_does_not_serve_cannot_take_a_served_model_offline():
+    """The attack: a 0-replica PDDeployment claiming a served model's name."""
+    live = aged(dep("live", "llama-8b"), "2026-12-02T00:00:00Z", prefill=2, decoder=2)
+    idle = aged(dep("idle", "llama-8b", ["qwen-7b"]), "2026-12-01T00:00:00Z")
+    r = routing([live, idle], None)
+    assert [(s.model, s.deployment) for s in r.served] == [("qwen-7b", "idle"), ("llama-8b", "live")]
+    assert r.conflicts == {"llama-8b": ["live", "idle"]}
+    # both serve: the older claim keeps it; neither does: the older claim too
+    newer = aged(dep("newer", "llama-8b"), "2026-12-03T00:00:00Z", prefill=1, decoder=1)
+    assert routing([newer, live], None).conflicts == {"llama-8b": ["live", "newer"]}
+    assert routing([aged(dep("b", "m"), "2026-12-02T00:00:00Z"), aged(dep("a", "m"), "2026-12-03T00:00:00Z")],
+                   None).conflicts == {"m": ["b", "a"]}
+    # one role without a Ready pod does not serve
+    half = aged(dep("half", "llama-8b"), "2026-11-01T00:00:00Z", prefill=1)
+    assert routing([half, live], None).conflicts == {"llama-8b": ["live", "half"]}
 
 
 def test_objects_least_privilege_and_routes():
@@ -100,8 +124,9 @@ def test_status_names_conflicts_and_readiness():
     st = status(gw, r, (True, "KeysSecretReady", "ok"), {"spec": {"replicas": 2}, "status": {"readyReplicas": 2}})
     served = {c["type"]: c for c in st["conditions"]}
     assert served["ModelsServed"]["reason"] == "ModelConflict"
-    assert "claimed by a, b" in served["ModelsServed"]["message"]
-    assert st["phase"] == "Degraded" and st["models"] == [{"model": "n", "deployment": "c"}]
+    assert "claimed by a, b: routed to a, b left out" in served["ModelsServed"]["message"]
+    assert st["phase"] == "Degraded" and st["models"] == [{"model": "m", "deployment": "a"},
+                                                          {"model": "n", "deployment": "c"}]
     assert st["url"] == "http://shared.t.svc:8000/v1"
     st = status(gw, routing([dep("c", "n")], None), (True, "KeysSecretReady", "ok"),
                 {"spec": {"replicas": 2}, "status": {}})
