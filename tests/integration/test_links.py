@@ -76,7 +76,7 @@ def test_fault_diagnosis_and_recovery(cluster: Cluster, namespace: str, operator
     assert any(e["reason"] == "EndpointUnreachable" and e["type"] == "Warning" for e in events(cluster, ns))
     # retried with backoff; the repeats bump one Event per decoder, they do not add Events
     wait_for("retries", lambda: operator.metric("pd_operator_link_operations_total", op="link",
-                                                code="LLM_LINK_FAILED") >= 4, timeout=30)
+                                                code="LLM_LINK_FAILED") >= 4, timeout=90)
     unreachable = [e for e in events(cluster, ns) if e["reason"] == "EndpointUnreachable"]
     assert len(unreachable) <= 2, [e["message"] for e in unreachable]
 

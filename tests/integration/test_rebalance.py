@@ -80,7 +80,7 @@ def test_load_policy_follows_a_shifting_workload(cluster: Cluster, namespace: st
         t1 = now_iso()
         load = Load(cluster, ns, duration=300, rate=16, workload="code", max_output=8)
         o = wait_for("a third prefill", lambda: (x := pdd(cluster, ns))["status"].get("prefill") == 3
-                     and x["status"]["phase"] == "Ready" and x, timeout=90)
+                     and x["status"]["phase"] == "Ready" and x, timeout=240)
         first = next(d for d in w.evaluations_since(t1) if d["reason"] == "PrefillBound")
         # counted from the first evaluation that saw the load: one that ran before the load reached
         # the engines ("within thresholds") says nothing about how fast the policy follows
@@ -92,7 +92,7 @@ def test_load_policy_follows_a_shifting_workload(cluster: Cluster, namespace: st
         t2 = now_iso()
         load = Load(cluster, ns, duration=300, rate=3, workload="chat", max_output=256)
         wait_for("back to one prefill", lambda: (x := pdd(cluster, ns))["status"].get("prefill") == 1
-                 and x["status"]["phase"] == "Ready", timeout=150)
+                 and x["status"]["phase"] == "Ready", timeout=300)
         s2 = load.stop()
         first_d = next(d for d in w.evaluations_since(t2) if d["reason"] == "DecodeBound")
         evals_d = since_pressed(w.evaluations_since(t2), first_d)
@@ -227,14 +227,14 @@ def test_goodput_policy_moves_whole_and_says_why(cluster: Cluster, namespace: st
         t1 = now_iso()
         load = Load(cluster, ns, duration=300, rate=16, workload="code", max_output=8)
         o = wait_for("more prefills", lambda: (x := pdd(cluster, ns))["status"].get("prefill", 0) >= 3
-                     and x["status"]["phase"] == "Ready" and x, timeout=90)
+                     and x["status"]["phase"] == "Ready" and x, timeout=240)
         moved = next(d for d in w.evaluations_since(t1) if d["reason"] == "GoodputGain")
         s1 = load.stop()
         # decode-heavy: long outputs at a modest rate
         t2 = now_iso()
         load = Load(cluster, ns, duration=300, rate=3, workload="chat", max_output=256)
         wait_for("back to one prefill", lambda: (x := pdd(cluster, ns))["status"].get("prefill") == 1
-                 and x["status"]["phase"] == "Ready", timeout=150)
+                 and x["status"]["phase"] == "Ready", timeout=300)
         s2 = load.stop()
         back = next(d for d in w.evaluations_since(t2) if d["reason"] in ("GoodputGain", "Relieve"))
     finally:

@@ -121,6 +121,7 @@ def test_manual_switch_both_ways_under_load(cluster: Cluster, fleet: str, operat
     assert "Last Switch" in out and "Rebalancing" in out
 
 
+@pytest.mark.timeout(1800)   # twelve stops, restarts and switches: minutes more on a loaded machine
 def test_operator_killed_at_every_step_of_both_directions(cluster: Cluster, fleet: str, operator):
     """The operator exits right after recording each step (a test-only fault point); after a
     restart the switch completes, the links match the roles, and no request fails."""
@@ -159,7 +160,7 @@ def crash_container(cluster: Cluster, ns: str, pod: str) -> None:
         agent_post(cluster, ns, pod, "/v1/admin/faults", {"crash": True})
     except Exception:  # noqa: BLE001 - the process may die before it answers
         pass
-    wait_for(f"{pod} restarted", lambda: roles(cluster, ns)[pod][3] >= 1, timeout=30)
+    wait_for(f"{pod} restarted", lambda: roles(cluster, ns)[pod][3] >= 1, timeout=120)
 
 
 def test_switching_pod_restarted_mid_switch_comes_back_in_the_right_role(cluster: Cluster, fleet: str, operator):
@@ -176,19 +177,25 @@ def test_switching_pod_restarted_mid_switch_comes_back_in_the_right_role(cluster
     assert operator.wait_exit(180) == 17
     pod = pdd(cluster, ns)["status"]["switches"][0]["pod"]
     crash_container(cluster, ns, pod)
-    wait_for(f"{pod} back as a decoder", lambda: agent_status(cluster, ns, pod)["role"] == "decoder", timeout=30)
+    wait_for(f"{pod} back as a decoder", lambda: agent_status(cluster, ns, pod)["role"] == "decoder", timeout=120)
     operator.start()
-    obj = switched(cluster, ns, "prefill", None, "3/3")
+    obj = switched(cluster, ns, "prefill", None, "3/3", timeout=180)
     assert obj["status"]["lastSwitch"]["pod"] == pod
     links_match_roles(cluster, ns)
 
     # a prefill-role pod of the decoder group survives a container restart as a prefill. This
     # kill is not drained: requests whose KV cache waits on it when it dies may fail
     before = agent_status(cluster, ns, pod)["load"]
-    crash_container(cluster, ns, pod)
-    wait_for(f"{pod} back", lambda: agent_status(cluster, ns, pod)["initialized"], timeout=30)
+    kill_from = time.time()
+    try:
+        agent_post(cluster, ns, pod, "/v1/admin/faults", {"crash": True})
+    except Exception:  # noqa: BLE001 - the process may die before it answers
+        pass
+    kill_to = time.time()
+    wait_for(f"{pod} restarted", lambda: roles(cluster, ns)[pod][3] >= 2, timeout=120)
+    wait_for(f"{pod} back", lambda: agent_status(cluster, ns, pod)["initialized"], timeout=120)
     assert agent_status(cluster, ns, pod)["role"] == "prompt"
-    wait_phase(cluster, ns, "Ready", timeout=60, extra=lambda o: o["status"]["linksSummary"] == "3/3")
+    wait_phase(cluster, ns, "Ready", timeout=180, extra=lambda o: o["status"]["linksSummary"] == "3/3")
     links_match_roles(cluster, ns)
     assert roles(cluster, ns)[pod][0] == "prefill"
 
@@ -205,21 +212,24 @@ def test_switching_pod_restarted_mid_switch_comes_back_in_the_right_role(cluster
         agent_post(cluster, ns, pod, "/v1/admin/faults", {"crash": True})
     except Exception:  # noqa: BLE001
         pass
-    wait_for(f"{pod} restarted", lambda: roles(cluster, ns)[pod][3] > restarts, timeout=30)
-    wait_for(f"{pod} back as a decoder", lambda: agent_status(cluster, ns, pod)["role"] == "decoder", timeout=30)
+    wait_for(f"{pod} restarted", lambda: roles(cluster, ns)[pod][3] > restarts, timeout=120)
+    wait_for(f"{pod} back as a decoder", lambda: agent_status(cluster, ns, pod)["role"] == "decoder", timeout=120)
     operator.start()
-    switched(cluster, ns, "decoder", last_at, "4/4")
+    switched(cluster, ns, "decoder", last_at, "4/4", timeout=180)
     links_match_roles(cluster, ns)
     s = load.stop()
     # the kills mid-switch hit drained containers: nothing in flight there. The one undrained kill
     # (a serving prefill) may fail the requests whose caches waited on it, and nothing else: only
     # pulls from that prefill, at most what it held when it died (plus what arrived while the
-    # kill was being sent, a request or two at 7/s)
+    # kill was being sent: on a loaded machine that can take seconds, so the bound is every request
+    # in flight at some moment of the kill, as the load generator timed them)
+    racing = load.in_flight(kill_from, kill_to)
     print(f"\ncontainer kills: failed {s['failed']} {s['failed_by_reason']}; the undrained prefill held "
-          f"{before['in_flight']} in flight and {before['pending_kv']} caches when killed")
+          f"{before['in_flight']} in flight and {before['pending_kv']} caches when killed; {racing} requests were "
+          f"in flight while the kill was sent")
     assert set(s["failed_by_reason"]) <= {"LLM_WAIT_PROCESS_TIMEOUT", "LLM_LINK_FAILED", "LLM_NOT_YET_LINK",
                                           "LLM_KV_CACHE_NOT_EXIST"}, s["failed_by_reason"]
-    assert s["failed"] <= before["in_flight"] + before["pending_kv"] + 2, s
+    assert s["failed"] <= max(before["in_flight"] + before["pending_kv"] + 2, racing), s
 
 
 def test_drain_timeout_aborts_the_switch_and_fails_nothing(cluster: Cluster, namespace: str, operator):

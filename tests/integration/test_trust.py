@@ -23,7 +23,7 @@ def refused(cluster: Cluster, ns: str, name: str, reason: str) -> dict:
         o = pdd(cluster, ns, name)
         c = condition(o, "Ready")
         return o if c.get("status") == "False" and c.get("reason") == reason else None
-    return wait_for(f"{name} refused with {reason}", ready_false, timeout=60)
+    return wait_for(f"{name} refused with {reason}", ready_false, timeout=120)
 
 
 def test_what_the_configuration_does_not_allow_is_refused_with_a_condition(cluster: Cluster, namespace: str,
@@ -59,7 +59,7 @@ def test_what_the_configuration_does_not_allow_is_refused_with_a_condition(clust
     hostile["spec"]["ascend"]["extraHostPaths"] = ["/usr/local/dcmi"]
     cluster.apply(hostile, ns)
     wait_for("the fixed spec applied", lambda: cluster.kubectl(
-        "get", "statefulset", "hostpath-prefill", "-n", ns, check=False).returncode == 0, timeout=60)
+        "get", "statefulset", "hostpath-prefill", "-n", ns, check=False).returncode == 0, timeout=120)
     assert operator.proc.poll() is None
 
 
@@ -103,9 +103,9 @@ def test_a_keys_secret_reaches_the_gateway_only_once_it_opted_in(cluster: Cluste
     def keys_condition(status: str):
         c = condition(pdd(cluster, ns), "GatewayKeys")
         return c if c.get("status") == status else None
-    c = wait_for("the keys Secret refused", lambda: keys_condition("False"), timeout=60)
+    c = wait_for("the keys Secret refused", lambda: keys_condition("False"), timeout=120)
     assert c["reason"] == "KeysSecretNotOptedIn" and "pdoperator.io/keys" in c["message"]
-    wait_for("the engines linked", lambda: pdd(cluster, ns)["status"].get("linksSummary") == "1/1", timeout=90)
+    wait_for("the engines linked", lambda: pdd(cluster, ns)["status"].get("linksSummary") == "1/1", timeout=180)
     role = cluster.get_json("role", "sim-small-gateway", "-n", ns)
     assert not any("secrets" in r["resources"] for r in role["rules"])
     assert cluster.get_json("deployment", "sim-small-gateway", "-n", ns)["spec"]["replicas"] == 0
@@ -114,19 +114,19 @@ def test_a_keys_secret_reaches_the_gateway_only_once_it_opted_in(cluster: Cluste
                            check=False).stdout.strip() == "no"
 
     cluster.kubectl("label", "secret", "sim-small-keys", "-n", ns, "pdoperator.io/keys=true")
-    wait_for("the keys Secret opted in", lambda: keys_condition("True"), timeout=60)
-    wait_phase(cluster, ns, "Ready", timeout=90)
+    wait_for("the keys Secret opted in", lambda: keys_condition("True"), timeout=120)
+    wait_phase(cluster, ns, "Ready", timeout=180)
 
     def gateway_url():
         pods = cluster.get_json("pods", "-n", ns, "-l", "pdoperator.io/gateway=sim-small")["items"]
         ready = [p for p in pods if any(c["type"] == "Ready" and c["status"] == "True"
                                         for c in p["status"].get("conditions", []))]
         return ready and f"http://{ready[0]['status']['podIP']}:8000"
-    url = wait_for("the gateway Ready", gateway_url, timeout=90)
+    url = wait_for("the gateway Ready", gateway_url, timeout=180)
     r = wait_for("a completion through the gateway", lambda: (resp := httpx.post(
         f"{url}/v1/completions", json={"model": "tiny-llama", "prompt": "hello", "max_tokens": 4},
         headers={"Authorization": f"Bearer {key}"}, trust_env=False, timeout=30)).status_code == 200 and resp,
-        timeout=60)
+        timeout=120)
     assert r.json()["choices"][0]["text"]
     assert any(e["reason"] == "GatewayKeys" for e in events(cluster, ns))
     assert not any(e["reason"] == "DriftRepaired" for e in events(cluster, ns))
