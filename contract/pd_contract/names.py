@@ -19,6 +19,8 @@ SWITCHING = "switching"      # the role label while a pod is out of both role Se
 
 AGENT_PORT = 8080            # the agent's HTTP API
 GATEWAY_PORT = 8000          # pd-gateway
+# pd-gateway's /metrics and /stats: per-key names and usage, so not on the public API port
+GATEWAY_METRICS_PORT = 9090
 DATADIST_PORT = 26000        # LLM-DataDist's listen port (the default of spec.datadist.port)
 
 # link_clusters answers: the link is up

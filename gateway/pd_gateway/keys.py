@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import hashlib
 import hmac
 import json
 import logging
@@ -93,6 +94,14 @@ class Keys:
 
     def __len__(self) -> int:
         return 0 if self.revoked else len(self._keys)
+
+    def digest_of(self, names: list[str], purpose: bytes) -> bytes | None:
+        """A secret derived from the named keys' values (for `purpose`), for whoever holds them
+        and no one else; None if none of them is held."""
+        values = sorted(self._keys[n] for n in names if n in self._keys)
+        if not values:
+            return None
+        return hashlib.sha256(purpose + b"\0" + b"".join(hashlib.sha256(v).digest() for v in values)).digest()
 
     def name_of(self, presented: str) -> str | None:
         """The key's name, comparing against every key in constant time each."""

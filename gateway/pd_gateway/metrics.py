@@ -37,6 +37,10 @@ class GatewayMetrics:
                                ["reason"], registry=r)
         self.bad_reports = Counter("pd_gateway_bad_reports", "Status answers of an engine pod that routing could not "
                                    "use (malformed, wrong types, HTTP error): the pod is skipped", ["pod"], registry=r)
+        self.usage_rejected = Counter("pd_gateway_usage_store_rejected", "Shared usage documents ignored as not "
+                                      "this gateway's (reason: not_json, too_large, bad_shape, bad_count, "
+                                      "implausible_growth, lowered): the last good copy is kept and "
+                                      "written back", ["reason"], registry=r)
         self._ttft: collections.deque[float] = collections.deque(maxlen=WINDOW)
         self._tbt: collections.deque[float] = collections.deque(maxlen=WINDOW)
 

@@ -4,14 +4,17 @@ OpenAI (`GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions`) a
 (`POST /v1/messages`) wire formats, streamed (SSE) and not, over P-D routing (pd_contract.routing).
 Every error is the API's own error object, so a client always has something to read; a
 malformed request is a 4xx, refused before any engine works on it.
-Open endpoints: /healthz, /metrics, /stats (recent TTFT/TBT percentiles).
+Open endpoints: /healthz (readiness) and /livez (liveness) on the API port; /metrics and /stats
+(recent TTFT/TBT percentiles) on a port of their own (9090), since they name every key and its
+usage: the API port is public, the metrics port is for the operator and monitoring only.
 
 The prompt is tokenized here (pd_contract.tokens) and sent to the prefill as token ids with
 the request's sampling (temperature, top_p, seed); the reply text is the decoder's token ids
 decoded as they arrive. `usage` counts those tokens.
 
 Bounds (env, generous defaults): requests in flight per key (429) and in total (503), the
-body's size (413) and read time (408), the time to send a request's headers (the connection
+body's size (413) and read time (408), the body bytes held by the requests in flight (503: what
+bounds the gateway's memory), the time to send a request's headers (the connection
 is closed), the prompt and the output tokens asked for against the model's context (400
 context_length_exceeded), the gap between tokens from a decoder (the stream ends with an error
 event)."""
@@ -35,7 +38,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from pd_contract import tokens
-from pd_contract.names import AGENT_PORT
+from pd_contract.names import AGENT_PORT, GATEWAY_METRICS_PORT
 from pd_contract.routing import (
     TOKEN_GAP_TIMEOUT_S,
     Attempt,
@@ -51,7 +54,7 @@ from pd_contract.routing import (
 from . import policy, wire
 from .keys import MIN_KEY_LENGTH, REFRESH_S, Keys, RateLimits, from_env, from_secret
 from .metrics import GatewayMetrics
-from .usage import SYNC_S, ConfigMapStore, Usage
+from .usage import DAY, MAX_NAME, SYNC_S, ConfigMapStore, Usage
 
 log = logging.getLogger("pd_gateway")
 PORT = 8000
@@ -68,6 +71,11 @@ THREAD_TOKENIZE_CHARS = 64 << 10
 MAX_STREAMS = 1024
 MAX_STREAMS_PER_KEY = 256
 MAX_BODY_BYTES = 8 << 20       # a 2M-character prompt, JSON-escaped
+# A body lives as long as its request, with its parse and its prompt's token ids: 12x its size for
+# English text, up to 27x for text of one-character tokens (a Python int per token). 1024 bodies of
+# 8 MiB would be 8 GiB; this many body bytes in flight (Content-Length, or the limit if a body names
+# none) stay under about 650 MiB at worst, within the chart's default 1 GiB memory limit.
+MAX_BODY_BYTES_IN_FLIGHT = 3 * MAX_BODY_BYTES
 BODY_TIMEOUT_S = 60.0          # 8 MiB at 1 Mbit/s
 HEADER_TIMEOUT_S = 30.0        # also how long an idle keep-alive connection is kept
 PROXY_VARS = ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy", "ALL_PROXY")
@@ -104,6 +112,7 @@ class Config:
     max_streams: int = MAX_STREAMS
     max_streams_per_key: int = MAX_STREAMS_PER_KEY
     max_body_bytes: int = MAX_BODY_BYTES
+    max_body_bytes_in_flight: int = MAX_BODY_BYTES_IN_FLIGHT
     body_timeout_s: float = BODY_TIMEOUT_S
     header_timeout_s: float = HEADER_TIMEOUT_S
     token_gap_timeout_s: float = TOKEN_GAP_TIMEOUT_S
@@ -129,6 +138,8 @@ class Config:
                    max_streams=_positive(env, "PD_GATEWAY_MAX_STREAMS", MAX_STREAMS),
                    max_streams_per_key=_positive(env, "PD_GATEWAY_MAX_STREAMS_PER_KEY", MAX_STREAMS_PER_KEY),
                    max_body_bytes=_positive(env, "PD_GATEWAY_MAX_BODY_BYTES", MAX_BODY_BYTES),
+                   max_body_bytes_in_flight=_positive(env, "PD_GATEWAY_MAX_BODY_BYTES_IN_FLIGHT",
+                                                      MAX_BODY_BYTES_IN_FLIGHT),
                    body_timeout_s=_positive(env, "PD_GATEWAY_BODY_TIMEOUT_S", BODY_TIMEOUT_S, float),
                    header_timeout_s=_positive(env, "PD_GATEWAY_HEADER_TIMEOUT_S", HEADER_TIMEOUT_S, float),
                    token_gap_timeout_s=_positive(env, "PD_GATEWAY_UPSTREAM_READ_TIMEOUT_S", TOKEN_GAP_TIMEOUT_S,
@@ -176,6 +187,23 @@ class Streams:
             del self.by_key[key]
 
 
+class BodyBytes:
+    """Body bytes held by the requests in flight: past the budget a request is refused at once,
+    as past the streams' bounds."""
+
+    def __init__(self, total: int):
+        self.total, self.used = total, 0
+
+    def take(self, n: int) -> bool:
+        if self.used + n > self.total:
+            return False
+        self.used += n
+        return True
+
+    def give(self, n: int) -> None:
+        self.used -= n
+
+
 def api_of(path: str) -> str:
     return "anthropic" if "messages" in path else "openai"
 
@@ -189,6 +217,9 @@ class Gateway:
         self.limits = RateLimits(cfg.rpm or {})
         self.policies = cfg.key_policy or {}
         self.usage = usage or Usage()
+        self.usage.on_reject = lambda reason: self.m.usage_rejected.labels(reason).inc()
+        if self.usage.secret is None:
+            self.usage.secret = self._reset_secret
         self.clock = clock
         if routes is None:
             assert fleet is not None, "a fleet or routes"
@@ -201,6 +232,8 @@ class Gateway:
         self.fleet = routes[0].fleet if routes else None
         self.m = metrics or GatewayMetrics()
         self.streams = Streams(cfg.max_streams_per_key, cfg.max_streams)
+        # never below one body of the largest size, or that body could never be taken
+        self.body_bytes = BodyBytes(max(cfg.max_body_bytes_in_flight, cfg.max_body_bytes))
         self.tasks: dict[str, asyncio.Task] = {}
         self.dead: dict[str, str] = {}   # background task -> how it ended
         for r in routes:
@@ -338,9 +371,43 @@ class Gateway:
         p = self.policies.get(name)
         admin = bool(p and p.admin)
         self.m.requests.labels(name, "usage", "200").inc()
-        return web.json_response({"object": "usage", "key": name, "admin": admin,
-                                  "synced": self.usage.synced_at is not None or self.usage.store is None,
-                                  "usage": self.usage.report(None if admin else name)})
+        body = {"object": "usage", "key": name, "admin": admin,
+                "synced": self.usage.synced_at is not None or self.usage.store is None,
+                "usage": self.usage.report(None if admin else name)}
+        if admin:   # the shared document's health: a rejected one names keys
+            body["store"] = {"synced_at": self.usage.synced_at, "error": self.usage.error or None,
+                             "rejected": self.usage.rejected}
+        return web.json_response(body)
+
+    async def usage_reset(self, request: web.Request) -> web.Response:
+        """DELETE /v1/usage/{key}[?day=YYYY-MM-DD]: an admin key forgives a key's usage of a UTC day
+        (today by default), on every replica: the one way counts go down."""
+        name, err = self.authenticate(request, "openai", "usage_reset")
+        if err:
+            return err
+        p = self.policies.get(name)
+        if not (p and p.admin):
+            self.m.requests.labels(name, "usage_reset", "403").inc()
+            return self.error("openai", 403, f"key {name!r} may not reset usage: only an admin key (policy "
+                                             f"`admin: true`) may", "permission_error", "permission_denied")
+        key, now = request.match_info["key"], self.clock()
+        day = request.query.get("day") or policy.day_of(now)
+        why = (f"day {day[:40]!r}: a UTC day as YYYY-MM-DD" if not DAY.fullmatch(day) else
+               f"a key's name is at most {MAX_NAME} characters" if len(key) > MAX_NAME else None)
+        if why:   # a name the usage document cannot hold would make every later write fail
+            self.m.requests.labels(name, "usage_reset", "400").inc()
+            return self.error("openai", 400, why, "invalid_request_error", "invalid_value")
+        self.usage.reset(key, day, now)
+        log.info("usage of key %r on %s reset by admin key %r", key, day, name)
+        written = await self.usage.sync(now) or self.usage.store is None   # not at the next interval
+        self.m.requests.labels(name, "usage_reset", "200").inc()
+        return web.json_response({"object": "usage.reset", "key": key, "day": day, "written": written,
+                                  "error": self.usage.error or None})
+
+    def _reset_secret(self) -> bytes | None:
+        """What signs usage resets: a digest of the admin keys, which whoever can edit the usage
+        ConfigMap but not read the keys Secret cannot know (None: no admin key, so no reset)."""
+        return self.keys.digest_of(sorted(n for n, p in self.policies.items() if p.admin), b"pd-gateway usage reset")
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self.complete(request, "openai", "chat", wire.ChatRequest)
@@ -380,6 +447,15 @@ class Gateway:
             return self.error(api, 503, f"the gateway has {self.cfg.max_streams} requests in flight, the most it "
                                         f"takes; retry shortly", "overloaded_error", "overloaded",
                               headers={"Retry-After": "1"})
+        # a body over the limit is refused (413) by the read: it holds no more than the limit
+        weight = min(request.content_length if request.content_length is not None else self.cfg.max_body_bytes,
+                     self.cfg.max_body_bytes)
+        if not self.body_bytes.take(weight):
+            self.streams.give(name)
+            self.m.requests.labels(name, endpoint, "503").inc()
+            return self.error(api, 503, f"the gateway holds {self.body_bytes.used} bytes of request bodies in "
+                                        f"flight, the most it takes; retry shortly", "overloaded_error",
+                              "overloaded", headers={"Retry-After": "1"})
         try:
             parsed, err = await self.parse(request, model, api, name)
             if err:
@@ -388,6 +464,7 @@ class Gateway:
             body, route = parsed
             return await self.serve(request, name, endpoint, body, route)
         finally:
+            self.body_bytes.give(weight)
             self.streams.give(name)
 
     async def not_found(self, request: web.Request) -> web.Response:
@@ -635,7 +712,10 @@ class Gateway:
         dead = [f"background task {name} died: {why}" for name, why in self.dead.items()]
         ok = len(self.keys) > 0 and not dead
         fleets = [r.fleet for r in self.routes]
-        errors = [e for e in (self.keys.error, *(f.error for f in fleets), self.usage.error) if e] + dead
+        # a usage document someone else wrote is listed, never failed on: every replica reads the
+        # same one, and a readiness probe failing on all of them would take the gateway down
+        errors = [e for e in (self.keys.error, *(f.error for f in fleets)) if e]
+        errors += self.usage.problems(self.clock()) + dead
         errors += [f"pod {pod} is skipped: {why}" for f in fleets for pod, why in sorted(f.bad.items())]
         body = {"ok": ok, "keys": len(self.keys), "prefills": sum(len(f.prefills) for f in fleets),
                 "decoders": sum(len(f.decoders) for f in fleets), "errors": errors}
@@ -643,6 +723,13 @@ class Gateway:
             body["models"] = {r.model: {"deployment": r.deployment, "prefills": len(r.fleet.prefills),
                                         "decoders": len(r.fleet.decoders)} for r in self.routes}
         return web.json_response(body, status=200 if ok else 503)
+
+    async def livez(self, request: web.Request) -> web.Response:
+        """Liveness: the event loop answers and the loops that must run do. A dead loop does not
+        come back by itself, so the pod is restarted; what readiness (/healthz) waits on (keys,
+        engines) may come back, so it only takes the pod out of its Service."""
+        dead = [f"background task {name} died: {why}" for name, why in self.dead.items()]
+        return web.json_response({"ok": not dead, "errors": dead}, status=503 if dead else 200)
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.m.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -653,12 +740,20 @@ class Gateway:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[self.guard])
         app.add_routes([
-            web.get("/healthz", self.healthz), web.get("/metrics", self.metrics), web.get("/stats", self.stats),
+            web.get("/healthz", self.healthz), web.get("/livez", self.livez),
             web.get("/v1/models", self.models), web.post("/v1/chat/completions", self.chat),
             web.post("/v1/completions", self.completions), web.post("/v1/messages", self.messages),
             web.post("/v1/responses", self.responses), web.get("/v1/usage", self.usage_report),
+            web.delete("/v1/usage/{key}", self.usage_reset),
         ])
         app.router.add_route("*", "/{tail:.*}", self.not_found)
+        return app
+
+    def metrics_app(self) -> web.Application:
+        """The metrics port: every key's name and usage, for the operator and monitoring only."""
+        app = web.Application(client_max_size=4096)
+        app.add_routes([web.get("/metrics", self.metrics), web.get("/stats", self.stats),
+                        web.get("/livez", self.livez)])
         return app
 
     def runner(self) -> web.AppRunner:
@@ -667,9 +762,13 @@ class Gateway:
         return web.AppRunner(self.app(), access_log=None, handler_cancellation=True,
                              keepalive_timeout=self.cfg.header_timeout_s)
 
+    def metrics_runner(self) -> web.AppRunner:
+        return web.AppRunner(self.metrics_app(), access_log=None, handler_cancellation=True,
+                             keepalive_timeout=self.cfg.header_timeout_s)
+
     # ---- background tasks ----------------------------------------------------------------------
     def watch(self, name: str, coro: Coroutine[Any, Any, None]) -> asyncio.Task:
-        """A loop that must run as long as the gateway: if it ends, /healthz says so."""
+        """A loop that must run as long as the gateway: if it ends, /healthz and /livez say so."""
         task = asyncio.create_task(coro, name=name)
         task.add_done_callback(self._ended)
         self.tasks[name] = task
@@ -710,7 +809,7 @@ async def _refresh_keys(keys: Keys) -> None:
         await asyncio.sleep(REFRESH_S)
 
 
-async def serve(cfg: Config, host: str, port: int) -> None:
+async def serve(cfg: Config, host: str, port: int, metrics_port: int = GATEWAY_METRICS_PORT) -> None:
     set_proxy = [v for v in PROXY_VARS if os.environ.get(v)]
     if set_proxy:
         log.warning("proxy variables set (%s): ignored; calls to the engines never go through a proxy",
@@ -739,10 +838,13 @@ async def serve(cfg: Config, host: str, port: int) -> None:
     if usage.store is not None:
         await usage.sync(gw.clock())   # start from the shared counts
     gw.start()
-    runner = gw.runner()
+    runner, metrics = gw.runner(), gw.metrics_runner()
+    await metrics.setup()
+    await web.TCPSite(metrics, host, metrics_port).start()
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
-    log.info("pd-gateway serving model %s on %s:%d (%d API keys)", gw.served(), host, port, len(keys))
+    log.info("pd-gateway serving model %s on %s:%d (%d API keys), metrics on port %d", gw.served(), host, port,
+             len(keys), metrics_port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -752,6 +854,7 @@ async def serve(cfg: Config, host: str, port: int) -> None:
     await gw.stop()
     await runner.cleanup()   # requests in flight finish (and count) first
     await gw.flush()
+    await metrics.cleanup()
     await http.aclose()
 
 
@@ -759,10 +862,12 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="pd_gateway", description=__doc__)
     ap.add_argument("--host", default=os.environ.get("PD_LOCAL_POD_IP", "0.0.0.0"))
     ap.add_argument("--port", type=int, default=int(os.environ.get("PD_GATEWAY_PORT", PORT)))
+    ap.add_argument("--metrics-port", type=int,
+                    default=int(os.environ.get("PD_GATEWAY_METRICS_PORT", GATEWAY_METRICS_PORT)))
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would drown the log
-    asyncio.run(serve(Config.from_env(), args.host, args.port))
+    asyncio.run(serve(Config.from_env(), args.host, args.port, args.metrics_port))
 
 
 __all__ = ["AGENT_PORT", "Config", "Gateway", "main"]

@@ -732,6 +732,10 @@ def build_front_app(front: Front, token: str | None, data_token: str | None = No
         return web.json_response({"ok": st.initialized, "role": st.role, "boot_id": st.boot_id,
                                   "last_error": st.last_error}, status=200 if st.initialized else 503)
 
+    async def livez(request: web.Request) -> web.Response:
+        # the front's own loop answers; the ranks' state is /healthz's (readiness)
+        return web.json_response({"ok": True})
+
     async def metrics(request: web.Request) -> web.Response:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
         return web.Response(body=generate_latest(app[METRICS].registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -760,6 +764,7 @@ def build_front_app(front: Front, token: str | None, data_token: str | None = No
 
     app.add_routes([
         web.get("/healthz", healthz),
+        web.get("/livez", livez),
         web.get("/metrics", metrics),
         web.get("/v1/status", status),
         web.post("/v1/ranks", register),

@@ -1,7 +1,8 @@
 """The agent's HTTP layer (aiohttp): a thin shell over AgentCore.
 
 Every /v1 call needs the bearer token; bodies are the pydantic models in models.py and a
-malformed one gets 400 naming the field. /healthz and /metrics are open."""
+malformed one gets 400 naming the field. /healthz (readiness: the engine is initialised),
+/livez (liveness: the process answers) and /metrics are open."""
 from __future__ import annotations
 
 import argparse
@@ -208,6 +209,11 @@ def routes(core: AgentCore, token: str | None, http: httpx.AsyncClient) -> list[
         return web.json_response({"ok": ok, "role": core.role, "boot_id": core.boot_id,
                                   "last_error": core.last_error}, status=200 if ok else 503)
 
+    async def livez(request: web.Request) -> web.Response:
+        """The event loop answers: an engine that cannot init yet is /healthz's to report (it
+        retries), and restarting the pod would not help it."""
+        return web.json_response({"ok": True, "boot_id": core.boot_id})
+
     async def metrics(request: web.Request) -> web.Response:
         m = request.app[METRICS]
         st = core.status()
@@ -309,6 +315,7 @@ def routes(core: AgentCore, token: str | None, http: httpx.AsyncClient) -> list[
 
     r = [
         web.get("/healthz", healthz),
+        web.get("/livez", livez),
         web.get("/metrics", metrics),
         web.get("/v1/status", status),
         web.post("/v1/init", handler(None, init)),

@@ -104,9 +104,12 @@ def test_load_through_the_gateway_during_switches_both_ways(cluster: Cluster, se
     assert s["failed"] == 0, s["failed_by_reason"]
     assert s["completed"] == s["requests"], s
     load.assert_traffic_through_changes()
-    metrics = httpx.get(f"{url}/metrics", trust_env=False).text
+    # the metrics port (/metrics, /stats name every key): the API port answers 404 for them
+    metrics_url = url.replace(":8000", ":9090")
+    assert httpx.get(f"{url}/stats", trust_env=False).status_code == 404
+    metrics = httpx.get(f"{metrics_url}/metrics", trust_env=False).text
     assert 'pd_gateway_requests_total{api="chat",key="team-a",status="200"}' in metrics
-    stats = httpx.get(f"{url}/stats", trust_env=False).json()
+    stats = httpx.get(f"{metrics_url}/stats", trust_env=False).json()
     assert stats["requests"] > 0 and stats["ttft_ms"]["p90"] is not None
 
 

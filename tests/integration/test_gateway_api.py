@@ -28,6 +28,7 @@ class GatewayProc:
     def __init__(self, agents: list[str], env: dict | None = None):
         self.ip = next_ip()
         self.url = f"http://{self.ip}:8000"
+        self.metrics_url = f"http://{self.ip}:9090"   # /metrics and /stats: not on the API port
         e = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
         e.update(PD_GATEWAY_AGENTS=",".join(agents), PD_GATEWAY_API_KEYS=json.dumps(KEYS), PD_MODEL_NAME=MODEL,
                  PD_AGENT_DATA_TOKEN=DATA_TOKEN, PD_LOCAL_POD_IP=self.ip, **(env or {}))
@@ -115,7 +116,8 @@ def test_openai_client_errors_explain_themselves(gateway):
     with pytest.raises(openai.RateLimitError) as e:
         limited.completions.create(model=MODEL, prompt="x", max_tokens=1)
     assert int(e.value.response.headers["Retry-After"]) >= 1
-    metrics = httpx.get(f"{gateway.url}/metrics", trust_env=False).text
+    assert httpx.get(f"{gateway.url}/metrics", trust_env=False).status_code == 404   # not on the public port
+    metrics = httpx.get(f"{gateway.metrics_url}/metrics", trust_env=False).text
     assert 'pd_gateway_requests_total{api="completions",key="team-b",status="429"} 1.0' in metrics
     assert "sk-team" not in metrics
 

@@ -105,7 +105,10 @@ def pair(agents):
 
 
 def metric(url: str, line_start: str) -> float:
-    text = httpx.get(f"{url}/metrics", trust_env=False, timeout=5).text
+    """From the gateway's metrics port (a 404 must not read as zero)."""
+    r = httpx.get(f"{url}/metrics", trust_env=False, timeout=5)
+    assert r.status_code == 200, r.text[:200]
+    text = r.text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(line_start))
 
 
@@ -121,8 +124,8 @@ def test_a_pod_with_a_malformed_status_is_skipped_and_counted_while_the_others_s
             timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         wait_for("several refreshes counted the bad reports",
-                 lambda: metric(gw.url, f'pd_gateway_bad_reports_total{{pod="{bad.ip}"}}') >= 3
-                 and metric(gw.url, f'pd_gateway_bad_reports_total{{pod="{garbage.ip}"}}') >= 3, timeout=20)
+                 lambda: metric(gw.metrics_url, f'pd_gateway_bad_reports_total{{pod="{bad.ip}"}}') >= 3
+                 and metric(gw.metrics_url, f'pd_gateway_bad_reports_total{{pod="{garbage.ip}"}}') >= 3, timeout=20)
         health = httpx.get(f"{gw.url}/healthz", trust_env=False, timeout=5)
         assert health.status_code == 200 and health.json()["prefills"] == 1 and health.json()["decoders"] == 1
         assert any(bad.ip in e and "role" in e for e in health.json()["errors"]), health.json()
@@ -211,7 +214,7 @@ def test_slow_oversized_and_undecodable_requests_are_refused(pair):
         r = httpx.post(url, json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}, trust_env=False,
                        headers={"Authorization": b"Bearer \xff\xfe\xfd\xfc-not-a-key"}, timeout=30)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-        assert metric(gw.url, "pd_gateway_pod_requests_total") == 0, "no engine saw any of them"
+        assert metric(gw.metrics_url, "pd_gateway_pod_requests_total") == 0, "no engine saw any of them"
         ok = httpx.post(url, json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
                         headers=h, trust_env=False, timeout=30)
         assert ok.status_code == 200

@@ -344,6 +344,17 @@ async def test_an_authorization_header_that_is_not_utf8_is_a_wrong_token(agent, 
     assert status == 401 and json.loads(body)["code"] == "AgentUnauthorized"
 
 
+async def test_livez_is_not_readiness(agent, monkeypatch):
+    """Liveness (/livez, open) answers while the engine is not initialised; readiness
+    (/healthz) does not: an engine that cannot init yet is retried in place, not restarted."""
+    a = await agent()
+    monkeypatch.setattr(a.core.engine, "_initialized", False, raising=False)
+    async with httpx.AsyncClient(base_url=a.url, trust_env=False, timeout=WAIT_S) as c:
+        assert (await c.get("/healthz")).status_code == 503
+        live = await c.get("/livez")
+        assert live.status_code == 200 and live.json()["ok"] is True
+
+
 async def post_raw(a: Agent, path: str, body: bytes, content_type: str = "application/json") -> httpx.Response:
     async with a.client() as c:
         return await c.post(path, content=body, headers={"Content-Type": content_type})

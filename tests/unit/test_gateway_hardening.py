@@ -105,6 +105,16 @@ class Served:
     def __init__(self, gw: Gateway, agents: FakeAgents, url: str, port: int):
         self.gw, self.agents, self.url, self.port = gw, agents, url, port
         self.http = httpx.AsyncClient(base_url=url, trust_env=False, timeout=30)
+        self.metrics: httpx.AsyncClient | None = None   # the metrics port, where the fixture serves it
+
+    async def serve_metrics(self) -> web.AppRunner:
+        """The gateway's metrics port (/metrics, /stats) on a loopback port of its own."""
+        runner = self.gw.metrics_runner()
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        self.metrics = httpx.AsyncClient(base_url=f"http://127.0.0.1:{runner.addresses[0][1]}", trust_env=False,
+                                         timeout=30)
+        return runner
 
     async def post(self, path: str, body: bytes | dict, key: str | bytes | None = KEY, api: str = "openai",
                    headers: dict | None = None) -> httpx.Response:
@@ -118,8 +128,8 @@ class Served:
 
 @pytest.fixture
 async def serve():
-    """serve(**config) -> a gateway on a loopback port in front of FakeAgents."""
-    made: list[tuple[Served, web.AppRunner]] = []
+    """serve(**config) -> a gateway on a loopback port (its metrics on another) in front of FakeAgents."""
+    made: list[tuple[Served, list[web.AppRunner]]] = []
 
     async def make(agents: FakeAgents | None = None, keys: Keys | None = None, **cfg) -> Served:
         agents = agents or FakeAgents()
@@ -135,14 +145,16 @@ async def serve():
         await web.TCPSite(runner, "127.0.0.1", 0).start()
         port = runner.addresses[0][1]
         s = Served(gw, agents, f"http://127.0.0.1:{port}", port)
-        made.append((s, runner))
+        made.append((s, [runner, await s.serve_metrics()]))
         return s
     yield make
-    for s, runner in made:
+    for s, runners in made:
         await s.gw.stop()
         await s.http.aclose()
+        await s.metrics.aclose()
         await s.gw.fleet.http.aclose()
-        await runner.cleanup()
+        for runner in runners:
+            await runner.cleanup()
 
 
 def openai_shaped(r: httpx.Response) -> dict:
@@ -448,8 +460,41 @@ async def test_requests_in_flight_are_bounded_per_key_and_in_total(serve):
     assert [t.status_code for t in await asyncio.gather(*held)] == [200, 200, 200]
     assert s.gw.streams.count == 0 and s.gw.streams.by_key == {}
     assert (await s.post(CHAT, with_(CHAT), key=KEY)).status_code == 200
-    metrics = (await s.http.get("/metrics")).text
+    metrics = (await s.metrics.get("/metrics")).text
     assert 'pd_gateway_requests_total{api="chat",key="team-a",status="429"} 1.0' in metrics
+
+
+async def test_body_bytes_in_flight_are_bounded(serve):
+    agents = FakeAgents()
+    agents.hold = asyncio.Event()
+    body = with_(CHAT, stream=True)
+    s = await serve(agents, max_body_bytes=len(body), max_body_bytes_in_flight=2 * len(body) + 10)
+    held = [asyncio.create_task(s.post(CHAT, body)) for _ in range(2)]
+    while agents.calls["/v1/decode"] < 2:
+        await asyncio.sleep(0.01)
+    r = await s.post(CHAT, body, key=OTHER)   # another key: the budget is the gateway's, not a key's
+    assert r.status_code == 503 and r.headers["Retry-After"] == "1"
+    assert "bytes of request bodies" in openai_shaped(r)["message"] and agents.calls["/v1/prefill"] == 2
+    agents.hold.set()
+    assert [t.status_code for t in await asyncio.gather(*held)] == [200, 200]
+    assert s.gw.body_bytes.used == 0 and s.gw.streams.count == 0
+    assert (await s.post(CHAT, body, key=OTHER)).status_code == 200
+
+
+async def test_metrics_and_stats_are_on_the_metrics_port_only(serve):
+    """They name every key and its usage: the public API port answers 404 for them."""
+    s = await serve()
+    assert (await s.post(CHAT, with_(CHAT))).status_code == 200
+    for path in ("/metrics", "/stats"):
+        r = await s.http.get(path)
+        assert r.status_code == 404 and openai_shaped(r), path
+    metrics = await s.metrics.get("/metrics")
+    assert metrics.status_code == 200 and 'key="team-a"' in metrics.text
+    stats = await s.metrics.get("/stats")
+    assert stats.status_code == 200 and isinstance(stats.json(), dict)
+    assert (await s.metrics.get("/v1/models")).status_code == 404
+    for http in (s.http, s.metrics):
+        assert (await http.get("/livez")).json() == {"ok": True, "errors": []}
 
 
 async def _raw(port: int, data: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -576,7 +621,7 @@ async def test_the_gateway_counts_bad_reports_and_keeps_serving(serve):
     assert (await s.post(CHAT, with_(CHAT))).status_code == 200
     health = await s.http.get("/healthz")
     assert health.status_code == 200 and any(BAD_HOST in e for e in health.json()["errors"])
-    metrics = (await s.http.get("/metrics")).text
+    metrics = (await s.metrics.get("/metrics")).text
     assert f'pd_gateway_bad_reports_total{{pod="{BAD_HOST}"}} 2.0' in metrics
 
 
@@ -656,6 +701,8 @@ async def test_a_background_task_that_dies_takes_healthz_down(serve, caplog):
     r = await s.http.get("/healthz")
     assert r.status_code == 503 and r.json()["ok"] is False
     assert any("fleet-refresh" in e and "boom in the loop" in e for e in r.json()["errors"]), r.json()
+    live = await s.http.get("/livez")   # a dead loop does not come back: the pod is restarted
+    assert live.status_code == 503 and "fleet-refresh" in live.json()["errors"][0]
     assert "keys-refresh" not in s.gw.dead
     died = [rec for rec in caplog.records if "fleet-refresh" in rec.getMessage()]
     assert died and died[0].exc_info and "boom in the loop" in str(died[0].exc_info[1])
