@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 KUBECONFIG_LOCAL := $(CURDIR)/.localcluster/kubeconfig
 BIN_DIR = $(shell hack/k8s-bins/build.sh --print-dir)
 
-.PHONY: help venv lint k8s-bins cluster-up cluster-down test test-unit test-integration test-e2e e2e-kind images lint-workflows crd crd-check demo bench bench-sim bench-links bench-switch bench-gateway bench-rebalance bench-policy-sim soak clean
+.PHONY: help venv lint k8s-bins cluster-up cluster-down test test-unit test-integration test-e2e e2e-kind images lint-workflows crd crd-check demo bench bench-sim bench-links bench-switch bench-gateway bench-rebalance bench-policy-sim soak busy-machine busy-machine-stop clean
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
@@ -30,7 +30,7 @@ $(LINT_STAMP): $(STAMP)
 # the decide side (pure modules) and the contract package are type-checked
 TYPED := $(addprefix operator/pd_operator/,api.py api_gateway.py backoff.py builders.py cachedesc.py capacity.py children.py \
 	conditions.py config.py decide.py demand.py diagnosis.py faultpoint.py forecast.py gateway.py goodput.py kinds.py \
-	links.py members.py objmeta.py policies.py rebalance.py replace.py reports.py sharedgateway.py signals.py state.py \
+	links.py members.py objmeta.py policies.py rebalance.py replace.py reports.py resources.py sharedgateway.py signals.py state.py tokens.py \
 	status.py switch.py) contract/pd_contract
 
 lint: $(LINT_STAMP) ## ruff over everything, mypy over the pure modules and the contract package
@@ -110,6 +110,12 @@ soak: venv k8s-bins ## pods, containers and operators killed, switches and scali
 	$(PY) bench/soak.py --minutes $(or $(MINUTES),30)
 
 bench: bench-sim bench-links bench-switch bench-gateway ## every benchmark
+
+busy-machine: venv k8s-bins ## load the machine as the suite must survive: a second local cluster running sim-small under traffic, and stress-ng on both cores
+	@BIN_DIR="$(BIN_DIR)" PY="$(PY)" hack/busy-machine.sh start
+
+busy-machine-stop: venv ## stop what busy-machine started
+	@BIN_DIR="$(BIN_DIR)" PY="$(PY)" hack/busy-machine.sh stop
 
 clean: cluster-down ## remove .venv
 	rm -rf $(VENV)

@@ -110,7 +110,8 @@ class AgentClient:
                                 SwitchRoleRequest(role=role), limiter=limiter)
 
     async def gateway_stats(self, base: str) -> dict | None:
-        """pd-gateway's /stats (open, like /metrics): recent client-side TTFT/TBT percentiles."""
+        """pd-gateway's /stats: recent client-side TTFT/TBT percentiles. `base` is its metrics
+        port's address (GATEWAY_METRICS_PORT: /stats is not on the public API port)."""
         try:
             r = await self._http.get(f"{base}/stats", timeout=STATUS_TIMEOUT_S)
             return r.json() if r.status_code == 200 else None

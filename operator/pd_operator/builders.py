@@ -25,7 +25,8 @@ from .api import Ascend, PDDeploymentSpec
 from .cachedesc import DerivedCache, derive
 from .config import OperatorConfig
 from .gateway import gateway_objects, network_policy
-from .objmeta import common_labels, harden, object_meta, owner_reference
+from .objmeta import common_labels, harden, liveness_probe, object_meta, owner_reference
+from .resources import per_ranks, with_defaults
 
 # ANNOTATION_ROLE: the role a pod's engine starts in (prefill | decoder): the pod template sets
 # the group's home role, the switcher changes it on the pod at its switch_role step, and the
@@ -228,34 +229,19 @@ def _podinfo_volume() -> tuple[dict, dict]:
     return vol, {"name": "podinfo", "mountPath": PODINFO_DIR, "readOnly": True}
 
 
-# per rank the agent container runs, where the spec does not say: the simulator's engine holds
-# at most 64 MiB of cache bytes plus an interpreter; a real engine's host memory depends on the
-# model, so only requests are defaulted there
-DEFAULT_RESOURCES = {
-    "sim": {"requests": {"cpu": 100, "memory": 256}, "limits": {"memory": 1024}},
-    "llm-datadist": {"requests": {"cpu": 1000, "memory": 8192}, "limits": {}},
-}
+def default_resources(backend: str, tp: int, config: OperatorConfig | None = None) -> dict:
+    """The configured per-rank defaults of the backend (config.DEFAULT_ENGINE_RESOURCES unless
+    the chart says), times the ranks the agent container runs."""
+    per_rank = (config or OperatorConfig()).engine_resources.get(backend) or {}
+    return per_ranks(per_rank, tp)
 
 
-def default_resources(backend: str, tp: int) -> dict:
-    """cpu in millicores, memory in Mi, times the ranks."""
-    unit = {"cpu": "m", "memory": "Mi"}
-    return {kind: {k: f"{v * tp}{unit[k]}" for k, v in amounts.items()}
-            for kind, amounts in DEFAULT_RESOURCES[backend].items()}
-
-
-def _resources(spec: PDDeploymentSpec, group: str, resource: str) -> dict | None:
-    """The group's resources, each kind defaulted per rank where the spec leaves it unset; on
-    the real backend, one NPU per rank unless the spec says."""
+def _resources(spec: PDDeploymentSpec, group: str, resource: str, config: OperatorConfig | None = None) -> dict | None:
+    """The group's resources, each request and limit defaulted per rank where the spec leaves it
+    unset; on the real backend, one NPU per rank unless the spec says."""
     g = spec.prefill if group == "prefill" else spec.decoder
     given = g.resources.model_dump(exclude_none=True) if g.resources else {}
-    out: dict = {}
-    for kind, amounts in default_resources(spec.backend, spec.tp(group)).items():
-        merged = {**amounts, **given.get(kind, {})}
-        if kind == "limits" and "memory" in given.get("requests", {}) and "memory" not in given.get("limits", {}):
-            merged.pop("memory", None)   # a request above our default limit would be refused
-        if merged:
-            out[kind] = merged
+    out = with_defaults(given, default_resources(spec.backend, spec.tp(group), config)) or {}
     if spec.backend == "llm-datadist" and npu_request(spec, group, resource) is None:
         n = spec.tp(group)
         out = {**out, "limits": {**out.get("limits", {}), resource: n},
@@ -281,10 +267,13 @@ def statefulset(name: str, namespace: str, spec: PDDeploymentSpec, group: str, o
         "env": _env(name, spec, group, resource),
         "ports": [{"name": "http", "containerPort": AGENT_PORT, "protocol": "TCP"},
                   {"name": "datadist", "containerPort": spec.datadist.port, "protocol": "TCP"}],
+        # ready: the engine is initialised; alive: the agent answers (an engine that cannot init
+        # yet is retried in place, a restart would not help it)
         "readinessProbe": {"httpGet": {"path": "/healthz", "port": "http"},
                            "periodSeconds": 2, "failureThreshold": 3, "timeoutSeconds": 2},
+        "livenessProbe": liveness_probe(),
     }
-    resources = _resources(spec, group, resource)
+    resources = _resources(spec, group, resource, config)
     if resources:
         container["resources"] = resources
     if mounts:
@@ -395,4 +384,4 @@ def desired_children(name: str, namespace: str, uid: str, spec: PDDeploymentSpec
     for role in GROUPS:
         out.append(disruption_budget(name, namespace, spec, role, owner, serving.get(role, 0)))
     out.append(network_policy(name, namespace, spec, owner, config.namespace))
-    return out + gateway_objects(name, namespace, spec, owner, config.gateway_image, keys_allowed)
+    return out + gateway_objects(name, namespace, spec, owner, config.gateway_image, keys_allowed, config)

@@ -5,9 +5,10 @@ ValidatingAdmissionPolicy (its ConfigMap is the policy's params), so a spec outs
 refused at admission; the operator checks again, for installs without the policy."""
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pd_contract.names import NPU_RESOURCE
 
@@ -15,6 +16,29 @@ from .api import Ascend, PDDeploymentSpec
 
 # the paths the real llm_datadist needs by default (Ascend's defaults); an admin may list others
 DEFAULT_HOST_PATHS = (Ascend().hccn_conf, Ascend().driver_path, *Ascend().extra_host_paths)
+
+# What a container gets where its spec leaves a resource unset (the chart's values
+# engine.resources and gateway.resources; these are their defaults, for installs without it).
+# Engines: per tensor-parallel rank, by backend. The simulator's engine holds at most 64 MiB of
+# cache bytes plus an interpreter and one BLAS thread; a real engine's host memory depends on
+# the model, so its limits are a ceiling for a large one, to be set per deployment.
+DEFAULT_ENGINE_RESOURCES: dict[str, dict[str, dict[str, str]]] = {
+    "sim": {"requests": {"cpu": "100m", "memory": "256Mi", "ephemeral-storage": "64Mi"},
+            "limits": {"cpu": "1", "memory": "1024Mi", "ephemeral-storage": "256Mi"}},
+    "llm-datadist": {"requests": {"cpu": "1000m", "memory": "8192Mi", "ephemeral-storage": "1Gi"},
+                     "limits": {"cpu": "8", "memory": "64Gi", "ephemeral-storage": "8Gi"}},
+}
+# pd-gateway: its memory is bounded by the body bytes it holds (pd_gateway.server
+# MAX_BODY_BYTES_IN_FLIGHT, at most about 650 MiB with their parses) plus about 150 MiB of its own
+DEFAULT_GATEWAY_RESOURCES: dict[str, dict[str, str]] = {
+    "requests": {"cpu": "100m", "memory": "256Mi", "ephemeral-storage": "64Mi"},
+    "limits": {"cpu": "2", "memory": "1Gi", "ephemeral-storage": "256Mi"},
+}
+# the namespaces whose pods may scrape the gateways' metrics port (besides the operator)
+DEFAULT_METRICS_NAMESPACES: dict = {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
+# where the gateways reach the API server: its Service's port and the usual ports it listens on
+# (NetworkPolicies see the address after the Service's translation); no CIDRs: any address
+DEFAULT_API_SERVER_PORTS = (443, 6443)
 
 
 def _list(raw: str | None) -> tuple[str, ...] | None:
@@ -25,6 +49,18 @@ def _list(raw: str | None) -> tuple[str, ...] | None:
 
 def _int(raw: str | None) -> int | None:
     return int(raw) if raw and raw.strip().lstrip("-").isdigit() else None
+
+
+def _json(env: Mapping[str, str], name: str, default):
+    """A JSON value of the configuration (the chart writes them with toJson); unset or empty:
+    the default. A bad one stops the operator, naming it, rather than run with a guess."""
+    raw = (env.get(name) or "").strip()
+    if not raw:
+        return default
+    try:
+        return json.loads(raw)
+    except ValueError as e:
+        raise SystemExit(f"pd_operator: {name} is not JSON ({e}): {raw[:200]!r}") from None
 
 
 @dataclass(frozen=True)
@@ -40,6 +76,13 @@ class OperatorConfig:
     # the image's user, which only an admin may choose
     engine_user: int | None = None
     engine_group: int | None = None
+    engine_resources: dict = field(default_factory=lambda: DEFAULT_ENGINE_RESOURCES, hash=False)
+    gateway_resources: dict = field(default_factory=lambda: DEFAULT_GATEWAY_RESOURCES, hash=False)
+    # the gateways' NetworkPolicy: who may scrape the metrics port (a namespace selector; None:
+    # the operator only), and where the API server is (CIDRs; none: any address on its ports)
+    metrics_namespaces: dict | None = field(default_factory=lambda: DEFAULT_METRICS_NAMESPACES, hash=False)
+    api_server_cidrs: tuple[str, ...] = ()
+    api_server_ports: tuple[int, ...] = DEFAULT_API_SERVER_PORTS
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> OperatorConfig:
@@ -50,7 +93,14 @@ class OperatorConfig:
                    allowed_gateway_images=_list(env.get("PD_OPERATOR_ALLOWED_GATEWAY_IMAGES")) or (),
                    namespace=env.get("PD_OPERATOR_NAMESPACE") or env.get("POD_NAMESPACE") or None,
                    engine_user=_int(env.get("PD_OPERATOR_ENGINE_USER")),
-                   engine_group=_int(env.get("PD_OPERATOR_ENGINE_GROUP")))
+                   engine_group=_int(env.get("PD_OPERATOR_ENGINE_GROUP")),
+                   engine_resources=_json(env, "PD_OPERATOR_ENGINE_RESOURCES", DEFAULT_ENGINE_RESOURCES),
+                   gateway_resources=_json(env, "PD_OPERATOR_GATEWAY_RESOURCES", DEFAULT_GATEWAY_RESOURCES),
+                   metrics_namespaces=_json(env, "PD_OPERATOR_METRICS_NAMESPACE_SELECTOR", DEFAULT_METRICS_NAMESPACES)
+                   or None,
+                   api_server_cidrs=_list(env.get("PD_OPERATOR_API_SERVER_CIDRS")) or (),
+                   api_server_ports=tuple(int(p) for p in _list(env.get("PD_OPERATOR_API_SERVER_PORTS")) or ())
+                   or DEFAULT_API_SERVER_PORTS)
 
 
 def path_allowed(path: str, allowed: tuple[str, ...]) -> bool:

@@ -1,5 +1,6 @@
 """Pure builders for the way in: pd-gateway (ServiceAccount, Role, RoleBinding, Deployment,
-Service) when `spec.gateway.enabled`, and the NetworkPolicy every deployment gets.
+Service, PodDisruptionBudget, NetworkPolicy) when `spec.gateway.enabled`, and the
+NetworkPolicy every deployment's engines get.
 
 Least privilege: the gateway's Role reads the deployment's pods and its API-keys Secret,
 nothing else, and the Secret only once it opted in (label pdoperator.io/keys: "true"): a
@@ -9,20 +10,41 @@ unlink, drain or switch an engine; its image is the operator's configured one. T
 NetworkPolicy admits the agent port from the operator (its namespace and labels together),
 the gateway, the namespace's PDGateways and the deployment's own pods (verify probes and pull
 notices go agent to agent), and the datadist port from the deployment's own pods only; egress from the engines goes to
-the deployment's own pods (agent and datadist ports) and DNS only."""
+the deployment's own pods (agent and datadist ports) and DNS only.
+
+A gateway's pods serve the public API on GATEWAY_PORT (from anywhere) and /metrics and /stats,
+which name every key and its usage, on GATEWAY_METRICS_PORT: their NetworkPolicy admits that
+port from the operator and the configured monitoring namespaces only, and lets the pods reach
+the engines' agent port, the API server (pods, StatefulSets, the keys Secret, the usage
+ConfigMap) and DNS, nothing else."""
 from __future__ import annotations
 
 import copy
 import json
 
-from pd_contract.names import AGENT_PORT, GATEWAY_PORT, LABEL_DEPLOYMENT, LABEL_GATEWAY, LABEL_KEYS, LABEL_PDGATEWAY
+from pd_contract.names import (
+    AGENT_PORT,
+    GATEWAY_METRICS_PORT,
+    GATEWAY_PORT,
+    LABEL_DEPLOYMENT,
+    LABEL_GATEWAY,
+    LABEL_KEYS,
+    LABEL_PDGATEWAY,
+)
 
 from .api import PDDeploymentSpec
-from .objmeta import common_labels, harden, object_meta
+from .config import OperatorConfig
+from .objmeta import common_labels, harden, liveness_probe, object_meta
+from .resources import with_defaults
 
 # LABEL_GATEWAY is on gateway pods (not the engines' deployment label)
-__all__ = ["GATEWAY_PORT", "LABEL_GATEWAY", "LABEL_KEYS", "gateway_objects", "network_policy"]
+__all__ = ["GATEWAY_METRICS_PORT", "GATEWAY_PORT", "LABEL_GATEWAY", "LABEL_KEYS", "gateway_network_policy",
+           "gateway_objects", "network_policy"]
 OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "pd-operator"}
+DNS_PORTS = [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]
+# for the Prometheus convention of scraping annotated pods (a PodMonitor may use the port's name)
+SCRAPE_ANNOTATIONS = {"prometheus.io/scrape": "true", "prometheus.io/port": str(GATEWAY_METRICS_PORT),
+                      "prometheus.io/path": "/metrics"}
 
 
 def gateway_name(name: str) -> str:
@@ -47,7 +69,8 @@ def gateway_image(spec: PDDeploymentSpec, configured: str | None = None) -> str:
 
 
 def gateway_objects(name: str, namespace: str, spec: PDDeploymentSpec, owner: dict,
-                    image: str | None = None, keys_allowed: bool = True) -> list[dict]:
+                    image: str | None = None, keys_allowed: bool = True,
+                    config: OperatorConfig | None = None) -> list[dict]:
     """`keys_allowed` False (the Secret has not opted in): the objects stay, but the Role no
     longer names the Secret and no gateway pod runs, so access granted before is taken back
     without the operator needing delete rights."""
@@ -73,16 +96,21 @@ def gateway_objects(name: str, namespace: str, spec: PDDeploymentSpec, owner: di
                                                                        "key": "token"}}},
         {"name": "PD_GATEWAY_RPM", "value": json.dumps(gw.rate_limits or {}, sort_keys=True)},
     ]
-    return workload(n, object_meta(n, namespace, owner, labels), rules, env, gateway_image(spec, image),
-                    gw.replicas if keys_allowed else 0, {LABEL_GATEWAY: name}, pod_labels,
-                    gw.resources.model_dump(exclude_none=True) if gw.resources else None, spec.image_pull_policy)
+    config = config or OperatorConfig()
+    meta = object_meta(n, namespace, owner, labels)
+    resources = with_defaults(gw.resources.model_dump(exclude_none=True) if gw.resources else None,
+                              config.gateway_resources)
+    return workload(n, meta, rules, env, gateway_image(spec, image), gw.replicas if keys_allowed else 0,
+                    {LABEL_GATEWAY: name}, pod_labels, resources, spec.image_pull_policy) + \
+        [gateway_network_policy(meta, {LABEL_GATEWAY: name}, {"matchLabels": {LABEL_DEPLOYMENT: name}}, config)]
 
 
 def workload(n: str, meta: dict, rules: list[dict], env: list, image: str, replicas: int,
              select: dict[str, str], pod_labels: dict[str, str], resources: dict | None = None,
              pull_policy: str | None = None) -> list[dict]:
     """A gateway's objects, whichever kind it serves (a deployment's own, or a PDGateway's): its
-    ServiceAccount with `rules`, the Deployment of hardened pods selected by `select`, the Service."""
+    ServiceAccount with `rules`, the Deployment of hardened pods selected by `select`, the Service,
+    the PodDisruptionBudget."""
     namespace = meta["namespace"]
     m = lambda: copy.deepcopy(meta)  # noqa: E731 - each object its own metadata
     sa = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": m()}
@@ -93,9 +121,13 @@ def workload(n: str, meta: dict, rules: list[dict], env: list, image: str, repli
     container: dict = {"name": "gateway", "image": image}
     if pull_policy:
         container["imagePullPolicy"] = pull_policy
-    container.update({"env": env, "ports": [{"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"}],
+    ports = [{"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"},
+             {"name": "metrics", "containerPort": GATEWAY_METRICS_PORT, "protocol": "TCP"}]
+    # ready: keys loaded and engines seen (/healthz); alive: its loops run (/livez)
+    container.update({"env": env, "ports": ports,
                       "readinessProbe": {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 2,
-                                         "failureThreshold": 3, "timeoutSeconds": 2}})
+                                         "failureThreshold": 3, "timeoutSeconds": 2},
+                      "livenessProbe": liveness_probe()})
     if resources:
         container["resources"] = resources
     pod_spec = {"serviceAccountName": n, "containers": [container], "terminationGracePeriodSeconds": 30,
@@ -103,11 +135,44 @@ def workload(n: str, meta: dict, rules: list[dict], env: list, image: str, repli
     harden(pod_spec, container)
     deployment = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": m(),
                   "spec": {"replicas": replicas, "selector": {"matchLabels": select},
-                           "template": {"metadata": {"labels": pod_labels}, "spec": pod_spec}}}
+                           "template": {"metadata": {"labels": pod_labels, "annotations": dict(SCRAPE_ANNOTATIONS)},
+                                        "spec": pod_spec}}}
     service = {"apiVersion": "v1", "kind": "Service", "metadata": m(),
                "spec": {"selector": dict(select), "ports": [{"name": "http", "port": GATEWAY_PORT,
                                                              "targetPort": "http"}]}}
-    return [sa, role, binding, deployment, service]
+    # a node drain evicts one replica at a time (a single replica may still go: no drain blocks)
+    budget = {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": m(),
+              "spec": {"selector": {"matchLabels": dict(select)}, "maxUnavailable": 1,
+                       "unhealthyPodEvictionPolicy": "AlwaysAllow"}}
+    return [sa, role, binding, deployment, service, budget]
+
+
+def operator_peer(namespace: str) -> dict:
+    """The operator's pods: its namespace and its labels together (labels alone would admit any
+    pod that wears them, in any namespace)."""
+    return {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
+            "podSelector": {"matchLabels": OPERATOR_POD_LABELS}}
+
+
+def gateway_network_policy(meta: dict, select: dict[str, str], agents: dict | None,
+                           config: OperatorConfig) -> dict:
+    """The gateway pods selected by `select`: the API port from anywhere (it is the public
+    API), the metrics port from the operator (it reads /stats) and the monitoring namespaces;
+    egress to the agent port of the pods `agents` selects (None: no engine yet), the API server,
+    DNS. Named after the gateway."""
+    scrapers = ([operator_peer(config.namespace)] if config.namespace else []) + \
+        ([{"namespaceSelector": config.metrics_namespaces}] if config.metrics_namespaces else [])
+    ingress: list[dict] = [{"ports": [{"protocol": "TCP", "port": GATEWAY_PORT}]}]
+    if scrapers:
+        ingress.append({"from": scrapers, "ports": [{"protocol": "TCP", "port": GATEWAY_METRICS_PORT}]})
+    api_server: dict = {"ports": [{"protocol": "TCP", "port": p} for p in config.api_server_ports]}
+    if config.api_server_cidrs:
+        api_server["to"] = [{"ipBlock": {"cidr": c}} for c in config.api_server_cidrs]
+    egress = ([{"to": [{"podSelector": agents}], "ports": [{"protocol": "TCP", "port": AGENT_PORT}]}] if agents
+              else []) + [api_server, {"ports": copy.deepcopy(DNS_PORTS)}]
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": copy.deepcopy(meta),
+            "spec": {"podSelector": {"matchLabels": dict(select)}, "policyTypes": ["Ingress", "Egress"],
+                     "ingress": ingress, "egress": egress}}
 
 
 def network_policy(name: str, namespace: str, spec: PDDeploymentSpec, owner: dict,
@@ -120,10 +185,8 @@ def network_policy(name: str, namespace: str, spec: PDDeploymentSpec, owner: dic
     agent_from = [own, {"podSelector": {"matchLabels": {LABEL_GATEWAY: name}}},
                   {"podSelector": {"matchExpressions": [{"key": LABEL_PDGATEWAY, "operator": "Exists"}]}}]
     if operator_namespace:
-        agent_from.append({"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": operator_namespace}},
-                           "podSelector": {"matchLabels": OPERATOR_POD_LABELS}})
+        agent_from.append(operator_peer(operator_namespace))
     ports = [{"protocol": "TCP", "port": AGENT_PORT}, {"protocol": "TCP", "port": spec.datadist.port}]
-    dns = [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]
     return {
         "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
         "metadata": object_meta(f"{name}-engines", namespace, owner, common_labels(name)),
@@ -133,5 +196,5 @@ def network_policy(name: str, namespace: str, spec: PDDeploymentSpec, owner: dic
                      {"from": [own], "ports": [{"protocol": "TCP", "port": spec.datadist.port}]},
                  ],
                  # links, pulls, verify probes and pull notices go to the deployment's own pods
-                 "egress": [{"to": [own], "ports": ports}, {"ports": dns}]},
+                 "egress": [{"to": [own], "ports": ports}, {"ports": copy.deepcopy(DNS_PORTS)}]},
     }

@@ -178,7 +178,7 @@ class GatewayController:
             await self._write_status(gw, {**(gw.get("status") or {}), "conditions": conds, "phase": "Degraded"})
             await self.events.post(gw, "Warning", "NameTaken", msg)
             return
-        objs = objects(name, ns, spec, owner, r, image, keys_allowed=keys[0])
+        objs = objects(name, ns, spec, owner, r, image, keys_allowed=keys[0], config=self.config)
         want = digest({"items": objs})
         last = self.applied.get(key)
         if missing or last is None or last[0] != want or now - last[1] >= RECHECK_S:

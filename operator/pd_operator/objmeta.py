@@ -23,6 +23,15 @@ def object_meta(name: str, namespace: str, owner: dict, labels: dict | None = No
     return {"name": name, "namespace": namespace, "labels": labels or {}, "ownerReferences": [owner]}
 
 
+def liveness_probe(port: str = "http") -> dict:
+    """/livez of the project's servers: the process answers (and, in the gateway, its loops
+    run). Distinct from readiness (/healthz: it can serve now) and patient: 30 s to start
+    listening (a hundred pods starting on a busy node), then a minute without an answer, so a
+    pod that is only slow is not restarted."""
+    return {"httpGet": {"path": "/livez", "port": port}, "initialDelaySeconds": 30, "periodSeconds": 10,
+            "timeoutSeconds": 5, "failureThreshold": 6}
+
+
 def harden(pod_spec: dict, container: dict, non_root: bool = True, user: int | None = None,
            group: int | None = None) -> None:
     """Every pod the project creates: no privilege escalation, no capabilities, the

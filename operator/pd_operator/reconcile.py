@@ -364,7 +364,7 @@ class Controller:
     async def _gateway_stats(self, ns: str, name: str) -> tuple[dict, float] | None:
         """The gateway's recent client-side TTFT/TBT percentiles (what the SLO policy reads where
         a gateway is deployed); None if no gateway pod answers."""
-        from .gateway import GATEWAY_PORT, LABEL_GATEWAY
+        from .gateway import GATEWAY_METRICS_PORT, LABEL_GATEWAY
         try:
             pods = await self.kube.list("v1", "Pod", ns, f"{LABEL_GATEWAY}={name}")
         except KubeError:
@@ -372,7 +372,7 @@ class Controller:
         for p in pods:
             ip = (p.get("status") or {}).get("podIP")
             if ip and pod_ready(p) and not p["metadata"].get("deletionTimestamp"):
-                stats = await self.agents.gateway_stats(f"http://{ip}:{GATEWAY_PORT}")
+                stats = await self.agents.gateway_stats(f"http://{ip}:{GATEWAY_METRICS_PORT}")
                 if stats is not None:
                     return stats, time.monotonic()
         return None

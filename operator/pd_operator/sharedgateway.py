@@ -1,6 +1,7 @@
 """A PDGateway (pure): which PDDeployments it serves, the model each one serves, and the
 objects that run pd-gateway in front of them all (ServiceAccount, Role, RoleBinding,
-Deployment, Service `<name>` on port 8000, the usage ConfigMap), and its status.
+Deployment, Service `<name>` on port 8000, PodDisruptionBudget, NetworkPolicy, the usage
+ConfigMap), and its status.
 
 Least privilege, as for a deployment's own gateway: the Role reads pods, gets the selected
 deployments' StatefulSets by name (membership is by controller, not labels), the keys Secret
@@ -15,12 +16,14 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
-from pd_contract.names import GATEWAY_PORT, LABEL_KEYS, LABEL_PDGATEWAY
+from pd_contract.names import GATEWAY_PORT, LABEL_DEPLOYMENT, LABEL_KEYS, LABEL_PDGATEWAY
 
 from .api import GROUP, VERSION, parse_spec
 from .api_gateway import KIND, PDGatewaySpec, Selector
 from .conditions import set_condition
-from .gateway import data_token_secret_name, workload
+from .config import OperatorConfig
+from .gateway import data_token_secret_name, gateway_network_policy, workload
+from .resources import with_defaults
 
 
 def usage_configmap_name(name: str) -> str:
@@ -123,9 +126,10 @@ def key_policy_env(spec: PDGatewaySpec) -> str:
 
 
 def objects(name: str, namespace: str, spec: PDGatewaySpec, owner: dict, r: Routing, image: str,
-            keys_allowed: bool) -> list[dict]:
+            keys_allowed: bool, config: OperatorConfig | None = None) -> list[dict]:
     """The gateway's objects. `keys_allowed` False: the Role does not name the Secret and no
-    gateway pod runs (as for a deployment's own gateway)."""
+    gateway pod runs (as for a deployment's own gateway). Its NetworkPolicy lets it reach the
+    agents of the deployments it routes to, no others."""
     rules = [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
              {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "patch"],
               "resourceNames": [usage_configmap_name(name)]}]
@@ -150,9 +154,14 @@ def objects(name: str, namespace: str, spec: PDGatewaySpec, owner: dict, r: Rout
             "name": data_token_secret_name(s.deployment), "key": "token", "optional": True}}})
     env.insert(1, {"name": "PD_GATEWAY_ROUTES", "value": json.dumps(routes, sort_keys=True)})
     pod_labels = {"app.kubernetes.io/name": "pd-gateway", "app.kubernetes.io/instance": name, LABEL_PDGATEWAY: name}
-    return workload(name, _meta(name, namespace, owner, name), rules, env, image,
-                    spec.replicas if keys_allowed else 0, {LABEL_PDGATEWAY: name}, pod_labels,
-                    spec.resources.model_dump(exclude_none=True) if spec.resources else None)
+    config = config or OperatorConfig()
+    meta = _meta(name, namespace, owner, name)
+    resources = with_defaults(spec.resources.model_dump(exclude_none=True) if spec.resources else None,
+                              config.gateway_resources)
+    agents = {"matchExpressions": [{"key": LABEL_DEPLOYMENT, "operator": "In",
+                                    "values": sorted({s.deployment for s in r.served})}]} if r.served else None
+    return workload(name, meta, rules, env, image, spec.replicas if keys_allowed else 0, {LABEL_PDGATEWAY: name},
+                    pod_labels, resources) + [gateway_network_policy(meta, {LABEL_PDGATEWAY: name}, agents, config)]
 
 
 def usage_configmap(name: str, namespace: str, owner: dict) -> dict:

@@ -166,10 +166,12 @@ def test_statefulset_shape():
     assert env["PD_AGENT_PEER_TOKEN"]["valueFrom"]["secretKeyRef"] == {
         "name": "llm-agent-peer-token", "key": "token", "optional": True}
     # the spec's NPU limit, and a default for what it leaves unset (TP 1: one rank's worth)
-    assert c["resources"] == {"limits": {"huawei.com/Ascend910": 1, "memory": "1024Mi"},
-                              "requests": {"cpu": "100m", "memory": "256Mi"}}
+    assert c["resources"] == {"limits": {"huawei.com/Ascend910": 1, "cpu": "1", "memory": "1024Mi",
+                                         "ephemeral-storage": "256Mi"},
+                              "requests": {"cpu": "100m", "memory": "256Mi", "ephemeral-storage": "64Mi"}}
     assert tmpl["spec"]["automountServiceAccountToken"] is False   # engines never call the API server
     assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "http"}   # not readiness's
     prefill = by_kind_name(children())[("StatefulSet", "llm-prefill")]
     penv = {e["name"]: e for e in prefill["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert prefill["spec"]["template"]["metadata"]["annotations"]["pdoperator.io/assigned-role"] == "prefill"

@@ -148,10 +148,10 @@ def test_real_backend_requests_one_npu_per_rank_under_the_configured_resource():
     for g in ("prefill", "decoder"):
         s[g].pop("resources")
     ps = pod_spec(s, resource="example.com/npu")
-    # one NPU per rank, and per-rank defaults for cpu and memory requests (no memory limit: a real
-    # engine's host memory depends on the model)
-    assert ps["containers"][0]["resources"] == {"limits": {"example.com/npu": 8}, "requests": {
-        "example.com/npu": 8, "cpu": "8000m", "memory": "65536Mi"}}
+    # one NPU per rank, and per-rank defaults for the rest
+    assert ps["containers"][0]["resources"] == {
+        "limits": {"example.com/npu": 8, "cpu": "64", "memory": "512Gi", "ephemeral-storage": "64Gi"},
+        "requests": {"example.com/npu": 8, "cpu": "8000m", "memory": "65536Mi", "ephemeral-storage": "8Gi"}}
     env = {e["name"]: e.get("value") for e in ps["containers"][0]["env"]}
     assert env["PD_HCCN_CONF"] == "/etc/hccn.conf"
 

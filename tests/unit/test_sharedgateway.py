@@ -82,7 +82,15 @@ def test_objects_least_privilege_and_routes():
     r = routing([dep("a", "llama-8b", ["llama"]), dep("b", "qwen-7b")], None)
     owner = owner_reference("shared", "uid-1")
     objs = {o["kind"]: o for o in objects("shared", "t", spec, owner, r, "img/pd-gateway:1", keys_allowed=True)}
-    assert set(objs) == {"ServiceAccount", "Role", "RoleBinding", "Deployment", "Service"}
+    assert set(objs) == {"ServiceAccount", "Role", "RoleBinding", "Deployment", "Service", "PodDisruptionBudget",
+                         "NetworkPolicy"}
+    assert objs["PodDisruptionBudget"]["spec"]["maxUnavailable"] == 1   # a drain never blocks on it
+    # it may reach the agents of the deployments it routes to, and only their agent port
+    np = objs["NetworkPolicy"]["spec"]
+    assert np["podSelector"] == {"matchLabels": {"pdoperator.io/pdgateway": "shared"}}
+    assert np["egress"][0] == {"to": [{"podSelector": {"matchExpressions": [
+        {"key": "pdoperator.io/deployment", "operator": "In", "values": ["a", "b"]}]}}],
+        "ports": [{"protocol": "TCP", "port": 8080}]}
     rules = objs["Role"]["rules"]
     assert {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"], "resourceNames": ["keys"]} in rules
     assert {"apiGroups": ["apps"], "resources": ["statefulsets"], "verbs": ["get"],

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import copy
 import re
+from decimal import Decimal
 from pathlib import Path
 
 import pytest
 import yaml
 
-from pd_operator import builders
+from pd_operator import builders, resources
 from pd_operator.api import parse_spec
 from pd_operator.config import DEFAULT_HOST_PATHS, OperatorConfig, not_allowed, path_allowed
 from pd_operator.members import foreign, own_statefulsets
@@ -87,12 +88,20 @@ def test_engines_hold_no_serviceaccount_token_and_run_as_the_configured_user():
 
 
 def test_default_resources_scale_with_the_ranks_and_yield_to_the_spec():
-    assert builders.default_resources("sim", 4) == {"requests": {"cpu": "400m", "memory": "1024Mi"},
-                                                    "limits": {"memory": "4096Mi"}}
-    spec = spec_with(decoder={**SPEC["decoder"], "resources": {"requests": {"memory": "8Gi"}}})
+    assert builders.default_resources("sim", 4) == {
+        "requests": {"cpu": "400m", "memory": "1024Mi", "ephemeral-storage": "256Mi"},
+        "limits": {"cpu": "4", "memory": "4096Mi", "ephemeral-storage": "1024Mi"}}
+    # a request above the default limit raises the limit; a limit below the default request
+    # lowers the request (the API server refuses a request above its limit)
+    spec = spec_with(decoder={**SPEC["decoder"], "resources": {"requests": {"memory": "8Gi"},
+                                                               "limits": {"cpu": "50m"}}})
     c = by_kind_name(builders.desired_children("llm", "ns", "u", spec))[("StatefulSet", "llm-decoder")][
         "spec"]["template"]["spec"]["containers"][0]
-    assert c["resources"]["requests"]["memory"] == "8Gi" and "memory" not in c["resources"].get("limits", {})
+    assert c["resources"]["requests"]["memory"] == c["resources"]["limits"]["memory"] == "8Gi"
+    assert c["resources"]["requests"]["cpu"] == c["resources"]["limits"]["cpu"] == "50m"
+    # the chart's defaults, through the operator's configuration
+    cfg = OperatorConfig(engine_resources={"sim": {"requests": {"cpu": "250m"}, "limits": {"cpu": "1.5"}}})
+    assert builders.default_resources("sim", 2, cfg) == {"requests": {"cpu": "500m"}, "limits": {"cpu": "3"}}
 
 
 def test_network_policy_admits_the_operator_by_namespace_and_labels_together():
@@ -110,6 +119,59 @@ def test_network_policy_admits_the_operator_by_namespace_and_labels_together():
     # an operator outside the cluster is not a pod: no rule at all rather than any namespace
     np = next(o for o in builders.desired_children("llm", "ns", "u", spec_with()) if o["kind"] == "NetworkPolicy")
     assert not any("namespaceSelector" in f for f in np["spec"]["ingress"][0]["from"])
+
+
+def gateway_of(config: OperatorConfig, **gateway) -> dict:
+    spec = spec_with(gateway={"enabled": True, "apiKeysSecret": "keys", **gateway})
+    return by_kind_name(builders.desired_children("llm", "ns", "u", spec, config=config))
+
+
+def test_gateway_metrics_port_is_closed_to_the_public_and_its_egress_bounded():
+    objs = gateway_of(OperatorConfig(namespace="pd-system", api_server_cidrs=("10.0.0.1/32",)))
+    np = objs[("NetworkPolicy", "llm-gateway")]["spec"]
+    assert np["podSelector"] == {"matchLabels": {"pdoperator.io/gateway": "llm"}}
+    assert np["policyTypes"] == ["Ingress", "Egress"]
+    api, metrics = np["ingress"]
+    assert api == {"ports": [{"protocol": "TCP", "port": 8000}]}   # the public API: from anywhere
+    assert metrics["ports"] == [{"protocol": "TCP", "port": 9090}]
+    assert metrics["from"] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "pd-system"}},
+         "podSelector": {"matchLabels": {"app.kubernetes.io/name": "pd-operator"}}},
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    agents, api_server, dns = np["egress"]
+    assert agents == {"to": [{"podSelector": {"matchLabels": {"pdoperator.io/deployment": "llm"}}}],
+                      "ports": [{"protocol": "TCP", "port": 8080}]}
+    assert api_server == {"to": [{"ipBlock": {"cidr": "10.0.0.1/32"}}],
+                          "ports": [{"protocol": "TCP", "port": 443}, {"protocol": "TCP", "port": 6443}]}
+    assert {p["port"] for p in dns["ports"]} == {53} and "to" not in dns
+    # no monitoring namespaces and an operator outside the cluster: nobody may scrape it
+    np = gateway_of(OperatorConfig(metrics_namespaces=None))[("NetworkPolicy", "llm-gateway")]["spec"]
+    assert len(np["ingress"]) == 1 and "to" not in np["egress"][1]
+    # the Service is the public API's only: the metrics port is not behind it
+    svc = objs[("Service", "llm-gateway")]["spec"]
+    assert [p["port"] for p in svc["ports"]] == [8000]
+
+
+def test_gateway_pods_have_default_resources_and_distinct_probes():
+    c = gateway_of(OperatorConfig())[("Deployment", "llm-gateway")]["spec"]["template"]["spec"]["containers"][0]
+    assert c["resources"] == {"requests": {"cpu": "100m", "memory": "256Mi", "ephemeral-storage": "64Mi"},
+                              "limits": {"cpu": "2", "memory": "1Gi", "ephemeral-storage": "256Mi"}}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "http"}
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"http": 8000, "metrics": 9090}
+    # the spec's own resources win, and the configured defaults fill the rest
+    cfg = OperatorConfig(gateway_resources={"requests": {"cpu": "1"}, "limits": {"memory": "4Gi"}})
+    c = gateway_of(cfg, resources={"limits": {"cpu": "500m"}})[("Deployment", "llm-gateway")]["spec"]["template"][
+        "spec"]["containers"][0]
+    assert c["resources"] == {"requests": {"cpu": "500m"}, "limits": {"cpu": "500m", "memory": "4Gi"}}
+
+
+def test_resource_quantities():
+    assert [resources.quantity(q) for q in ("500m", "1Gi", "2", "1.5k", "1e3", "x", "")] == [
+        Decimal("0.5"), 2 ** 30, 2, 1500, 1000, None, None]
+    assert [resources.scaled(q, 4) for q in ("100m", "256Mi", "1", "0.5", 3)] == ["400m", "1024Mi", "4", "2", "12"]
+    with pytest.raises(ValueError):
+        resources.scaled("lots", 2)
 
 
 def test_members_are_pods_of_the_deployments_own_statefulsets():
@@ -137,6 +199,18 @@ def test_config_from_env():
     assert cfg.allowed_gateway_images == () and cfg.engine_user is None and cfg.namespace == "ops"
     assert OperatorConfig.from_env({}).allowed_host_paths == DEFAULT_HOST_PATHS
     assert OperatorConfig.from_env({"PD_OPERATOR_ALLOWED_HOST_PATHS": ""}).allowed_host_paths == ()
+    # the chart's JSON values (toJson): resources, the monitoring namespaces, the API server
+    cfg = OperatorConfig.from_env({"PD_OPERATOR_GATEWAY_RESOURCES": '{"limits": {"memory": "2Gi"}}',
+                                   "PD_OPERATOR_ENGINE_RESOURCES": '{"sim": {"requests": {"cpu": "1"}}}',
+                                   "PD_OPERATOR_METRICS_NAMESPACE_SELECTOR": "null",
+                                   "PD_OPERATOR_API_SERVER_CIDRS": "10.0.0.1/32,10.0.0.2/32",
+                                   "PD_OPERATOR_API_SERVER_PORTS": "6443"})
+    assert cfg.gateway_resources == {"limits": {"memory": "2Gi"}} and cfg.engine_resources["sim"]["requests"]
+    assert cfg.metrics_namespaces is None and cfg.api_server_ports == (6443,)
+    assert cfg.api_server_cidrs == ("10.0.0.1/32", "10.0.0.2/32")
+    assert OperatorConfig.from_env({"PD_OPERATOR_METRICS_NAMESPACE_SELECTOR": "{}"}).metrics_namespaces is None
+    with pytest.raises(SystemExit, match="PD_OPERATOR_GATEWAY_RESOURCES"):
+        OperatorConfig.from_env({"PD_OPERATOR_GATEWAY_RESOURCES": "{limits"})
 
 
 def test_the_admission_policy_knows_the_operators_default_paths():
