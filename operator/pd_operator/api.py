@@ -203,6 +203,13 @@ class Rebalance(Model):
     signal_max_age_seconds: int = Field(default=30, ge=1, le=3600,
                                         description="older load signals freeze the ratio instead of driving it")
     time_zone: str = Field(default="UTC", max_length=64, description="IANA time zone of the schedule")
+    paused: bool = Field(default=False, description=(
+        "no switch starts (and one still in its Drain step is withdrawn: its pod stays in its role); switches past "
+        "Drain finish. The policy still evaluates and says what it would do"))
+    stuck_after_seconds: int = Field(default=300, ge=10, le=86400, description=(
+        "a switch in one step longer than this is reported (condition Rebalancing, reason SwitchStuck, and an "
+        "Event) naming the step and what to check; it is not given up (past Drain the engine is out of service "
+        "on purpose)"))
     load: LoadThresholds = Field(default_factory=LoadThresholds, json_schema_extra={"default": {}})
     goodput: GoodputSettings = Field(default_factory=GoodputSettings, json_schema_extra={"default": {}})
     targets: Targets | None = None
@@ -229,7 +236,7 @@ class GatewaySpec(Model):
                                                     "it must opt in with the label pdoperator.io/keys: \"true\"")
     image: str | None = Field(default=None, max_length=1024, pattern=r"^\S+$",
                               description="default: the operator's configured gateway image; another must be one the "
-                                          "operator's configuration allows (chart value allowedGatewayImages)")
+                                          "operator's configuration allows (chart value gateway.allowedImages)")
     replicas: int = Field(default=1, ge=1, le=64)
     rate_limits: dict[str, Annotated[int, Field(ge=1, le=1000000)]] | None = Field(
         default=None, description="requests per minute per API key name")

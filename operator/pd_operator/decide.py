@@ -87,6 +87,7 @@ class Plan:
     outcomes: list[sw_.Outcome]
     events: list[Event] = field(default_factory=list)
     decisions: list[tuple[str, str]] = field(default_factory=list)   # (policy, reason) evaluated
+    clear_abort: bool = False   # the switch-abort annotation was dealt with: remove it
 
     @property
     def book(self) -> sw_.Book:
@@ -124,10 +125,19 @@ def decide(snap: Snapshot) -> Plan:
     # rebalance: switches in flight advance on what this pass observed; maybe one starts
     steps = [(s.pod, s.step) for s in book.switches]
     mesh, want_map, per = _mesh(engines, book, obs, spec)
+    abort_pod = (meta.get("annotations") or {}).get(sw_.ANNOTATION_ABORT)
     switch_intents, started, outcomes, decisions = advance_switches(
-        spec, mem, book, all_pods, engines, obs, snap.reports, wall, now, mesh, want_map, per, events)
+        spec, mem, book, all_pods, engines, obs, snap.reports, wall, now, mesh, want_map, per, events, abort_pod)
     book = mem.book   # the policy's evaluation recorded its target and decision in a new Book
     assert book is not None
+    stuck_after = spec.rebalance.stuck_after_seconds if spec.rebalance is not None else 300
+    obs.stuck = sw_.stuck(book.switches, wall, stuck_after)
+    for s in book.switches:
+        if wall - s.step_started > stuck_after:
+            events.append(Event("Warning", "SwitchStuck", f"{s.pod}: in step {s.step} for more than {stuck_after}s: "
+                                f"{sw_.STUCK_HINTS.get(s.step, '')}", key=f"stuck {s.pod} {s.step} {s.started}"))
+    # the abort asked for is done (or there was nothing to abort): the annotation goes
+    clear_abort = abort_pod is not None and all(s.pod != abort_pod for s in book.switches)
     # the link planner sees switching pods by their engine's role and step: the mesh is
     # worked out again only if a switch moved (most passes have none)
     if [(s.pod, s.step) for s in book.switches] != steps:
@@ -145,6 +155,9 @@ def decide(snap: Snapshot) -> Plan:
 
     # children, links, verification
     blocked = mem.blocked if mem.blocked_generation == gen else None
+    # a refused apply is tried again when due, still reported until it is taken
+    retry = blocked is not None and blocked.reason == "ApplyRejected" and mem.blocked_retry_at is not None \
+        and now >= mem.blocked_retry_at
     if blocked is None and (mismatch := npu_mismatch(spec, snap.npu_resource)):
         blocked = Diagnosis("NPURequestMismatch", mismatch)   # admission cannot see which resource means NPUs
     if blocked is None and (refused := not_allowed(spec, snap.config)):
@@ -157,7 +170,7 @@ def decide(snap: Snapshot) -> Plan:
     desired = desired_children(name, ns, meta["uid"], spec, book.sizes, snap.npu_resource, snap.config,
                                keys_allowed=snap.keys is None or snap.keys[0], serving=serving)
     obs.desired_pods = sum(spec.group_sizes(book.sizes).values())
-    to_apply = [] if blocked else ch.to_apply(desired, snap.children, mem.applied)
+    to_apply = [] if blocked and not retry else ch.to_apply(desired, snap.children, mem.applied)
     plans = lk.plan(engines, obs.reported, spec.datadist.topology,
                     due=lambda d, c: mem.link_backoff.due((d, c), now)) if snap.token else []
     want = {(d, e.cluster_id) for d, es in want_map.items() for e in es}
@@ -195,7 +208,7 @@ def decide(snap: Snapshot) -> Plan:
     return Plan(memory=mem, status=status, engines=engines, reported=obs.reported, want=want_map, desired=desired,
                 to_apply=to_apply, links=plans, verify=pairs, verify_after_links=complete_after,
                 switch_intents=switch_intents if snap.token else [], switch_probes=probes, started=started,
-                outcomes=outcomes, events=events, decisions=decisions)
+                outcomes=outcomes, events=events, decisions=decisions, clear_abort=clear_abort)
 
 
 def take_reports(mem: Memory, engines: list[lk.Engine], reports: dict[str, Report], obs: Observed, now: float,
@@ -266,11 +279,11 @@ def _mesh(engines: list[lk.Engine], book: sw_.Book, obs: Observed, spec: PDDeplo
 
 def advance_switches(spec: PDDeploymentSpec, mem: Memory, book: sw_.Book, pods: list[dict],
                      engines: list[lk.Engine], obs: Observed, reports: dict, wall: float, now: float,
-                     mesh: list[lk.Engine], want: dict, per: dict, events: list[Event]
+                     mesh: list[lk.Engine], want: dict, per: dict, events: list[Event], abort_pod: str | None = None
                      ) -> tuple[list[sw_.Intent], list[sw_.Switch], list[sw_.Outcome], list[tuple[str, str]]]:
     """Advance each switch in flight, start one if the policy wants a different prefill count,
     and repair pods whose label disagrees with their engine. Changes `mem` and `book`, which
-    are decide's own fork."""
+    are decide's own fork. `abort_pod`: the switch `kubectl pdd switch abort` asked to abort."""
     pods_by_name = {p["metadata"]["name"]: p for p in pods}
     by_pod = {e.pod: e for e in engines}
 
@@ -287,9 +300,14 @@ def advance_switches(spec: PDDeploymentSpec, mem: Memory, book: sw_.Book, pods: 
     kept: list[sw_.Switch] = []
     decisions: list[tuple[str, str]] = []
     timeout = rb.drain_timeout(spec)
+    paused = spec.rebalance is not None and spec.rebalance.paused
     for s in book.switches:
         if s.step != sw_.ABORT:
             s = replace(s, attempts=mem.switch_fails.get(s.pod, 0), message=mem.switch_errors.get(s.pod, ""))
+        if s.pod == abort_pod:
+            s, obs.abort_refused = sw_.abort_on_request(s, wall)
+        if paused and s.step == "Drain":
+            s = s.at(sw_.ABORT, wall, f"{sw_.PAUSED}; {s.pod} stays {s.from_}")
         new, its, out = sw_.advance(s, view(s), wall, timeout)
         if out is not None:
             outcomes.append(out)
@@ -299,9 +317,13 @@ def advance_switches(spec: PDDeploymentSpec, mem: Memory, book: sw_.Book, pods: 
                 mem.switch_refused = {k: v for k, v in mem.switch_refused.items() if k != s.pod}
             mem.switch_verified = {k: v for k, v in mem.switch_verified.items() if k[0] != s.pod}
             book.last = out.record()
-            if out.result == "Aborted" and not out.switch.message.startswith(sw_.RETARGETED):
-                # the drain gave up (or the engine cannot switch): no switch starts for a cooldown
-                book.retry_after = wall + (spec.rebalance.cooldown_seconds if spec.rebalance else 0)
+            if out.result == "Aborted" and not out.switch.message.startswith((sw_.RETARGETED, sw_.PAUSED)):
+                # the drain gave up, the engine cannot switch, or someone aborted it: no switch starts
+                # for a cooldown
+                hold = float(spec.rebalance.cooldown_seconds if spec.rebalance else 0)
+                if out.switch.message.startswith(sw_.REQUESTED):   # time to look before the policy moves again
+                    hold = max(hold, sw_.ABORT_HOLD_S)
+                book.retry_after = wall + hold
         elif new is not None:
             kept.append(new)
             intents += its
@@ -338,13 +360,17 @@ def advance_switches(spec: PDDeploymentSpec, mem: Memory, book: sw_.Book, pods: 
             if book.sizes and book.sizes.get("growing") and sizes == {g: book.sizes[g] for g in sizes}:
                 sizes = {**sizes, "growing": book.sizes["growing"], "moving": book.sizes.get("moving") or 1}
             new_sizes, decision = rp.plan(sizes, target, lim, wall, unsettled, why, total)
-            if new_sizes is not None:
+            if new_sizes is not None and not paused:
                 book.sizes = new_sizes
                 decision_event = (decision_event + "; " if decision_event else "") + \
                     f"Replace: prefill {new_sizes['prefill']}, decoder {new_sizes['decoder']}: {decision.message}"
         else:
             decision = sw_.choose(cands, kept, target, lim, wall, why, unsettled=unsettled)
         decision = rb.condition_for(decision, last.get("reason"), last.get("message"))
+        if paused:
+            decision = replace(decision, starts=(), reason="Paused", message=(
+                f"spec.rebalance.paused: no switch starts; unpaused, {decision.message[:1].lower()}"
+                f"{decision.message[1:]}"))
         for s in decision.starts:
             book.switches = kept = kept + [s]
             intents += sw_.intents(s, view(s))

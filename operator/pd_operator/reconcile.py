@@ -59,18 +59,25 @@ SWITCH_POLL_S = 0.1       # while a switch waits on something observed (a drain)
 
 
 class TerminalError(Exception):
-    """Retrying will not help until the spec changes."""
+    """Retrying at once will not help: wait for the spec to change, or `retry_s` (what another
+    party may fix, such as a quota or a webhook that refused an object)."""
 
-    def __init__(self, reason: str, message: str):
+    def __init__(self, reason: str, message: str, retry_s: float | None = None):
         super().__init__(message)
         self.diagnosis = Diagnosis(reason, message)
+        self.retry_s = retry_s
 
 
 def error_policy(error: Exception, attempts: int) -> float | None:
     """Seconds until the next pass after a failed one; None: wait for a change."""
     if isinstance(error, TerminalError):
-        return None
+        return error.retry_s
     return min(30.0, 0.5 * 2 ** (attempts - 1))
+
+
+def apply_retry_s(attempts: int) -> float:
+    """An apply the API server refused is tried again after this (5 s doubling to 5 min)."""
+    return min(300.0, 5.0 * 2 ** (attempts - 1))
 
 
 def spec_changes(old: dict | None, new: dict, prefix: str = "spec") -> list[str]:
@@ -411,6 +418,9 @@ class Controller:
         for o in plan.outcomes:
             await self._switch_ended(body, o)
         acted = False
+        if plan.clear_abort:
+            await self.kube.patch(f"{GROUP}/{VERSION}", KIND, ns, name,
+                                  {"metadata": {"annotations": {sw_.ANNOTATION_ABORT: None}}})
         if plan.switch_intents and token:
             by_pod = {e.pod: e for e in plan.engines}
             grouped: dict[str, list[sw_.Intent]] = {}
@@ -493,11 +503,19 @@ class Controller:
             await act.apply_children(self.kube, self.metrics, mem, objs)
         except KubeError as e:
             if 400 <= e.status < 500 and e.status not in (409, 429):
-                mem.blocked = Diagnosis("ApplyRejected", f"the API server rejected an owned object: {e}")
-                mem.blocked_generation = gen
+                # a quota, a webhook or a policy may be fixed without a spec change: tried again
+                mem.blocked_attempts = mem.blocked_attempts + 1 if mem.blocked_generation == gen else 1
+                delay = apply_retry_s(mem.blocked_attempts)
+                mem.blocked_retry_at = time.monotonic() + delay
+                msg = (f"the API server rejected an owned object: {e}; tried again in {delay:.0f}s (at "
+                       f"{sw_.iso(time.time() + delay)[:19]}Z, attempt {mem.blocked_attempts + 1}), or at once "
+                       f"when the spec changes")
+                mem.blocked, mem.blocked_generation = Diagnosis("ApplyRejected", msg), gen
                 await self.events.post(body, "Warning", "ApplyRejected", str(e))
-                raise TerminalError("ApplyRejected", str(e)) from e
+                raise TerminalError("ApplyRejected", msg, retry_s=delay) from e
             raise
+        if mem.blocked is not None and mem.blocked.reason == "ApplyRejected":
+            mem.blocked, mem.blocked_attempts, mem.blocked_retry_at = None, 0, None   # taken this time
         name = body["metadata"]["name"]
         keys_flipped = mem.applied_keys is not None and mem.applied_keys != keys_ok
         mem.applied_keys = keys_ok

@@ -50,6 +50,8 @@ class Memory:
     applied_spec: dict | None = None      # the spec whose children were applied last
     blocked: Diagnosis | None = None      # a terminal error for this generation
     blocked_generation: int | None = None
+    blocked_attempts: int = 0             # ApplyRejected: refused applies of this generation so far
+    blocked_retry_at: float | None = None  # ApplyRejected: when the apply is tried again (monotonic)
     errors: int = 0                       # consecutive transient errors
     pods_ready_at: float | None = None
     was_ready: bool = False

@@ -71,6 +71,8 @@ class Observed:
     desired_pods: int | None = None                     # what the StatefulSets were sized to
     group_sizes: dict | None = None                     # method Replace: status.rebalance.groupSizes
     rank_reports: dict[str, tuple[int, int, str]] = field(default_factory=dict)  # pod -> (TP, initialised, source)
+    abort_refused: str | None = None    # a switch asked to abort that is past switch_role: why not
+    stuck: str | None = None            # switches in one step longer than stuckAfterSeconds
 
 
 def _listed(messages: list[str]) -> str:
@@ -129,6 +131,23 @@ def _members(obs: Observed, per: dict[str, tuple[int, int, list[dict]]],
 
 
 
+def unschedulable(pod: dict) -> str | None:
+    """The scheduler's word on a pod it cannot place (which resource is short, taints), or None."""
+    for c in (pod.get("status") or {}).get("conditions") or []:
+        if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable":
+            return (c.get("message") or "no reason given").strip()[:400]
+    return None
+
+
+def _requests(pod: dict) -> str:
+    """What the pod's containers request, summed (the numbers the scheduler compared)."""
+    total: dict[str, list[str]] = {}
+    for ctr in (pod.get("spec") or {}).get("containers") or []:
+        for k, v in ((ctr.get("resources") or {}).get("requests") or {}).items():
+            total.setdefault(k, []).append(str(v))
+    return ", ".join(f"{k}={'+'.join(v)}" for k, v in sorted(total.items()))
+
+
 def pods_ready(obs: Observed, desired_pods: int) -> Verdict:
     live = obs.pods
     ready = [p for p in live if pod_ready(p)]
@@ -139,6 +158,12 @@ def pods_ready(obs: Observed, desired_pods: int) -> Verdict:
     if len(ready) >= desired_pods and len(live) - len(strays) == desired_pods:
         return True, "AllPodsReady", f"{len(ready) - len(strays)}/{desired_pods} pods ready"
     waiting = sorted(p["metadata"]["name"] for p in live if not pod_ready(p))
+    stuck = [(p["metadata"]["name"], why, _requests(p)) for p in live if (why := unschedulable(p))]
+    if stuck:
+        pod, why, req = stuck[0]
+        more = f" ({len(stuck) - 1} more pods likewise)" if len(stuck) > 1 else ""
+        return (False, "Unschedulable", f"{len(ready)}/{desired_pods} pods ready; {pod} cannot be scheduled: {why}"
+                + (f" It requests {req}." if req else "") + more)
     return (False, "PodsNotReady", f"{len(ready)}/{desired_pods} pods ready"
             + (f"; waiting for {', '.join(waiting[:MAX_LISTED])}" if waiting else "")
             + (f" and {len(waiting) - MAX_LISTED} more" if len(waiting) > MAX_LISTED else ""))
@@ -223,6 +248,10 @@ LISTED_SWITCHES = 4   # more switches in flight than this are counted, not liste
 
 def rebalancing(obs: Observed) -> Verdict | None:
     """True while a switch is in flight; otherwise why no switch is started (None: no policy)."""
+    if obs.abort_refused:
+        return True, "AbortRefused", obs.abort_refused
+    if obs.stuck:
+        return True, "SwitchStuck", obs.stuck
     if len(obs.switches) > LISTED_SWITCHES:
         # a whole move of a large fleet: counted by direction and step, so the message stays short
         counts = collections.Counter((s.from_, s.to, s.step) for s in obs.switches)

@@ -320,6 +320,44 @@ def choose(members: list[Candidate], switches: list[Switch], target: int | None,
 
 
 RETARGETED = "no longer wanted"   # an abort the policy asked for (not a drain that timed out)
+PAUSED = "withdrawn: spec.rebalance.paused"
+REQUESTED = "aborted on request"   # kubectl pdd switch abort (the annotation below)
+ANNOTATION_ABORT = "pdoperator.io/switch-abort"
+ABORTABLE = ("Drain", "Unlink")     # before switch_role: the engine is still in its old role
+ABORT_HOLD_S = 300.0   # after an abort someone asked for, no switch starts for this long (or the cooldown)
+
+
+def abort_on_request(sw: Switch, now: float) -> tuple[Switch, str | None]:
+    """`kubectl pdd switch abort`: a switch before switch_role goes back (the pod keeps its role,
+    undrained, relinked by the planner); past it, the refusal says what finishing requires."""
+    if sw.step == ABORT:
+        return sw, None
+    if sw.step in ABORTABLE:
+        return sw.at(ABORT, now, f"{REQUESTED} ({ANNOTATION_ABORT}); {sw.pod} stays {sw.from_}"), None
+    return sw, (f"{sw.pod} cannot be aborted: it is past switch_role (step {sw.step}), its engine is a {sw.to} now; "
+                f"the switch finishes once {', '.join(STEPS[STEPS.index(sw.step):])} complete (see LinksReady and "
+                f"KVPathVerified); to move it back, change the target once it has")
+
+
+STUCK_HINTS = {
+    "Drain": "requests still in flight on it, or KV caches not yet pulled from it (the drain times out)",
+    "Unlink": "decoders still report links to it: check AgentsReady and the decoders' agents",
+    "SwitchRole": "switch_role has not taken effect: check the pod's agent (AgentsReady) and the last error below",
+    "Relink": "its links in the new role are not all up: check LinksReady",
+    "Verify": "no KV path through it has been verified in its new role: check KVPathVerified",
+    "Undrain": "its role label or its agent's undrain has not taken effect: check the pod and AgentsReady",
+    ABORT: "its role label, assigned-role annotation or undrain has not taken effect: check the pod and AgentsReady",
+}
+
+
+def stuck(switches: list[Switch], now: float, after_s: float) -> str | None:
+    """Switches in one step longer than `after_s`, with what to check (None: none)."""
+    late = [s for s in switches if now - s.step_started > after_s]
+    if not late:
+        return None
+    return "; ".join(f"{s.pod} in step {s.step} for {now - s.step_started:.0f}s: {STUCK_HINTS.get(s.step, '')}"
+                     + (f" (last error: {s.message})" if s.message else "") for s in late[:5]) \
+        + (f"; and {len(late) - 5} more" if len(late) > 5 else "")
 
 
 def retarget(switches: list[Switch], members: list[Candidate], target: int | None, now: float) -> list[Switch]:

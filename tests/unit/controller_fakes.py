@@ -105,8 +105,13 @@ class FakeKube:
         cur = self.objects.get(key)
         if cur is None:
             raise KubeError(404, '{"message": "not found"}', f"patch {kind} {name}")
-        for part in ("labels", "annotations"):
-            cur["metadata"].setdefault(part, {}).update((body.get("metadata") or {}).get(part) or {})
+        for part in ("labels", "annotations"):   # a merge patch: null removes the key
+            into = cur["metadata"].setdefault(part, {})
+            for k, v in ((body.get("metadata") or {}).get(part) or {}).items():
+                if v is None:
+                    into.pop(k, None)
+                else:
+                    into[k] = v
         stored = self._store(cur)
         self._feed(stored)
         return stored

@@ -224,14 +224,33 @@ async def test_an_invalid_spec_is_terminal():
     assert e.value.diagnosis.reason == "InvalidSpec"
 
 
-async def test_an_apply_the_api_server_rejects_is_terminal_and_reported():
+async def test_an_apply_the_api_server_rejects_is_reported_and_tried_again_with_backoff(monkeypatch):
+    import time
     w = World()
-    w.kube.reject["StatefulSet"] = (422, "spec.template: Invalid value")
-    with pytest.raises(TerminalError):
+    w.kube.reject["StatefulSet"] = (403, "exceeded quota: compute-resources")
+    with pytest.raises(TerminalError) as e:
         await w.step()
     assert any(c[0] == "event" and c[1] == "ApplyRejected" for c in w.log)
+    assert error_policy(e.value, 1) == 5.0, "tried again later, not only on a spec change"
     await w.ctl._record_terminal(KEY, w.ctl.memory[KEY], w.ctl.memory[KEY].blocked)
-    assert w.status["phase"] == "Degraded" and w.condition("Ready")["reason"] == "ApplyRejected"
+    c = w.condition("Ready")
+    assert w.status["phase"] == "Degraded" and c["reason"] == "ApplyRejected"
+    assert "exceeded quota" in c["message"] and "tried again in 5s" in c["message"], c
+    # before it is due nothing is applied; refused again, the wait doubles
+    applies = sum(1 for x in w.log if x[0] == "apply")
+    await w.step()
+    assert sum(1 for x in w.log if x[0] == "apply") == applies
+    real = time.monotonic
+    monkeypatch.setattr(time, "monotonic", lambda: real() + 6)
+    with pytest.raises(TerminalError) as e:
+        await w.step()
+    assert e.value.retry_s == 10.0
+    # the quota is raised elsewhere: the next try is taken, without a spec change
+    del w.kube.reject["StatefulSet"]
+    monkeypatch.setattr(time, "monotonic", lambda: real() + 20)
+    w.add_pods()
+    await w.settle()
+    assert w.status["phase"] == "Ready" and w.condition("Ready")["reason"] == "Ready"
 
 
 # ---- live switching ----------------------------------------------------------------------------
@@ -327,6 +346,89 @@ async def test_drain_timeout_aborts_and_puts_the_pod_back():
     assert w.kube.objects[("Pod", "ns", last["pod"])]["metadata"]["labels"]["pdoperator.io/role"] == "decoder"
     assert any(c[0] == "event" and c[1] == "SwitchAborted" for c in w.log)
     assert w.condition("Rebalancing")["reason"] == "Cooldown"
+
+
+async def test_paused_starts_no_switch_says_what_it_would_and_withdraws_a_drain():
+    w = await ready_world({**SPEC, "rebalance": {**MANUAL, "paused": True}})
+    w.patch_spec(manual={"prefill": 3})
+    await w.settle()
+    assert not w.status.get("switches") and "lastSwitch" not in w.status
+    c = w.condition("Rebalancing")
+    assert c["reason"] == "Paused" and "spec.rebalance.paused" in c["message"] and "3" in c["message"], c
+    # unpaused, the move starts; paused again while it drains, it is withdrawn (the pod stays)
+    for d in ("x-decoder-0", "x-decoder-1"):
+        w.agent(d).in_flight = 1
+    w.patch_spec(paused=False)
+    await w.step()
+    assert w.status["switches"][0]["step"] == "Drain"
+    w.patch_spec(paused=True)
+    await w.settle()
+    last = w.status["lastSwitch"]
+    assert last["result"] == "Aborted" and "spec.rebalance.paused" in last["message"]
+    assert w.agent(last["pod"]).role == "decoder" and not w.agent(last["pod"]).draining
+    assert "retryAfter" not in w.status.get("rebalance", {}), "a pause is not a failure to cool down from"
+
+
+async def test_a_switch_past_drain_finishes_under_pause():
+    w = await ready_world({**SPEC, "rebalance": MANUAL})
+    w.patch_spec(manual={"prefill": 3})
+    while w.status.get("switches", [{}])[0].get("step") in (None, "Drain"):
+        await w.step()
+    w.patch_spec(paused=True)
+    await w.settle()
+    assert w.status["lastSwitch"]["result"] == "Completed" and w.status["prefill"] == 3
+
+
+def annotate_abort(w: World, pod_: str) -> None:
+    obj = w.kube.objects[("PDDeployment", "ns", "x")]
+    obj["metadata"].setdefault("annotations", {})["pdoperator.io/switch-abort"] = pod_
+    w.ctl.on_deployment("MODIFIED", copy.deepcopy(obj))
+
+
+async def test_switch_abort_before_switch_role_puts_the_pod_back_and_clears_the_annotation():
+    w = await ready_world({**SPEC, "rebalance": {**MANUAL, "cooldownSeconds": 600}})
+    for d in ("x-decoder-0", "x-decoder-1"):
+        w.agent(d).in_flight = 1   # held in Drain
+    w.patch_spec(manual={"prefill": 3})
+    await w.step()
+    pod_ = w.status["switches"][0]["pod"]
+    annotate_abort(w, pod_)
+    await w.settle()
+    last = w.status["lastSwitch"]
+    assert last["pod"] == pod_ and last["result"] == "Aborted" and "aborted on request" in last["message"]
+    assert w.agent(pod_).role == "decoder" and not w.agent(pod_).draining
+    assert "pdoperator.io/switch-abort" not in w.kube.objects[("PDDeployment", "ns", "x")]["metadata"]["annotations"]
+    assert w.status["rebalance"]["retryAfter"], "the policy does not start it again at once"
+
+
+async def test_switch_abort_past_switch_role_is_refused_with_what_finishing_requires(monkeypatch):
+    w = await ready_world({**SPEC, "rebalance": MANUAL})
+    w.agents.verify_ok = False   # held in Verify: the probes through it fail
+    w.patch_spec(manual={"prefill": 3})
+    while w.status.get("switches", [{}])[0].get("step") != "Verify":
+        await w.step()
+    pod_ = w.status["switches"][0]["pod"]
+    annotate_abort(w, pod_)
+    await w.step()
+    c = w.condition("Rebalancing")
+    assert c["reason"] == "AbortRefused" and pod_ in c["message"] and "past switch_role" in c["message"], c
+    assert w.kube.objects[("PDDeployment", "ns", "x")]["metadata"]["annotations"]["pdoperator.io/switch-abort"]
+    w.agents.verify_ok = True
+    import time
+    real = time.monotonic
+    monkeypatch.setattr(time, "monotonic", lambda: real() + 600)   # past the failed probes' backoff
+    await w.settle()
+    assert w.status["lastSwitch"]["result"] == "Completed"
+    assert "pdoperator.io/switch-abort" not in w.kube.objects[("PDDeployment", "ns", "x")]["metadata"]["annotations"]
+
+
+async def test_a_switch_stuck_in_a_step_is_named_with_what_to_check():
+    from pd_operator import switch as sw_
+    s = sw_.Switch(pod="p", uid="u", from_="decoder", to="prefill", step="Relink", started=0, step_started=0,
+                   message="link: LLM_LINK_FAILED")
+    assert sw_.stuck([s], 100, 300) is None
+    msg = sw_.stuck([s], 400, 300)
+    assert msg.startswith("p in step Relink for 400s") and "LinksReady" in msg and "LLM_LINK_FAILED" in msg
 
 
 async def test_a_leaving_prefill_keeps_its_links_until_its_agent_refuses_work():

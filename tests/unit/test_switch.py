@@ -231,3 +231,17 @@ def test_a_whole_move_is_counted_not_listed_in_the_rebalancing_condition():
     assert message == "64 switches: 40 decoder -> prefill at Drain; 24 decoder -> prefill at Relink"
     _, _, few = rebalancing(Observed(generation=1, pods=[], engines=[], problems=[], switches=sws[:2]))
     assert few.startswith("d0: decoder -> prefill, step Drain")
+
+
+def test_an_unschedulable_pod_is_named_with_the_schedulers_reason_and_its_requests():
+    from pd_operator.status import Observed, pods_ready
+    ready = {"metadata": {"name": "x-prefill-0"}, "status": {"conditions": [{"type": "Ready", "status": "True"}]}}
+    waiting = {"metadata": {"name": "x-prefill-1"},
+               "spec": {"containers": [{"resources": {"requests": {"huawei.com/Ascend910": "8", "cpu": "1"}}}]},
+               "status": {"phase": "Pending", "conditions": [{
+                   "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                   "message": "0/3 nodes are available: 3 Insufficient huawei.com/Ascend910."}]}}
+    ok, reason, message = pods_ready(Observed(generation=1, pods=[ready, waiting], engines=[], problems=[]), 2)
+    assert (ok, reason) == (False, "Unschedulable")
+    assert message == ("1/2 pods ready; x-prefill-1 cannot be scheduled: 0/3 nodes are available: 3 Insufficient "
+                       "huawei.com/Ascend910. It requests cpu=1, huawei.com/Ascend910=8."), message
