@@ -79,6 +79,7 @@ class Fleet:
         self.prefills: list[dict] = []
         self.decoders: list[dict] = []
         self.refreshed_at = 0.0
+        self.known: list[dict] = []     # the pods the last listing that worked found
         self.error = ""
         self.bad: dict[str, str] = {}   # pod -> why its last status answer was not used
         self.on_bad_report = on_bad_report   # (pod, why), at every bad answer: a counter
@@ -113,12 +114,16 @@ class Fleet:
         except Exception as e:  # noqa: BLE001 - keep routing on the last view; the API server may be away
             error = f"listing pods: {e}"
             if error != self.error:   # once per new error, not once a second while the API server is away
-                log.warning("%s (routing on the last view until it answers)", error)
+                log.warning("%s (routing to the pods it last listed until it answers)", error)
             self.error = error
-            return
-        if self.error:
-            log.info("listing pods works again")
-            self.error = ""
+            # their agents are still asked: a pod dropped after a refusal (drop()) comes back once
+            # it answers, however long the API server is away
+            pods = self.known
+        else:
+            self.known = pods
+            if self.error:
+                log.info("listing pods works again")
+                self.error = ""
         pods = [p for p in pods if p.get("ip") and not p.get("leaving") and p.get("label") != SWITCHING]
 
         async def one(p: dict) -> dict | None:

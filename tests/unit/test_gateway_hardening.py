@@ -774,3 +774,28 @@ def test_short_keys_are_ignored_with_a_warning_naming_them_not_their_value(caplo
     assert keys.name_of("\udcff\udcfe" * 10) is None and keys.name_of("\ud800" * 20) == "surrogate"
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 1 and "short-one" in warned[0] and "sk-tiny-1" not in warned[0], warned
+
+
+async def test_while_pods_cannot_be_listed_the_agents_last_listed_are_still_asked():
+    """The API server away: a prefill dropped after one failed request comes back as soon as its
+    agent answers again, instead of staying out of routing for the whole outage."""
+    agents = FakeAgents()
+    fleet = agents.fleet()
+    listed = fleet.discover
+    down = [False]
+
+    def discover():
+        if down[0]:
+            raise ConnectionRefusedError("the API server is away")
+        return listed()
+    fleet.discover = discover
+    async with fleet.http:
+        await fleet.refresh()
+        assert [p["name"] for p in fleet.prefills] == [P_HOST]
+        down[0] = True
+        fleet.drop(fleet.prefills[0]["url"])   # a request to it failed (a timeout on a busy machine)
+        assert not fleet.prefills
+        await fleet.refresh()
+        assert [p["name"] for p in fleet.prefills] == [P_HOST] and "the API server is away" in fleet.error
+        msgs = [m async for m in generate(fleet, 8, 10, 3, Attempt())]
+        assert [m["token"] for m in msgs if "token" in m] == [0, 1, 2]
