@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 KUBECONFIG_LOCAL := $(CURDIR)/.localcluster/kubeconfig
 BIN_DIR = $(shell hack/k8s-bins/build.sh --print-dir)
 
-.PHONY: help venv lint k8s-bins cluster-up cluster-down test test-unit test-integration test-e2e e2e-kind images lint-workflows crd crd-check demo bench bench-sim bench-links bench-switch bench-gateway bench-rebalance bench-policy-sim soak busy-machine busy-machine-stop clean
+.PHONY: help venv lint k8s-bins cluster-up cluster-down test test-unit test-integration test-e2e e2e-kind images lint-workflows crd crd-check docs demo bench bench-sim bench-links bench-switch bench-gateway bench-rebalance bench-policy-sim soak busy-machine busy-machine-stop clean
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
@@ -76,6 +76,9 @@ lint-workflows: ## actionlint the GitHub Actions workflows (built from its Go mo
 crd: venv ## regenerate the CRD (crds/ and the chart's copy) from the pydantic models
 	$(PY) -m pd_operator.crdgen --out crds/pddeployment.yaml --out charts/pd-operator/crds/pddeployment.yaml
 	$(PY) -m pd_operator.crdgen --kind PDGateway --out crds/pdgateway.yaml --out charts/pd-operator/crds/pdgateway.yaml
+
+docs: venv ## regenerate docs/reference/ (custom resources, chart values, kubectl pdd, environment) from the code
+	$(PY) hack/docs/gen.py
 
 demo: cluster-up ## the main job: operator (Helm chart) + examples/sim-small.yaml on the local cluster
 	@BIN_DIR="$(BIN_DIR)" PY="$(PY)" hack/demo.sh

@@ -21,6 +21,8 @@ AGENT_PORT = 8080            # the agent's HTTP API
 GATEWAY_PORT = 8000          # pd-gateway
 # pd-gateway's /metrics and /stats: per-key names and usage, so not on the public API port
 GATEWAY_METRICS_PORT = 9090
+# the agent's /metrics alone (it is on AGENT_PORT too): scrapers are admitted here, not to the API
+AGENT_METRICS_PORT = 9091
 DATADIST_PORT = 26000        # LLM-DataDist's listen port (the default of spec.datadist.port)
 
 # link_clusters answers: the link is up

@@ -121,6 +121,7 @@ async def verify(body: dict, agents: AgentClient, events: Events, mem: Memory,
     results = await asyncio.gather(*(one(d, p) for d, p in pairs))
     first_time = not mem.verify
     for r in results:
+        agents.metrics.verified(body["metadata"].get("namespace", ""), body["metadata"]["name"], r["ok"], r["code"])
         before = mem.verify.get(r["decoder"])
         mem.verify[r["decoder"]] = r
         if not r["ok"] and (before is None or before.get("ok")):

@@ -268,8 +268,9 @@ class Ascend(Model):
 
 
 class SimTiming(Model):
-    """Coefficients of the simulator's timing models (REFERENCE §B); unset ones keep their defaults.
-    Prefill batch: a*sum(p) + b*sum(p^2) + c ms; decode step: a*sum(ctx) + b*batch + c ms."""
+    """Coefficients of the simulator's timing models; unset ones keep their defaults. Prefill batch:
+    a*sum(p) + b*sum(p^2) + c ms; decode step: a*sum(ctx) + b*batch + c ms; a KV pull: kvAlphaMs plus
+    the bytes over kvBandwidthGbps."""
     prefill_a: float | None = Field(default=None, ge=0)
     prefill_b: float | None = Field(default=None, ge=0)
     prefill_c: float | None = Field(default=None, ge=0)
@@ -296,7 +297,7 @@ class Sim(Model):
                                         description="delay before the engine initialises, like loading weights")
     faults: SimFaults | None = None
     engine: Literal["timing", "reference"] = Field(
-        default="timing", description="what serves requests: timing (the Ascend timing model; tokens are "
+        default="timing", description="what serves requests: timing (the simulator's timing model; tokens are "
         "placeholders) or reference (a small real transformer on CPU with seeded weights: real token ids in and "
         "out, real KV sharded by rank; for profiles of at most 16 layers and width 1024)")
     seed: int = Field(default=0, ge=0, le=(1 << 31) - 1, description="reference engine: the weights' seed")

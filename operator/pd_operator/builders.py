@@ -9,6 +9,7 @@ import hashlib
 import json
 
 from pd_contract.names import (  # noqa: F401 (re-exported: the operator's modules take names from here)
+    AGENT_METRICS_PORT,
     AGENT_PORT,
     ANNOTATION_ROLE,
     ASCEND_ANNOTATION,
@@ -36,6 +37,9 @@ GROUPS = ("prefill", "decoder")
 ENGINE_ROLE = {"prefill": "prompt", "decoder": "decoder"}  # LLM_DATADIST_ROLE per home group
 DEFAULT_BASE = {"prefill": 0, "decoder": 1000}
 TERMINATION_MARGIN_S = 10
+# for the Prometheus convention of scraping annotated pods (the chart's PodMonitor uses the port's name)
+ENGINE_SCRAPE_ANNOTATIONS = {"prometheus.io/scrape": "true", "prometheus.io/port": str(AGENT_METRICS_PORT),
+                             "prometheus.io/path": "/metrics"}
 
 
 def sts_name(name: str, group: str) -> str:
@@ -144,6 +148,8 @@ def _env(name: str, spec: PDDeploymentSpec, group: str, resource: str = NPU_RESO
         {"name": "PD_MODEL_NAME", "value": spec.model.name},
         {"name": "PD_BACKEND", "value": spec.backend},
         {"name": "PD_AGENT_PORT", "value": str(AGENT_PORT)},
+        # /metrics alone: what monitoring is admitted to (the engines' NetworkPolicy), not the API
+        {"name": "PD_AGENT_METRICS_PORT", "value": str(AGENT_METRICS_PORT)},
         {"name": "PD_AGENT_TOKEN", "valueFrom": {"secretKeyRef": {
             "name": token_secret_name(name), "key": "token"}}},
         {"name": "PD_AGENT_DATA_TOKEN", "valueFrom": {"secretKeyRef": {
@@ -266,7 +272,8 @@ def statefulset(name: str, namespace: str, spec: PDDeploymentSpec, group: str, o
         "imagePullPolicy": spec.image_pull_policy,
         "env": _env(name, spec, group, resource),
         "ports": [{"name": "http", "containerPort": AGENT_PORT, "protocol": "TCP"},
-                  {"name": "datadist", "containerPort": spec.datadist.port, "protocol": "TCP"}],
+                  {"name": "datadist", "containerPort": spec.datadist.port, "protocol": "TCP"},
+                  {"name": "metrics", "containerPort": AGENT_METRICS_PORT, "protocol": "TCP"}],
         # ready: the engine is initialised; alive: the agent answers (an engine that cannot init
         # yet is retried in place, a restart would not help it)
         "readinessProbe": {"httpGet": {"path": "/healthz", "port": "http"},
@@ -306,7 +313,7 @@ def statefulset(name: str, namespace: str, spec: PDDeploymentSpec, group: str, o
             "template": {
                 "metadata": {"labels": pod_labels,
                              "annotations": {"pdoperator.io/config-hash": config_hash(spec),
-                                             ANNOTATION_ROLE: group}},
+                                             ANNOTATION_ROLE: group, **ENGINE_SCRAPE_ANNOTATIONS}},
                 "spec": pod_spec,
             },
         },
@@ -383,5 +390,5 @@ def desired_children(name: str, namespace: str, uid: str, spec: PDDeploymentSpec
     serving = serving if serving is not None else spec.group_sizes(decided)
     for role in GROUPS:
         out.append(disruption_budget(name, namespace, spec, role, owner, serving.get(role, 0)))
-    out.append(network_policy(name, namespace, spec, owner, config.namespace))
+    out.append(network_policy(name, namespace, spec, owner, config.namespace, config.metrics_namespaces))
     return out + gateway_objects(name, namespace, spec, owner, config.gateway_image, keys_allowed, config)

@@ -5,7 +5,7 @@
   median ignores one that was slowed by something else); under a light load, all the prefills'
   busy time pooled.
 - Decode: the step time as a function of the batch and the context it holds,
-  T = a * context + b * batch + c ms (the form of REFERENCE §B), fitted over the recent steps
+  T = a * context + b * batch + c ms (the simulator's decode-step form), fitted over the recent steps
   the decoders report, pooled (they run the same model on the same hardware). The fit is least
   squares reweighted to discount outliers (Huber weights), so a few slow steps do not tilt it,
   and pulled gently towards the previous fit, so steps that all share one batch size (which

@@ -9,7 +9,9 @@ gateway holds only the agents' data-scope token (status, prefill, decode), so it
 unlink, drain or switch an engine; its image is the operator's configured one. The
 NetworkPolicy admits the agent port from the operator (its namespace and labels together),
 the gateway, the namespace's PDGateways and the deployment's own pods (verify probes and pull
-notices go agent to agent), and the datadist port from the deployment's own pods only; egress from the engines goes to
+notices go agent to agent), the datadist port from the deployment's own pods only, and the
+agent's metrics port (its /metrics alone, not the API) from the operator and the configured
+monitoring namespaces; egress from the engines goes to
 the deployment's own pods (agent and datadist ports) and DNS only.
 
 A gateway's pods serve the public API on GATEWAY_PORT (from anywhere) and /metrics and /stats,
@@ -23,6 +25,7 @@ import copy
 import json
 
 from pd_contract.names import (
+    AGENT_METRICS_PORT,
     AGENT_PORT,
     GATEWAY_METRICS_PORT,
     GATEWAY_PORT,
@@ -38,8 +41,8 @@ from .objmeta import common_labels, harden, liveness_probe, object_meta
 from .resources import with_defaults
 
 # LABEL_GATEWAY is on gateway pods (not the engines' deployment label)
-__all__ = ["GATEWAY_METRICS_PORT", "GATEWAY_PORT", "LABEL_GATEWAY", "LABEL_KEYS", "gateway_network_policy",
-           "gateway_objects", "network_policy"]
+__all__ = ["AGENT_METRICS_PORT", "GATEWAY_METRICS_PORT", "GATEWAY_PORT", "LABEL_GATEWAY", "LABEL_KEYS",
+           "gateway_network_policy", "gateway_objects", "metrics_scrapers", "network_policy"]
 OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "pd-operator"}
 DNS_PORTS = [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]
 # for the Prometheus convention of scraping annotated pods (a PodMonitor may use the port's name)
@@ -154,14 +157,20 @@ def operator_peer(namespace: str) -> dict:
             "podSelector": {"matchLabels": OPERATOR_POD_LABELS}}
 
 
+def metrics_scrapers(operator_namespace: str | None, metrics_namespaces: dict | None) -> list[dict]:
+    """Who may reach a metrics port (the gateways' and the agents'): the operator's pods, and the
+    pods of the namespaces the chart's networkPolicy.metricsNamespaceSelector selects."""
+    return ([operator_peer(operator_namespace)] if operator_namespace else []) + \
+        ([{"namespaceSelector": copy.deepcopy(metrics_namespaces)}] if metrics_namespaces else [])
+
+
 def gateway_network_policy(meta: dict, select: dict[str, str], agents: dict | None,
                            config: OperatorConfig) -> dict:
     """The gateway pods selected by `select`: the API port from anywhere (it is the public
     API), the metrics port from the operator (it reads /stats) and the monitoring namespaces;
     egress to the agent port of the pods `agents` selects (None: no engine yet), the API server,
     DNS. Named after the gateway."""
-    scrapers = ([operator_peer(config.namespace)] if config.namespace else []) + \
-        ([{"namespaceSelector": config.metrics_namespaces}] if config.metrics_namespaces else [])
+    scrapers = metrics_scrapers(config.namespace, config.metrics_namespaces)
     ingress: list[dict] = [{"ports": [{"protocol": "TCP", "port": GATEWAY_PORT}]}]
     if scrapers:
         ingress.append({"from": scrapers, "ports": [{"protocol": "TCP", "port": GATEWAY_METRICS_PORT}]})
@@ -176,10 +185,11 @@ def gateway_network_policy(meta: dict, select: dict[str, str], agents: dict | No
 
 
 def network_policy(name: str, namespace: str, spec: PDDeploymentSpec, owner: dict,
-                   operator_namespace: str | None = None) -> dict:
+                   operator_namespace: str | None = None, metrics_namespaces: dict | None = None) -> dict:
     """The operator is admitted by its namespace and its labels together (labels alone would
     admit any pod that wears them, in any namespace); an operator whose namespace is unknown
-    (run outside the cluster) is not a pod and needs no rule."""
+    (run outside the cluster) is not a pod and needs no rule. `metrics_namespaces` (a namespace
+    selector) and the operator may reach the agents' metrics port, and only that port."""
     own = {"podSelector": {"matchLabels": {LABEL_DEPLOYMENT: name}}}
     # a PDGateway of the namespace may serve this deployment (it still needs the data token)
     agent_from = [own, {"podSelector": {"matchLabels": {LABEL_GATEWAY: name}}},
@@ -187,14 +197,16 @@ def network_policy(name: str, namespace: str, spec: PDDeploymentSpec, owner: dic
     if operator_namespace:
         agent_from.append(operator_peer(operator_namespace))
     ports = [{"protocol": "TCP", "port": AGENT_PORT}, {"protocol": "TCP", "port": spec.datadist.port}]
+    ingress = [{"from": agent_from, "ports": [{"protocol": "TCP", "port": AGENT_PORT}]},
+               {"from": [own], "ports": [{"protocol": "TCP", "port": spec.datadist.port}]}]
+    scrapers = metrics_scrapers(operator_namespace, metrics_namespaces)
+    if scrapers:
+        ingress.append({"from": scrapers, "ports": [{"protocol": "TCP", "port": AGENT_METRICS_PORT}]})
     return {
         "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
         "metadata": object_meta(f"{name}-engines", namespace, owner, common_labels(name)),
         "spec": {"podSelector": {"matchLabels": {LABEL_DEPLOYMENT: name}}, "policyTypes": ["Ingress", "Egress"],
-                 "ingress": [
-                     {"from": agent_from, "ports": [{"protocol": "TCP", "port": AGENT_PORT}]},
-                     {"from": [own], "ports": [{"protocol": "TCP", "port": spec.datadist.port}]},
-                 ],
+                 "ingress": ingress,
                  # links, pulls, verify probes and pull notices go to the deployment's own pods
                  "egress": [{"to": [own], "ports": ports}, {"ports": copy.deepcopy(DNS_PORTS)}]},
     }

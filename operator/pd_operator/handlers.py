@@ -47,6 +47,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None
     memo.kube = Kube()
     memo.agents = AgentClient(metrics)
     memo.controller = Controller(memo.kube, memo.agents, metrics, after_record=memo.get("after_record"))
+    metrics.leading = memo.controller.leading.is_set   # a standby exports no deployment's state
     memo.gateways = GatewayController(memo.kube, memo.controller.events, memo.controller.config,
                                       memo.controller.leading)
     memo.metrics_runner = await serve(metrics)

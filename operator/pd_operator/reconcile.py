@@ -486,8 +486,8 @@ class Controller:
                                    f"{s.pod}: {s.from_} -> {s.to} in {rec['totalMs']} ms (drain {rec.get('drainMs')} "
                                    f"ms, unlink and switch_role {rec['switchMs']} ms, relink and verify "
                                    f"{rec['relinkMs']} ms); {s.reason}", key=f"switched {s.pod} {s.started}")
-        elif o.result == "Aborted" and s.message.startswith(sw_.RETARGETED):
-            # the policy changed its mind while this pod drained: nothing went wrong
+        elif o.result == "Aborted" and s.message.startswith((sw_.RETARGETED, sw_.PAUSED)):
+            # the policy changed its mind, or rebalancing was paused, while this pod drained: nothing went wrong
             await self.events.post(body, "Normal", "SwitchWithdrawn", f"{s.pod}: {s.from_} -> {s.to} withdrawn: "
                                    f"{o.message}", key=f"withdrawn {s.pod} {s.started}")
         else:
@@ -559,6 +559,7 @@ class Controller:
         """Phase gauge, and the time from the last pod's Ready (as its watch event arrived)
         to the deployment's Ready."""
         self.metrics.set_phase(key[0], key[1], status["phase"])
+        self.metrics.observe_status(key[0], key[1], status)
         pods_ready = next((c["status"] == "True" for c in status["conditions"] if c["type"] == "PodsReady"), False)
         if not pods_ready:
             mem.pods_ready_at, mem.was_ready = None, False

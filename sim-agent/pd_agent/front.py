@@ -80,6 +80,7 @@ from .server import (
     control_fields,
     error_middleware,
     read_body,
+    serve_metrics,
 )
 
 log = logging.getLogger("pd_agent.front")
@@ -797,6 +798,7 @@ async def serve_front(identity: Identity, tp: int, host: str, port: int) -> None
     runner = app_runner(app, identity)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
+    metrics_runner = await serve_metrics(app, identity, host)
     log.info("pod agent %s (%s, %d ranks, cluster_ids %d-%d) serving on %s:%d", identity.pod, identity.role, tp,
              identity.cluster_id, identity.cluster_id + tp - 1, host, port)
     failed = asyncio.create_task(front.failed.wait())
@@ -817,6 +819,8 @@ async def serve_front(identity: Identity, tp: int, host: str, port: int) -> None
     await front.stop_ranks(identity.drain_timeout_s + 5)
     failed.cancel()
     stopped.cancel()
+    if metrics_runner is not None:
+        await metrics_runner.cleanup()
     await runner.cleanup()
     await http.aclose()
     if code:

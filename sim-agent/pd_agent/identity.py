@@ -33,6 +33,8 @@ class Identity:
     data_token: str | None = None        # data scope: routers (status, prefill, decode)
     peer_token: str | None = None        # peer scope: other agents' pull notices (POST /v1/notify only)
     agent_port: int = AGENT_PORT
+    # /metrics alone on a port of its own (the operator sets AGENT_METRICS_PORT); None: only on agent_port
+    metrics_port: int | None = None
     drain_timeout_s: float = 60.0    # SIGTERM: how long to wait for in-flight work and pending KV
     engine_start_s: float = 0.0      # simulator: delay before the engine initialises
     switchable: bool = True          # init with llm.EnableSwitchRole (the operator sets it when rebalancing)
@@ -106,6 +108,7 @@ class Identity:
             data_token=env.get("PD_AGENT_DATA_TOKEN") or None,
             peer_token=_secret(env, "PD_AGENT_PEER_TOKEN"),
             agent_port=int(env.get("PD_AGENT_PORT", str(AGENT_PORT))),
+            metrics_port=_metrics_port(env),
             drain_timeout_s=_float(env, "PD_DRAIN_TIMEOUT_S", 60.0),
             engine_start_s=_float(env, "PD_SIM_ENGINE_START_S", 0.0),
             switchable=env.get("PD_ENABLE_SWITCH_ROLE", "1").lower() not in ("0", "false", "no"),
@@ -149,6 +152,18 @@ def _positive_int(env: dict[str, str], name: str, default: int) -> int:
     if v < 1:
         raise ConfigError(f"{name} must be at least 1, got {v}")
     return v
+
+
+def _metrics_port(env: dict[str, str]) -> int | None:
+    """PD_AGENT_METRICS_PORT: the port /metrics is served on alone; unset or 0: none."""
+    raw = (env.get("PD_AGENT_METRICS_PORT") or "").strip()
+    try:
+        port = int(raw) if raw else 0
+    except ValueError as e:
+        raise ConfigError(f"PD_AGENT_METRICS_PORT must be an integer: {e}") from e
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"PD_AGENT_METRICS_PORT must be a port (0 for none), got {port}")
+    return port or None
 
 
 def proxy_environment(env: dict[str, str] | None = None) -> dict[str, str]:

@@ -170,6 +170,30 @@ def app_runner(app: web.Application, identity: Identity) -> web.AppRunner:
     return web.AppRunner(app, access_log=None, keepalive_timeout=identity.idle_timeout_s)
 
 
+def metrics_app(app: web.Application) -> web.Application:
+    """`app`'s GET /metrics and nothing else, for the metrics port: a NetworkPolicy admits the
+    monitoring namespaces there, never to the API. Open like /metrics on the API port: it names
+    no key, request or token (counts by phase, reason, route and status; gauges; latencies)."""
+    handler = next(r.handler for r in app.router.routes()
+                   if r.method == "GET" and r.resource is not None and r.resource.canonical == "/metrics")
+    out = web.Application()
+    out[METRICS] = app[METRICS]
+    out.router.add_get("/metrics", handler)
+    return out
+
+
+async def serve_metrics(app: web.Application, identity: Identity, host: str) -> web.AppRunner | None:
+    """Serve `app`'s /metrics on identity.metrics_port (None: not at all). A port that cannot be
+    bound stops the agent, as the API port's would: a pod that cannot be scraped is noticed."""
+    if not identity.metrics_port:
+        return None
+    runner = web.AppRunner(metrics_app(app), access_log=None, keepalive_timeout=identity.idle_timeout_s)
+    await runner.setup()
+    await web.TCPSite(runner, host, identity.metrics_port).start()
+    log.info("metrics on %s:%d/metrics", host, identity.metrics_port)
+    return runner
+
+
 async def _body(request: web.Request, model: type[BaseModel]) -> BaseModel:
     raw = await read_body(request)
     try:
@@ -427,6 +451,8 @@ async def _serve(identity: Identity, host: str, port: int, rank: int | None = No
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
+    # a rank process's metrics stay on its local API port: the pod's agent is what is scraped
+    metrics_runner = await serve_metrics(app, identity, host) if rank is None else None
     if rank is not None:
         port = runner.addresses[0][1]
         asyncio.create_task(_register(os.environ["PD_RANK_REGISTER_URL"], rank, f"http://{host}:{port}",
@@ -458,6 +484,8 @@ async def _serve(identity: Identity, host: str, port: int, rank: int | None = No
         res = await core.terminate(identity.drain_timeout_s)
         log.info("drained: %s", json.dumps(res))
     log.info("shutting down")
+    if metrics_runner is not None:
+        await metrics_runner.cleanup()
     await runner.cleanup()
     await core.finalize()
 

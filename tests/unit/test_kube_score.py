@@ -1,7 +1,7 @@
 """kube-score over what gets installed: the chart as `helm template` renders it, and the objects
 the operator's pure builders make for examples/sim-small.yaml, examples/sim-chat.yaml and
 examples/sim-shared-gateway.yaml (a PDGateway in front of both). A CRITICAL fails the test
-unless its check is in IGNORED, each one justified in README.md ("kube-score: the checks we
+unless its check is in IGNORED, each one justified in docs/security.md ("kube-score: the checks we
 ignore"). kube-score and helm are built from their pinned Go modules (hack/tools,
 hack/k8s-bins; cached after the first build): a failed build fails the test, it never skips."""
 from __future__ import annotations
@@ -22,7 +22,7 @@ from tests.conftest import REPO
 NAMESPACE = "serving"
 KUBERNETES = "v1.30"   # the chart's minimum (Chart.yaml kubeVersion)
 CRITICAL = 1           # kube-score's grade for a critical finding
-# check id -> why it does not apply (the same reasons, longer, in README.md)
+# check id -> why it does not apply (the same reasons, longer, in docs/security.md)
 IGNORED = {
     "container-image-pull-policy": "images are pulled by immutable version tags; IfNotPresent (the default of "
                                    "spec.imagePullPolicy and the chart's image.pullPolicy, both settable to Always) "
@@ -93,17 +93,17 @@ def manifests(helm: str, tmp_path_factory) -> list[Path]:
 
 def test_no_critical_findings_but_the_justified_ones(kube_score: str, manifests: list[Path]) -> None:
     found = criticals(kube_score, manifests, IGNORED)
-    assert not found, "kube-score criticals (fix them, or justify the check in IGNORED and README.md):\n" + \
+    assert not found, "kube-score criticals (fix them, or justify the check in IGNORED and docs/security.md):\n" + \
         "\n".join(f"  {obj}: {check}: {said}" for obj, check, said in found)
 
 
-def test_each_ignored_check_still_fires_and_is_justified_in_the_readme(kube_score: str,
-                                                                      manifests: list[Path]) -> None:
+def test_each_ignored_check_still_fires_and_is_justified_in_the_docs(kube_score: str,
+                                                                    manifests: list[Path]) -> None:
     """An ignore that no longer finds anything is removed, not kept out of habit."""
     fired = {check for _, check, _ in criticals(kube_score, manifests, {})}
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("### kube-score: the checks we ignore", 1)
-    assert len(section) == 2, "README.md has no section '### kube-score: the checks we ignore'"
+    doc = (REPO / "docs" / "security.md").read_text()
+    section = doc.split("## kube-score: the checks we ignore", 1)
+    assert len(section) == 2, "docs/security.md has no section '## kube-score: the checks we ignore'"
     for check in IGNORED:
-        assert check in fired, f"{check} no longer fires: remove it from IGNORED and README.md"
-        assert f"`{check}`" in section[1].split("\n## ", 1)[0], f"README.md does not justify ignoring {check}"
+        assert check in fired, f"{check} no longer fires: remove it from IGNORED and docs/security.md"
+        assert f"`{check}`" in section[1].split("\n## ", 1)[0], f"docs/security.md does not justify ignoring {check}"

@@ -106,7 +106,8 @@ def test_gateway_objects_least_privilege_and_network_policy():
     assert "PD_AGENT_TOKEN" not in env, "the gateway never holds the control token"
     assert env["PD_GATEWAY_RPM"]["value"] == '{"team-b": 60}'
     np = objs[("NetworkPolicy", "llm-engines")]["spec"]
-    agent_rule, datadist_rule = np["ingress"]
+    agent_rule, datadist_rule, metrics_rule = np["ingress"]
+    assert metrics_rule["ports"] == [{"protocol": "TCP", "port": 9091}]   # the monitoring namespace's
     assert agent_rule["ports"] == [{"protocol": "TCP", "port": 8080}]
     assert {"podSelector": {"matchLabels": {"pdoperator.io/gateway": "llm"}}} in agent_rule["from"]
     assert datadist_rule == {"from": [{"podSelector": {"matchLabels": {"pdoperator.io/deployment": "llm"}}}],
