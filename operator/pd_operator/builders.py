@@ -128,7 +128,12 @@ def config_hash(spec: PDDeploymentSpec) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _env(name: str, spec: PDDeploymentSpec, group: str, resource: str = NPU_RESOURCE) -> list[dict]:
+TOKEN_DIGEST_ENV = {"control": "PD_AGENT_TOKEN_SHA256", "data": "PD_AGENT_DATA_TOKEN_SHA256",
+                    "peer": "PD_AGENT_PEER_TOKEN_SHA256"}
+
+
+def _env(name: str, spec: PDDeploymentSpec, group: str, resource: str = NPU_RESOURCE,
+         token_digests: dict[str, str] | None = None) -> list[dict]:
     field = lambda path: {"valueFrom": {"fieldRef": {"fieldPath": path}}}  # noqa: E731
     env: list[dict] = [
         {"name": "POD_NAME", **field("metadata.name")},
@@ -158,6 +163,11 @@ def _env(name: str, spec: PDDeploymentSpec, group: str, resource: str = NPU_RESO
         {"name": "PD_AGENT_PEER_TOKEN", "valueFrom": {"secretKeyRef": {
             "name": peer_token_secret_name(name), "key": "token", "optional": True}}},
     ]
+    # the tokens' digests as the operator recorded them: an agent refuses to start with a token
+    # someone else put in the Secret (deleted to rotate it, then made again by another party
+    # first); a new token (a rotation) changes the template, so the pods roll onto it
+    env += [{"name": TOKEN_DIGEST_ENV[role], "value": d} for role, d in sorted((token_digests or {}).items())
+            if role in TOKEN_DIGEST_ENV]
     if ranked(spec, group, resource):
         env += [{"name": "PD_TENSOR_PARALLEL", "value": str(spec.tp(group))},
                 {"name": "PD_DEVICE_ANNOTATION_FILE", "value": f"{PODINFO_DIR}/{PODINFO_ASCEND}"}]
@@ -257,7 +267,7 @@ def _resources(spec: PDDeploymentSpec, group: str, resource: str, config: Operat
 
 def statefulset(name: str, namespace: str, spec: PDDeploymentSpec, group: str, owner: dict,
                 decided: dict | None = None, resource: str = NPU_RESOURCE,
-                config: OperatorConfig | None = None) -> dict:
+                config: OperatorConfig | None = None, token_digests: dict[str, str] | None = None) -> dict:
     config = config or OperatorConfig(npu_resource=resource)
     g = spec.prefill if group == "prefill" else spec.decoder
     labels = {**common_labels(name), **selector_labels(name, group)}
@@ -270,7 +280,7 @@ def statefulset(name: str, namespace: str, spec: PDDeploymentSpec, group: str, o
         "name": "agent",
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
-        "env": _env(name, spec, group, resource),
+        "env": _env(name, spec, group, resource, token_digests),
         "ports": [{"name": "http", "containerPort": AGENT_PORT, "protocol": "TCP"},
                   {"name": "datadist", "containerPort": spec.datadist.port, "protocol": "TCP"},
                   {"name": "metrics", "containerPort": AGENT_METRICS_PORT, "protocol": "TCP"}],
@@ -278,7 +288,7 @@ def statefulset(name: str, namespace: str, spec: PDDeploymentSpec, group: str, o
         # yet is retried in place, a restart would not help it)
         "readinessProbe": {"httpGet": {"path": "/healthz", "port": "http"},
                            "periodSeconds": 2, "failureThreshold": 3, "timeoutSeconds": 2},
-        "livenessProbe": liveness_probe(),
+        "livenessProbe": liveness_probe(path=None),
     }
     resources = _resources(spec, group, resource, config)
     if resources:
@@ -372,12 +382,14 @@ def token_secret(name: str, namespace: str, token: str, owner: dict, secret_name
 def desired_children(name: str, namespace: str, uid: str, spec: PDDeploymentSpec,
                      decided: dict | None = None, resource: str = NPU_RESOURCE,
                      config: OperatorConfig | None = None, keys_allowed: bool = True,
-                     serving: dict[str, int] | None = None) -> list[dict]:
+                     serving: dict[str, int] | None = None, token_digests: dict[str, str] | None = None
+                     ) -> list[dict]:
     """Everything the operator applies for one PDDeployment, in apply order: a pure function of
     the spec, the operator's configuration and the group sizes the operator decided (method
     Replace), so drift repair keeps the decision. `keys_allowed`: the gateway's keys Secret
     opted in (else the gateway is not given it). `serving`: pods per role label now (the
-    disruption budgets; default the groups' sizes)."""
+    disruption budgets; default the groups' sizes). `token_digests`: status.tokenDigests, which
+    the agents check their tokens against."""
     config = config or OperatorConfig(npu_resource=resource)
     owner = owner_reference(name, uid)
     out = [config_map(name, namespace, spec, owner)]
@@ -386,7 +398,7 @@ def desired_children(name: str, namespace: str, uid: str, spec: PDDeploymentSpec
     for role in GROUPS:
         out.append(role_service(name, namespace, role, owner))
     for group in GROUPS:
-        out.append(statefulset(name, namespace, spec, group, owner, decided, resource, config))
+        out.append(statefulset(name, namespace, spec, group, owner, decided, resource, config, token_digests))
     serving = serving if serving is not None else spec.group_sizes(decided)
     for role in GROUPS:
         out.append(disruption_budget(name, namespace, spec, role, owner, serving.get(role, 0)))

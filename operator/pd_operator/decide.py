@@ -154,21 +154,25 @@ def decide(snap: Snapshot) -> Plan:
             mem.next_poll[e.pod] = now + SETTLED_POLL_S if settled else 0.0
 
     # children, links, verification
-    blocked = mem.blocked if mem.blocked_generation == gen else None
-    # a refused apply is tried again when due, still reported until it is taken
-    retry = blocked is not None and blocked.reason == "ApplyRejected" and mem.blocked_retry_at is not None \
-        and now >= mem.blocked_retry_at
-    if blocked is None and (mismatch := npu_mismatch(spec, snap.npu_resource)):
+    # what refuses this generation whatever else happened; then what the last pass ran into
+    blocked: Diagnosis | None = None
+    if mismatch := npu_mismatch(spec, snap.npu_resource):
         blocked = Diagnosis("NPURequestMismatch", mismatch)   # admission cannot see which resource means NPUs
-    if blocked is None and (refused := not_allowed(spec, snap.config)):
+    elif refused := not_allowed(spec, snap.config):
         # the admission policy refuses these; an install without it is refused here
         blocked = Diagnosis("NotAllowed", f"{refused}; nothing of this generation is applied")
-    if blocked is None and snap.token_problem:
+    elif snap.token_problem:
         blocked = Diagnosis("TokenSecretNotOwned", snap.token_problem)
+    elif mem.blocked_generation == gen:
+        blocked = mem.blocked
+    # a refused apply is tried again when due (and nothing above refuses), still reported until taken
+    retry = blocked is not None and blocked is mem.blocked and blocked.reason == "ApplyRejected" \
+        and mem.blocked_retry_at is not None and now >= mem.blocked_retry_at
     serving = {role: sum(1 for e in engines if e.label == role and not e.terminating)
                for role in ("prefill", "decoder")}
     desired = desired_children(name, ns, meta["uid"], spec, book.sizes, snap.npu_resource, snap.config,
-                               keys_allowed=snap.keys is None or snap.keys[0], serving=serving)
+                               keys_allowed=snap.keys is None or snap.keys[0], serving=serving,
+                               token_digests=dict(snap.token_digests))
     obs.desired_pods = sum(spec.group_sizes(book.sizes).values())
     to_apply = [] if blocked and not retry else ch.to_apply(desired, snap.children, mem.applied)
     plans = lk.plan(engines, obs.reported, spec.datadist.topology,

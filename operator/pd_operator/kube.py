@@ -141,8 +141,9 @@ class Kube:
                                params={"fieldManager": FIELD_MANAGER})
 
     async def patch(self, api_version: str, kind: str, namespace: str, name: str, body: Any,
-                    subresource: str = "") -> dict:
+                    subresource: str = "", json_patch: bool = False) -> dict:
+        """A merge patch, or (json_patch) a JSON patch: a list of ops, `test` ones included."""
         path = object_path(api_version, kind, namespace, name) + (f"/{subresource}" if subresource else "")
+        kind_ = "application/json-patch+json" if json_patch else "application/merge-patch+json"
         return await self._req("PATCH", path, f"patch {kind} {name}", content=json.dumps(body),
-                               params={"fieldManager": FIELD_MANAGER},
-                               headers={"Content-Type": "application/merge-patch+json"})
+                               params={"fieldManager": FIELD_MANAGER}, headers={"Content-Type": kind_})

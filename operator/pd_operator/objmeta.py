@@ -23,13 +23,14 @@ def object_meta(name: str, namespace: str, owner: dict, labels: dict | None = No
     return {"name": name, "namespace": namespace, "labels": labels or {}, "ownerReferences": [owner]}
 
 
-def liveness_probe(port: str = "http") -> dict:
-    """/livez of the project's servers: the process answers (and, in the gateway, its loops
-    run). Distinct from readiness (/healthz: it can serve now) and patient: 30 s to start
+def liveness_probe(port: str = "http", path: str | None = "/livez") -> dict:
+    """Liveness, distinct from readiness (/healthz: it can serve now) and patient: 30 s to start
     listening (a hundred pods starting on a busy node), then a minute without an answer, so a
-    pod that is only slow is not restarted."""
-    return {"httpGet": {"path": "/livez", "port": port}, "initialDelaySeconds": 30, "periodSeconds": 10,
-            "timeoutSeconds": 5, "failureThreshold": 6}
+    pod that is only slow is not restarted. `path` None: the port accepts connections (engine
+    pods, whose image the spec names: an agent built before /livez must not be restarted for a
+    404); the gateway, whose image the operator's configuration sets, has /livez (its loops run)."""
+    check: dict = {"httpGet": {"path": path, "port": port}} if path else {"tcpSocket": {"port": port}}
+    return {**check, "initialDelaySeconds": 30, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 6}
 
 
 def harden(pod_spec: dict, container: dict, non_root: bool = True, user: int | None = None,

@@ -268,6 +268,12 @@ class Controller:
                  for role, secret_name in tk.SECRETS.items()}
         # what this operator wrote last is newer than the cached object's status
         v = tk.judge(name, ns, uid, found, mem.last_status or status, mem.token_create)
+        if v.foreign and mem.last_status is None:
+            # no write of its own yet (a restart, a takeover): the cache may trail the status the
+            # operator wrote before; a Secret is called foreign only against the status as stored
+            fresh = await self.kube.get(f"{GROUP}/{VERSION}", KIND, ns, name)
+            if fresh is not None:
+                v = tk.judge(name, ns, uid, found, fresh.get("status"), mem.token_create)
         mem.token, mem.token_problem, mem.token_digests = v.token, v.problem, v.digests
         mem.token_create = v.create
         mem.token_read_at = time.monotonic()
@@ -419,8 +425,14 @@ class Controller:
             await self._switch_ended(body, o)
         acted = False
         if plan.clear_abort:
-            await self.kube.patch(f"{GROUP}/{VERSION}", KIND, ns, name,
-                                  {"metadata": {"annotations": {sw_.ANNOTATION_ABORT: None}}})
+            # only if it still names that pod: an abort of another pod asked for meanwhile stays
+            key = "/metadata/annotations/" + sw_.ANNOTATION_ABORT.replace("~", "~0").replace("/", "~1")
+            asked = (body["metadata"].get("annotations") or {}).get(sw_.ANNOTATION_ABORT)
+            try:
+                await self.kube.patch(f"{GROUP}/{VERSION}", KIND, ns, name, [
+                    {"op": "test", "path": key, "value": asked}, {"op": "remove", "path": key}], json_patch=True)
+            except KubeError as e:   # changed meanwhile (422), or not allowed: the next pass looks again
+                log.info("%s/%s: the %s annotation not removed: %s", ns, name, sw_.ANNOTATION_ABORT, e)
         if plan.switch_intents and token:
             by_pod = {e.pod: e for e in plan.engines}
             grouped: dict[str, list[sw_.Intent]] = {}
@@ -547,7 +559,9 @@ class Controller:
             return
         gen = body["metadata"].get("generation", 0)
         mem.blocked, mem.blocked_generation = diag, gen
-        prev = body.get("status") or {}
+        # what this operator wrote last is newer than the cache (a whole-status write from a stale
+        # cache would drop status.tokenDigests written a moment ago)
+        prev = mem.last_status or body.get("status") or {}
         conds = set_condition(prev.get("conditions"), "Ready", False, diag.reason, diag.message, gen)
         status = {**{k: v for k, v in prev.items() if k != "conditions"}, "conditions": conds, "phase": "Degraded"}
         if status != mem.last_status:

@@ -355,7 +355,9 @@ def stuck(switches: list[Switch], now: float, after_s: float) -> str | None:
     late = [s for s in switches if now - s.step_started > after_s]
     if not late:
         return None
-    return "; ".join(f"{s.pod} in step {s.step} for {now - s.step_started:.0f}s: {STUCK_HINTS.get(s.step, '')}"
+    # the step's start, not the time since: a condition's message changes only when something does
+    return "; ".join(f"{s.pod} in step {s.step} since {iso(s.step_started)} (more than {after_s:g}s): "
+                     f"{STUCK_HINTS.get(s.step, '')}"
                      + (f" (last error: {s.message})" if s.message else "") for s in late[:5]) \
         + (f"; and {len(late) - 5} more" if len(late) > 5 else "")
 

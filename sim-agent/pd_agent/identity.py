@@ -1,6 +1,7 @@
 """The agent's identity and settings, read from the env the operator injects."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -86,6 +87,8 @@ class Identity:
             except ValueError as e:
                 raise ConfigError(f"LLM_DATADIST_CACHE_DESC is not JSON: {e}") from e
         token = _secret(env, "PD_AGENT_TOKEN")
+        for name in ("PD_AGENT_TOKEN", "PD_AGENT_DATA_TOKEN", "PD_AGENT_PEER_TOKEN"):
+            _check_digest(env, name)
         engine = (env.get("PD_SIM_ENGINE") or "timing").lower()
         if engine not in ("timing", "reference"):
             raise ConfigError(f"PD_SIM_ENGINE must be timing or reference, got {engine!r}")
@@ -118,6 +121,17 @@ class Identity:
             rank=_positive_int(env, "PD_RANK", 0) if env.get("PD_RANK") not in (None, "", "0") else 0,
             tensor_parallel=_positive_int(env, "PD_TENSOR_PARALLEL", 1),
         )
+
+
+def _check_digest(env: dict[str, str], name: str) -> None:
+    """NAME_SHA256 (the operator's record of the token it made): a token in the Secret with
+    another digest was put there by someone else, and the agent does not start with it."""
+    want = env.get(f"{name}_SHA256")
+    got = _secret(env, name)
+    if want and got and hashlib.sha256(got.encode()).hexdigest() != want:
+        raise ConfigError(f"{name}: the token in its Secret is not the one the operator made (its sha256 is not "
+                          f"{name}_SHA256, the operator's record): someone else wrote that Secret; delete it and the "
+                          f"operator makes a new one")
 
 
 def _secret(env: dict[str, str], name: str) -> str | None:

@@ -98,13 +98,25 @@ class FakeKube:
             obj["data"] = {k: base64.b64encode(v.encode()).decode() for k, v in obj.pop("stringData").items()}
         return self._store(obj)
 
-    async def patch(self, api_version: str, kind: str, namespace: str, name: str, body, subresource: str = "") -> dict:
+    async def patch(self, api_version: str, kind: str, namespace: str, name: str, body, subresource: str = "",
+                    json_patch: bool = False) -> dict:
         key = (kind, namespace, name)
         if kind != "Event":
             self.log.append(("patch", kind, name, copy.deepcopy(body)))
         cur = self.objects.get(key)
         if cur is None:
             raise KubeError(404, '{"message": "not found"}', f"patch {kind} {name}")
+        if json_patch:   # the ops used on annotations: test, remove
+            for op in body:
+                ann = cur["metadata"].setdefault("annotations", {})
+                k = op["path"].rsplit("/", 1)[1].replace("~1", "/").replace("~0", "~")
+                if op["op"] == "test" and ann.get(k) != op["value"]:
+                    raise KubeError(422, '{"message": "test failed"}', f"patch {kind} {name}")
+                if op["op"] == "remove":
+                    ann.pop(k, None)
+            stored = self._store(cur)
+            self._feed(stored)
+            return stored
         for part in ("labels", "annotations"):   # a merge patch: null removes the key
             into = cur["metadata"].setdefault(part, {})
             for k, v in ((body.get("metadata") or {}).get(part) or {}).items():

@@ -253,6 +253,26 @@ async def test_an_apply_the_api_server_rejects_is_reported_and_tried_again_with_
     assert w.status["phase"] == "Ready" and w.condition("Ready")["reason"] == "Ready"
 
 
+async def test_a_retried_apply_is_not_taken_while_a_token_secret_is_foreign(monkeypatch):
+    import base64
+    import time
+    w = World()
+    w.kube.reject["StatefulSet"] = (403, "exceeded quota")
+    with pytest.raises(TerminalError):
+        await w.step()
+    # someone replaces the control token Secret's content meanwhile
+    sec = w.kube.objects[("Secret", "ns", "x-agent-token")]
+    sec["data"] = {"token": base64.b64encode(b"chosen-by-them").decode()}
+    sec.pop("stringData", None)
+    del w.kube.reject["StatefulSet"]
+    real = time.monotonic
+    monkeypatch.setattr(time, "monotonic", lambda: real() + 60)   # past the retry and the token's re-read
+    applies = sum(1 for c in w.log if c[0] == "apply" and c[1] == "StatefulSet")
+    await w.step()
+    assert sum(1 for c in w.log if c[0] == "apply" and c[1] == "StatefulSet") == applies
+    assert w.condition("Ready")["reason"] == "TokenSecretNotOwned"
+
+
 # ---- live switching ----------------------------------------------------------------------------
 
 def switch_steps(log: Log) -> list[str]:
@@ -428,7 +448,9 @@ async def test_a_switch_stuck_in_a_step_is_named_with_what_to_check():
                    message="link: LLM_LINK_FAILED")
     assert sw_.stuck([s], 100, 300) is None
     msg = sw_.stuck([s], 400, 300)
-    assert msg.startswith("p in step Relink for 400s") and "LinksReady" in msg and "LLM_LINK_FAILED" in msg
+    assert msg.startswith("p in step Relink since 1970-01-01T00:00:00") and "LinksReady" in msg \
+        and "LLM_LINK_FAILED" in msg
+    assert sw_.stuck([s], 500, 300) == msg, "the same message pass after pass: no status write for the clock"
 
 
 async def test_a_leaving_prefill_keeps_its_links_until_its_agent_refuses_work():

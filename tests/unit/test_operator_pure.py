@@ -172,7 +172,8 @@ def test_statefulset_shape():
                               "requests": {"cpu": "100m", "memory": "256Mi", "ephemeral-storage": "64Mi"}}
     assert tmpl["spec"]["automountServiceAccountToken"] is False   # engines never call the API server
     assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
-    assert c["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "http"}   # not readiness's
+    # not readiness's; a TCP check, so an agent image from before /livez is not restarted for a 404
+    assert c["livenessProbe"]["tcpSocket"] == {"port": "http"} and "httpGet" not in c["livenessProbe"]
     prefill = by_kind_name(children())[("StatefulSet", "llm-prefill")]
     penv = {e["name"]: e for e in prefill["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert prefill["spec"]["template"]["metadata"]["annotations"]["pdoperator.io/assigned-role"] == "prefill"

@@ -89,3 +89,30 @@ def test_the_shared_gateway_routes_to_a_deployment_only_with_the_operators_data_
     assert not tk.made_by_operator({"status": {"tokenDigests": {"data": tk.digest("b")}}}, None)
     assert not tk.made_by_operator({}, data), "a new deployment's planted Secret"
     assert tk.made_by_operator({"status": {"observedGeneration": 1}}, data), "reconciled before digests"
+
+
+def test_an_agent_refuses_to_start_with_a_token_someone_else_put_in_its_secret():
+    """Deleted to rotate it, the Secret was made again by someone else first: pods that restart
+    read their token; the operator's record (in the pod template) says it is not its own."""
+    import pytest
+    from pd_agent.identity import ConfigError, Identity
+    base = {"LLM_DATADIST_ROLE": "prompt", "LLM_DATADIST_CLUSTER_ID": "0", "PD_AGENT_TOKEN": "theirs",
+            "PD_AGENT_TOKEN_SHA256": tk.digest("ours")}
+    with pytest.raises(ConfigError, match="PD_AGENT_TOKEN: the token in its Secret is not the one the operator made"):
+        Identity.from_env(base)
+    assert Identity.from_env({**base, "PD_AGENT_TOKEN": "ours"}).token == "ours"
+    with pytest.raises(ConfigError, match="PD_AGENT_DATA_TOKEN"):
+        Identity.from_env({**base, "PD_AGENT_TOKEN": "ours", "PD_AGENT_DATA_TOKEN": "x",
+                           "PD_AGENT_DATA_TOKEN_SHA256": tk.digest("y")})
+
+
+def test_the_pod_template_carries_the_recorded_digests():
+    from pd_operator import builders
+    from pd_operator.api import parse_spec
+    from tests.unit.test_operator_pure import SPEC
+    digests = {"control": tk.digest("a"), "data": tk.digest("b"), "peer": tk.digest("c")}
+    objs = builders.desired_children("llm", "ns", "uid", parse_spec(SPEC), token_digests=digests)
+    sts = next(o for o in objs if o["kind"] == "StatefulSet")
+    env = {e["name"]: e.get("value") for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["PD_AGENT_TOKEN_SHA256"] == tk.digest("a") and env["PD_AGENT_DATA_TOKEN_SHA256"] == tk.digest("b")
+    assert env["PD_AGENT_PEER_TOKEN_SHA256"] == tk.digest("c")
