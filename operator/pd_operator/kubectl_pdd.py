@@ -73,10 +73,11 @@ class Proxy:
 
     async def call(self, method: str, pod: str, port: int, path: str, headers: dict | None = None,
                    body: dict | None = None, timeout: float = 30) -> tuple[int, dict | str]:
-        if self.via != "direct":
+        mode = self.via   # as this call began: a parallel one may have switched to direct meanwhile
+        if mode != "direct":
             url = f"/api/v1/namespaces/{self.ns}/pods/{pod}:{port}/proxy{path}"
             r = await self.kube._http.request(method, url, headers=headers or {}, json=body, timeout=timeout)
-            if not (self.via == "auto" and r.status_code == 400 and "address not allowed" in r.text):
+            if not (mode == "auto" and r.status_code == 400 and "address not allowed" in r.text):
                 return _decoded(r)
             if self.via != "direct":   # said once, though calls run in parallel
                 self.out(f"      (the API server does not proxy to {pod}'s address, a loopback or link-local IP: "

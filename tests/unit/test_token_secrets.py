@@ -95,6 +95,7 @@ def test_an_agent_refuses_to_start_with_a_token_someone_else_put_in_its_secret()
     """Deleted to rotate it, the Secret was made again by someone else first: pods that restart
     read their token; the operator's record (in the pod template) says it is not its own."""
     import pytest
+
     from pd_agent.identity import ConfigError, Identity
     base = {"LLM_DATADIST_ROLE": "prompt", "LLM_DATADIST_CLUSTER_ID": "0", "PD_AGENT_TOKEN": "theirs",
             "PD_AGENT_TOKEN_SHA256": tk.digest("ours")}
