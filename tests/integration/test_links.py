@@ -114,13 +114,22 @@ def test_wrong_token_is_agent_unauthorized(cluster: Cluster, namespace: str, ope
     ns = namespace
     cluster.apply(sample(**{"prefill.replicas": 1, "decoder.replicas": 1}), ns)
     ready_with(cluster, ns, "1/1")
-    # rotate the Secret under running pods (delete it: the operator makes a new one): their agents
-    # keep the token they started with
+    # a rotation rolls the pods onto the new token; hold that roll back (a partition another field
+    # manager set, as an engineer pausing a rollout would), so the running agents keep the old token
+    hold = '{"spec":{"updateStrategy":{"type":"RollingUpdate","rollingUpdate":{"partition":1}}}}'
+    for role in ("prefill", "decoder"):
+        cluster.kubectl("patch", "statefulset", f"sim-small-{role}", "-n", ns, "--type=merge", "-p", hold)
+    # rotate the Secret under running pods (delete it: the operator makes a new one)
     cluster.kubectl("delete", "secret", "sim-small-agent-token", "-n", ns)
     obj = wait_phase(cluster, ns, "Degraded", extra=lambda o: condition(o, "AgentsReady").get("reason") ==
                      "AgentUnauthorized")
     assert "rejected the operator's token" in condition(obj, "AgentsReady")["message"]
     assert operator.proc.poll() is None
+    # release the roll: the pods start on the new token and the links come back
+    release = '{"spec":{"updateStrategy":{"rollingUpdate":{"partition":0}}}}'
+    for role in ("prefill", "decoder"):
+        cluster.kubectl("patch", "statefulset", f"sim-small-{role}", "-n", ns, "--type=merge", "-p", release)
+    ready_with(cluster, ns, "1/1")
 
 
 def test_crashed_agent_is_restarted_and_relinked(cluster: Cluster, namespace: str, operator) -> None:
