@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 KUBECONFIG_LOCAL := $(CURDIR)/.localcluster/kubeconfig
 BIN_DIR = $(shell hack/k8s-bins/build.sh --print-dir)
 
-.PHONY: help venv lint k8s-bins cluster-up cluster-down test test-unit test-integration test-e2e e2e-kind images lint-workflows crd crd-check docs demo bench bench-sim bench-links bench-switch bench-gateway bench-rebalance bench-policy-sim soak busy-machine busy-machine-stop clean
+.PHONY: help venv lint k8s-bins cluster-up cluster-down test test-unit test-vllm test-integration test-e2e e2e-kind images lint-workflows crd crd-check docs demo bench bench-sim bench-links bench-switch bench-gateway bench-rebalance bench-policy-sim soak busy-machine busy-machine-stop clean
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
@@ -57,6 +57,14 @@ test: venv k8s-bins lint-workflows images ## every test: unit, integration on th
 
 test-unit: venv ## unit tests only (seconds; no control plane)
 	$(PY) -m pytest tests/unit -q -p no:cacheprovider
+
+VLLM_VENV ?= /tmp/vllm-venv
+test-vllm: ## pd_engine's vLLM connector tests against vLLM's own KVConnectorBase_V1 (vllm installed in $(VLLM_VENV))
+	@test -x $(VLLM_VENV)/bin/python || { echo "no $(VLLM_VENV): python3 -m venv $(VLLM_VENV) && $(VLLM_VENV)/bin/pip install vllm pytest pytest-asyncio pytest-timeout"; exit 2; }
+	PYTHONPATH=$(CURDIR):$(CURDIR)/operator:$(CURDIR)/sim-agent:$(CURDIR)/contract:$(CURDIR)/engines \
+		$(VLLM_VENV)/bin/python -c "import pd_engine.vllm_connector as v; assert v.VLLM, 'vllm did not import'"
+	PYTHONPATH=$(CURDIR):$(CURDIR)/operator:$(CURDIR)/sim-agent:$(CURDIR)/contract:$(CURDIR)/engines \
+		$(VLLM_VENV)/bin/python -m pytest tests/unit/test_vllm_connector.py -q -p no:cacheprovider -W ignore
 
 test-integration: venv k8s-bins ## integration tests only
 	$(PY) -m pytest tests/integration -v

@@ -371,6 +371,7 @@ COMPONENTS: list[tuple[str, str]] = [
     ("sim-agent/pd_agent/loadgen.py", "load generator"), ("sim-agent/pd_agent/traces.py", "load generator"),
     ("sim-agent/pd_agent/", "agent"), ("sim-agent/llm_datadist_sim/", "simulator"),
     ("contract/pd_contract/", "contract"), ("localcluster/pd_localcluster/", "local cluster"),
+    ("engines/pd_engine/", "engine adapters"),
     ("charts/pd-operator/templates/", "chart"),
     ("hack/", "build"), ("Makefile", "build"), ("Dockerfile", "build"), (".ci/", "build"),
     ("bench/", "benchmarks"), ("tests/", "tests"),
@@ -378,7 +379,8 @@ COMPONENTS: list[tuple[str, str]] = [
 SCAN_FILES = ("tests/conftest.py", "tests/procs.py", "tests/integration/conftest.py", "tests/e2e/conftest.py",
               "Makefile", "Dockerfile", ".ci/run")
 SCAN_DIRS = ("operator/pd_operator", "gateway/pd_gateway", "sim-agent/pd_agent", "sim-agent/llm_datadist_sim",
-             "contract/pd_contract", "localcluster/pd_localcluster", "charts/pd-operator/templates", "hack", "bench")
+             "contract/pd_contract", "localcluster/pd_localcluster", "engines/pd_engine",
+             "charts/pd-operator/templates", "hack", "bench")
 SCAN_SUFFIXES = (".py", ".sh", ".yaml", ".tpl", ".txt")
 
 

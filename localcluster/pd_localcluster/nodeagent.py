@@ -44,11 +44,14 @@ from .podspec import (
     ContainerState,
     UnknownImage,
     backoff_seconds,
+    claim_path,
     downward_api_files,
+    object_volume_files,
     pod_phase,
     referenced_objects,
     resolve_env,
     should_restart,
+    with_claims,
 )
 from .runtime import Running, Runtime, volume_dir
 from .runtime import make as make_runtime
@@ -57,6 +60,19 @@ log = logging.getLogger("node-agent")
 K8S_VERSION = os.environ.get("PD_K8S_VERSION", "v1.36.3")
 NODE_CAPACITY = {"cpu": "16", "memory": "32Gi", "pods": "110", "ephemeral-storage": "100Gi"}
 NPU_RETRY_SECONDS = 3
+# how often configMap and secret volumes follow their objects (a kubelet: about a minute)
+OBJECT_VOLUME_SYNC_S = 3
+
+
+def replace_file(path: Path, content: bytes) -> None:
+    """Write a volume's file atomically, and only when it changed (a reader never sees half)."""
+    if path.exists() and path.read_bytes() == content:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(content)
+    tmp.chmod(0o644)  # readable by a container's own user under Docker
+    os.replace(tmp, path)
 
 
 def now() -> str:
@@ -127,7 +143,7 @@ class ContainerRun:
                 # UnknownImage here, as a failed pull would
                 self.run = await w.agent.runtime.start(
                     pod_uid=w.uid, pod_dir=w.dir, name=self.name, restart=self.cs.restart_count, spec=spec,
-                    pod_spec=w.pod["spec"], env=env, log_path=self.log_path())
+                    pod_spec=with_claims(w.pod["spec"], w.claims), env=env, log_path=self.log_path())
             except UnknownImage as e:
                 reason = "ErrImagePull" if pull_failures == 0 else "ImagePullBackOff"
                 self.cs.state = {"waiting": {"reason": reason, "message": str(e)}}
@@ -288,6 +304,8 @@ class PodWorker:
         self._transitions: dict[str, tuple[str, str]] = {}
         self._kubeconfig: Path | None = None
         self._volumes_ready = False  # written once before the containers start, then on changes
+        self._refresh: asyncio.Task | None = None   # configMap and secret volumes following their objects
+        self.claims: dict[str, str] = {}  # claim name -> the directory behind it (podspec.claim_path)
         self.task: asyncio.Task | None = None
         self.npus = dev.requested(pod, agent.npu_resource)
         self.devices: list[int] = []
@@ -359,14 +377,57 @@ class PodWorker:
                 continue
             d = volume_dir(self.dir, v["name"])
             for rel, content in downward_api_files(self.pod, v, self.ip, self.host_ip).items():
-                path = d / rel
-                if path.exists() and path.read_text() == content:
+                replace_file(d / rel, content.encode())
+
+    async def _get(self, path: str) -> dict | None:
+        try:
+            return await self.agent.api.get(path)
+        except ApiError as e:
+            if e.status == 404:
+                return None
+            raise ConfigError(f"reading {path}: {e}") from e
+
+    async def mount_volumes(self) -> None:
+        """Before the containers start: an empty directory per emptyDir, the files of configMap and
+        secret volumes (as they are now), and the directory behind each persistentVolumeClaim (its
+        bound hostPath or local PersistentVolume). A ConfigError says why a volume cannot be mounted."""
+        ns = self.namespace
+        for v in self.pod["spec"].get("volumes") or []:
+            d = volume_dir(self.dir, v["name"])
+            if "emptyDir" in v:
+                d.mkdir(parents=True, exist_ok=True)
+                d.chmod(0o777)   # writable by a container's own user under Docker, as an emptyDir is
+            elif "configMap" in v or "secret" in v:
+                await self._write_object_volume(v)
+            elif "persistentVolumeClaim" in v:
+                claim = v["persistentVolumeClaim"]["claimName"]
+                pvc = await self._get(f"/api/v1/namespaces/{ns}/persistentvolumeclaims/{claim}")
+                volume = ((pvc or {}).get("spec") or {}).get("volumeName")
+                pv = await self._get(f"/api/v1/persistentvolumes/{volume}") if volume else None
+                self.claims[claim] = claim_path(ns, claim, pvc, pv)
+
+    async def _write_object_volume(self, v: dict) -> None:
+        """A configMap or secret volume's files as the object holds them now, each replaced
+        atomically when it changed (a running container sees the update, as under a kubelet)."""
+        kind, name = (("configmaps", v["configMap"].get("name")) if "configMap" in v
+                      else ("secrets", v["secret"].get("secretName")))
+        files = object_volume_files(v, await self._get(f"/api/v1/namespaces/{self.namespace}/{kind}/{name}"))
+        d = volume_dir(self.dir, v["name"])
+        d.mkdir(parents=True, exist_ok=True)
+        for rel, content in files.items():
+            replace_file(d / rel, content)
+
+    async def refresh_object_volumes(self) -> None:
+        """The kubelet's periodic sync of configMap and secret volumes, every few seconds here."""
+        while not self.deleting:
+            await self.sleep_unless_deleted(OBJECT_VOLUME_SYNC_S)
+            for v in self.pod["spec"].get("volumes") or []:
+                if self.deleting or not ("configMap" in v or "secret" in v):
                     continue
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_name(f".{path.name}.tmp")
-                tmp.write_text(content)
-                tmp.chmod(0o644)  # readable by a container's own user under Docker
-                os.replace(tmp, path)
+                try:
+                    await self._write_object_volume(v)
+                except (ConfigError, OSError, ApiError) as e:
+                    log.warning("refreshing volume %s of %s/%s: %s", v["name"], self.namespace, self.name, e)
 
     @property
     def restart_policy(self) -> str:
@@ -411,17 +472,23 @@ class PodWorker:
             return
         if self.deleting:
             return
+        warned = ""
         while not self.deleting:
             try:
                 self.write_volumes()
+                await self.mount_volumes()
                 break
             except (ConfigError, OSError) as e:
                 for c in self.containers:
-                    c.cs.state = {"waiting": {"reason": "CreateContainerConfigError", "message": str(e)}}
-                await self.event("Warning", "FailedMount", f"downwardAPI volume: {e}")
+                    c.cs.state = {"waiting": {"reason": "ContainerCreating", "message": str(e)}}
+                if str(e) != warned:   # once per cause, as the kubelet's repeated events are aggregated
+                    await self.event("Warning", "FailedMount", f"MountVolume.SetUp failed: {e}")
+                    warned = str(e)
                 await self.report()
                 await self.sleep_unless_deleted(3)
         self._volumes_ready = True
+        if any("configMap" in v or "secret" in v for v in self.pod["spec"].get("volumes") or []):
+            self._refresh = asyncio.create_task(self.refresh_object_volumes())
         for c in self.containers:
             c.task = asyncio.create_task(c.supervise())
 

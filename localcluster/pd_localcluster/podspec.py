@@ -264,3 +264,78 @@ def backoff_seconds(restarts: int, base: float = 1.0, cap: float = 20.0) -> floa
     """CrashLoopBackOff delay: doubling from `base`, capped (the kubelet caps at 5 min;
     locally a short cap keeps tests fast)."""
     return min(cap, base * (2 ** max(0, restarts)))
+
+
+# ---- volumes -----------------------------------------------------------------------------
+
+def _safe_relative(path: str, what: str) -> str:
+    if path.startswith("/") or ".." in path.split("/"):
+        raise ConfigError(f"{what}: path {path!r} must be relative and stay in the volume")
+    return path
+
+
+def object_volume_files(volume: dict, obj: dict | None) -> dict[str, bytes]:
+    """Relative path -> content of a configMap or secret volume, from the object (None: not
+    found). Every key, or the listed `items`; a missing object or key fails the mount unless the
+    volume is optional, as the kubelet's does."""
+    kind, src = ("configMap", volume["configMap"]) if "configMap" in volume else ("secret", volume["secret"])
+    name = src.get("name") if kind == "configMap" else src.get("secretName")
+    label = f'{kind} "{name}"'
+    if obj is None:
+        if src.get("optional"):
+            return {}
+        raise ConfigError(f"{label} not found")
+    data: dict[str, bytes] = {}
+    if kind == "configMap":
+        data.update({k: v.encode() for k, v in (obj.get("data") or {}).items()})
+        data.update({k: base64.b64decode(v) for k, v in (obj.get("binaryData") or {}).items()})
+    else:
+        data.update({k: base64.b64decode(v) for k, v in (obj.get("data") or {}).items()})
+    items = src.get("items")
+    if not items:
+        return {_safe_relative(k, label): v for k, v in data.items()}
+    out = {}
+    for item in items:
+        if item["key"] not in data:
+            if src.get("optional"):
+                continue
+            raise ConfigError(f"{label}: no key {item['key']!r}")
+        out[_safe_relative(item["path"], label)] = data[item["key"]]
+    return out
+
+
+def claim_path(namespace: str, claim: str, pvc: dict | None, pv: dict | None) -> str:
+    """The directory on this machine behind a PersistentVolumeClaim: its bound PersistentVolume's
+    spec.hostPath.path or spec.local.path. Anything else (not found, unbound, another kind of
+    volume) is a ConfigError saying why: the pod does not start and a FailedMount Event says so."""
+    if pvc is None:
+        raise ConfigError(f'persistentvolumeclaim "{namespace}/{claim}" not found')
+    phase = (pvc.get("status") or {}).get("phase")
+    volume = (pvc.get("spec") or {}).get("volumeName")
+    if phase != "Bound" or not volume:
+        raise ConfigError(f'persistentvolumeclaim "{namespace}/{claim}" is not bound (phase {phase or "unknown"})')
+    if pv is None:
+        raise ConfigError(f'persistentvolume "{volume}" of claim "{namespace}/{claim}" not found')
+    spec = pv.get("spec") or {}
+    for kind in ("hostPath", "local"):
+        if (spec.get(kind) or {}).get("path"):
+            return str(spec[kind]["path"])
+    kinds = sorted(k for k in spec if isinstance(spec[k], dict) and k not in ("capacity", "claimRef", "nodeAffinity"))
+    raise ConfigError(f'persistentvolume "{volume}" of claim "{namespace}/{claim}" is of a kind this local node '
+                      f"cannot mount ({', '.join(kinds) or 'none'}): only hostPath and local volumes")
+
+
+def with_claims(pod_spec: dict, paths: dict[str, str]) -> dict:
+    """The pod spec with each persistentVolumeClaim volume replaced by a hostPath volume of the
+    directory behind the claim (`paths`: claim name -> path), as the kubelet mounts a claim's
+    volume: what the runtimes are handed. The pod's own spec is not changed."""
+    if not any("persistentVolumeClaim" in v for v in pod_spec.get("volumes") or []):
+        return pod_spec
+    volumes = []
+    for v in pod_spec.get("volumes") or []:
+        if "persistentVolumeClaim" in v:
+            claim = v["persistentVolumeClaim"]["claimName"]
+            v = {"name": v["name"], "hostPath": {"path": paths[claim]},
+                 **({"readOnly": True} if v["persistentVolumeClaim"].get("readOnly") else {})}
+        volumes.append(v)
+    return {**pod_spec, "volumes": volumes}

@@ -9,10 +9,12 @@ capabilities, no-new-privileges; RuntimeDefault is Docker's default seccomp prof
 emptyDir volumes (as tmpfs), memory and CPU limits, and mounts the pod's ServiceAccount
 kubeconfig read-only at the same path.
 
-downwardAPI volumes are files the node agent keeps under ``<pod dir>/volumes/<volume>``.
-Docker bind-mounts them read-only at their mountPath; a process has no mount namespace, so
-the process runtime links ``<pod dir>/root/<mountPath>`` to them and sets PD_LOCAL_ROOT to
-``<pod dir>/root``."""
+downwardAPI, configMap and secret volumes are files the node agent keeps under
+``<pod dir>/volumes/<volume>``, and an emptyDir is a directory there. Docker bind-mounts the
+files read-only at their mountPath (an emptyDir is a tmpfs, a hostPath or a claim's hostPath or
+local PersistentVolume a bind); a process has no mount namespace, so the process runtime links
+``<pod dir>/root/<mountPath>`` to each (the host path itself for a hostPath or a claim) and sets
+PD_LOCAL_ROOT to ``<pod dir>/root``."""
 from __future__ import annotations
 
 import asyncio
@@ -30,18 +32,46 @@ LABEL = "pd.localcluster.root"
 ROOT_ENV = "PD_LOCAL_ROOT"
 
 
+# volumes whose files the node agent writes under the pod's directory
+FILE_VOLUMES = ("downwardAPI", "configMap", "secret")
+
+
 def volume_dir(pod_dir: Path, volume: str) -> Path:
-    """Where the node agent writes a file-backed volume (downwardAPI) of the pod."""
+    """Where the node agent keeps a volume of the pod: the files of a downwardAPI, configMap or
+    secret volume, or an emptyDir (created empty, removed with the pod's directory)."""
     return pod_dir / "volumes" / volume
 
 
+def _source(volume: dict, pod_dir: Path) -> Path | None:
+    if any(k in volume for k in (*FILE_VOLUMES, "emptyDir")):
+        return volume_dir(pod_dir, volume["name"])
+    if "hostPath" in volume:   # a claim's volume too, once the node agent resolved it (podspec.with_claims)
+        return Path(volume["hostPath"]["path"])
+    return None
+
+
 def file_mounts(spec: dict, pod_spec: dict, pod_dir: Path) -> list[tuple[Path, str]]:
-    """(host source, mountPath) of the container's mounts of file-backed volumes."""
+    """(host source, mountPath) of the container's mounts of file-backed volumes (downwardAPI,
+    configMap, secret): what Docker bind-mounts read-only."""
     volumes = {v["name"]: v for v in pod_spec.get("volumes") or []}
     out = []
     for m in spec.get("volumeMounts") or []:
-        if "downwardAPI" in volumes.get(m["name"], {}):
+        v = volumes.get(m["name"], {})
+        if any(k in v for k in FILE_VOLUMES):
             src = volume_dir(pod_dir, m["name"])
+            out.append((src / m["subPath"] if m.get("subPath") else src, m["mountPath"]))
+    return out
+
+
+def local_mounts(spec: dict, pod_spec: dict, pod_dir: Path) -> list[tuple[Path, str]]:
+    """(host source, mountPath) of every mount a process gets as a link under PD_LOCAL_ROOT: the
+    file-backed volumes, emptyDirs (a directory of the pod), hostPaths (the path itself) and claims
+    (the directory behind them, handed in as hostPath). Other kinds are not mounted."""
+    volumes = {v["name"]: v for v in pod_spec.get("volumes") or []}
+    out = []
+    for m in spec.get("volumeMounts") or []:
+        src = _source(volumes.get(m["name"], {"name": m["name"]}), pod_dir)
+        if src is not None:
             out.append((src / m["subPath"] if m.get("subPath") else src, m["mountPath"]))
     return out
 
@@ -123,7 +153,7 @@ class ProcessRuntime:
     name = "process"
 
     async def start(self, *, pod_uid, pod_dir, name, restart, spec, pod_spec, env, log_path) -> Running:
-        mounts = file_mounts(spec, pod_spec, pod_dir)
+        mounts = local_mounts(spec, pod_spec, pod_dir)
         if mounts:
             link_mounts(pod_dir / "root", mounts)
             env = {**env, ROOT_ENV: str(pod_dir / "root")}
@@ -170,10 +200,15 @@ def docker_args(*, cname: str, root_label: str, spec: dict, pod_spec: dict, env:
     volumes = {v["name"]: v for v in pod_spec.get("volumes") or []}
     for m in spec.get("volumeMounts") or []:
         v = volumes.get(m["name"], {})
-        if "emptyDir" in v:
+        if "emptyDir" in v and m["mountPath"] == "/dev/shm":   # Docker's own shared memory, sized
+            size = (v["emptyDir"] or {}).get("sizeLimit")
+            args += ["--shm-size", _bytes(size)] if size else []
+        elif "emptyDir" in v:
             args += ["--tmpfs", f"{m['mountPath']}:rw,exec,mode=1777"]
-        elif "hostPath" in v:
-            args += ["-v", f"{v['hostPath']['path']}:{m['mountPath']}{':ro' if m.get('readOnly') else ''}"]
+        elif "hostPath" in v:   # a claim's volume too (a hostPath or local PersistentVolume's directory)
+            src = v["hostPath"]["path"] + (f"/{m['subPath']}" if m.get("subPath") else "")
+            ro = m.get("readOnly") or v.get("readOnly")
+            args += ["-v", f"{src}:{m['mountPath']}{':ro' if ro else ''}"]
     if pod_dir is not None:
         for src, mount_path in file_mounts(spec, pod_spec, pod_dir):
             args += ["-v", f"{src}:{mount_path}:ro"]

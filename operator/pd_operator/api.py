@@ -10,6 +10,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+from pd_contract.names import PODINFO_DIR
+
 GROUP = "pdoperator.io"
 VERSION = "v1alpha1"
 KIND = "PDDeployment"
@@ -87,16 +89,164 @@ class Resources(Model):
     requests: dict[str, Quantity] | None = None
 
 
+HOST_PATH = r"^/[A-Za-z0-9._+@/-]*$"
+# no `.`/`..` segment: an allowed directory must not lead out of itself
+_NO_DOTS = "!('/' + {p} + '/').contains('/../') && !('/' + {p} + '/').contains('/./')"
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+MOUNT_PATH = r"^(/[A-Za-z0-9._+@-]+)+$"             # absolute, no trailing or doubled slash
+RELATIVE_PATH = r"^[A-Za-z0-9._+@-]+(/[A-Za-z0-9._+@-]+)*$"
+KEY = r"^[-._a-zA-Z0-9]+$"                           # a ConfigMap's or Secret's data key
+# what the operator mounts in every engine pod: harden's /tmp, the downwardAPI volume of the device
+# annotation, the Ascend host paths (ascend-<i>); the same names the builders use
+OPERATOR_VOLUMES = ("tmp", "podinfo")
+OPERATOR_VOLUME_PREFIX = "ascend-"
+OPERATOR_MOUNT_PATHS = ("/tmp", PODINFO_DIR)
+OPERATOR_ENV = ("POD_NAME", "POD_NAMESPACE")         # the identity every engine reads
+
+
+class KeySelector(Model):
+    """One key of a ConfigMap or Secret in the deployment's namespace."""
+    name: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN)
+    key: str = Field(min_length=1, max_length=253, pattern=KEY)
+    optional: bool | None = None
+
+
+class FieldSelector(Model):
+    """A field of the pod (the downward API), e.g. metadata.labels['x'] or status.hostIP."""
+    field_path: str = Field(min_length=1, max_length=256)
+    api_version: str | None = Field(default=None, max_length=64)
+
+
+class ResourceFieldSelector(Model):
+    """A request or limit of the engine container, e.g. limits.memory."""
+    resource: str = Field(min_length=1, max_length=256)
+    container_name: str | None = Field(default=None, max_length=63)
+    divisor: Quantity | None = None
+
+
+class EnvVarSource(Model):
+    model_config = ConfigDict(json_schema_extra=rules(
+        ("[has(self.secretKeyRef), has(self.configMapKeyRef), has(self.fieldRef), has(self.resourceFieldRef)]"
+         ".filter(x, x).size() == 1",
+         "env[].valueFrom: set exactly one of secretKeyRef, configMapKeyRef, fieldRef, resourceFieldRef"),
+    ))
+    secret_key_ref: KeySelector | None = None
+    config_map_key_ref: KeySelector | None = None
+    field_ref: FieldSelector | None = None
+    resource_field_ref: ResourceFieldSelector | None = None
+
+
 class EnvVar(Model):
+    model_config = ConfigDict(json_schema_extra=rules(
+        ("!(has(self.value) && has(self.valueFrom))", "env[]: set value or valueFrom, not both", ".valueFrom"),
+    ))
     name: str = Field(min_length=1, max_length=256, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
-    value: str = Field(default="", max_length=32768)
+    value: str | None = Field(default=None, max_length=32768, description="a literal value (neither: empty)")
+    value_from: EnvVarSource | None = Field(default=None, description="a Secret's or ConfigMap's key, or a "
+                                                                      "field or resource of the pod")
+
+
+class PersistentVolumeClaimSource(Model):
+    claim_name: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN,
+                            description="a PersistentVolumeClaim in the deployment's namespace")
+    read_only: bool | None = None
+
+
+class KeyToPath(Model):
+    key: str = Field(min_length=1, max_length=253, pattern=KEY)
+    path: str = Field(min_length=1, max_length=1024, pattern=RELATIVE_PATH)
+    mode: int | None = Field(default=None, ge=0, le=0o777)
+
+
+class ConfigMapSource(Model):
+    name: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN)
+    items: list[KeyToPath] | None = Field(default=None, max_length=64, description="default: every key, as a file")
+    default_mode: int | None = Field(default=None, ge=0, le=0o777)
+    optional: bool | None = None
+
+
+class SecretSource(Model):
+    secret_name: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN)
+    items: list[KeyToPath] | None = Field(default=None, max_length=64, description="default: every key, as a file")
+    default_mode: int | None = Field(default=None, ge=0, le=0o777)
+    optional: bool | None = None
+
+
+class EmptyDirSource(Model):
+    medium: Literal["", "Memory"] | None = Field(default=None, description="Memory: a tmpfs (mounted at /dev/shm, "
+                                                                           "the engine's shared memory)")
+    size_limit: Quantity | None = None
+
+
+class HostPathSource(Model):
+    path: str = Field(max_length=1024, pattern=HOST_PATH, description="must be in the operator's allow-list "
+                                                                      "(chart value engine.allowedHostPaths)")
+    type: Literal["", "DirectoryOrCreate", "Directory", "FileOrCreate", "File", "Socket", "CharDevice",
+                  "BlockDevice"] | None = None
+
+
+class Volume(Model):
+    """A volume of the engine pods: exactly one source."""
+    model_config = ConfigDict(json_schema_extra=rules(
+        ("[has(self.persistentVolumeClaim), has(self.configMap), has(self.secret), has(self.emptyDir), "
+         "has(self.hostPath)].filter(x, x).size() == 1",
+         "volumes[]: set exactly one of persistentVolumeClaim, configMap, secret, emptyDir, hostPath"),
+    ))
+    name: str = Field(min_length=1, max_length=63, pattern=DNS_LABEL)
+    persistent_volume_claim: PersistentVolumeClaimSource | None = None
+    config_map: ConfigMapSource | None = None
+    secret: SecretSource | None = None
+    empty_dir: EmptyDirSource | None = None
+    host_path: HostPathSource | None = None
+
+
+class VolumeMount(Model):
+    name: str = Field(min_length=1, max_length=63, pattern=DNS_LABEL, description="one of the group's volumes")
+    mount_path: str = Field(min_length=2, max_length=1024, pattern=MOUNT_PATH)
+    read_only: bool | None = None
+    sub_path: str | None = Field(default=None, max_length=1024, pattern=RELATIVE_PATH)
+
+
+class LocalObjectReference(Model):
+    name: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN)
+
+
+def _map_list(*keys: str) -> dict:
+    return {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": list(keys)}
+
+
+def _group_rules(group: str) -> dict:
+    """The rules of spec.prefill or spec.decoder, each message naming the field: what the operator
+    sets in the engine pods (identity env, its volumes and mounts) cannot be overridden."""
+    f = f"spec.{group}"
+    reserved_paths = " || ".join(f"m.mountPath == '{p}'" for p in OPERATOR_MOUNT_PATHS)
+    return rules(
+        ("!has(self.env) || self.env.all(e, !e.name.startsWith('LLM_DATADIST_') && !e.name.startsWith('PD_'))",
+         f"{f}.env[].name: names starting with LLM_DATADIST_ or PD_ are set by the operator and cannot be "
+         "overridden", ".env"),
+        *((f"!has(self.env) || self.env.all(e, e.name != '{n}')",
+           f"{f}.env[].name: {n} is set by the operator and cannot be overridden", ".env") for n in OPERATOR_ENV),
+        ("!has(self.volumes) || self.volumes.all(v, " + " && ".join(f"v.name != '{n}'" for n in OPERATOR_VOLUMES)
+         + f" && !v.name.startsWith('{OPERATOR_VOLUME_PREFIX}'))",
+         f"{f}.volumes[].name: {', '.join(OPERATOR_VOLUMES)} and {OPERATOR_VOLUME_PREFIX}* are the operator's "
+         "volumes and cannot be used", ".volumes"),
+        ("!has(self.volumes) || self.volumes.all(v, !has(v.hostPath) || " + _NO_DOTS.format(p="v.hostPath.path")
+         + ")", f"{f}.volumes[].hostPath.path may not contain . or .. segments", ".volumes"),
+        ("!has(self.volumeMounts) || self.volumeMounts.all(m, has(self.volumes) && "
+         "self.volumes.exists(v, v.name == m.name))",
+         f"{f}.volumeMounts[].name must name one of {f}.volumes[]", ".volumeMounts"),
+        ("!has(self.volumeMounts) || self.volumeMounts.all(m, !(" + reserved_paths
+         + f" || m.mountPath.startsWith('{PODINFO_DIR}/')))",
+         f"{f}.volumeMounts[].mountPath: {' and '.join(OPERATOR_MOUNT_PATHS)} are mounted by the operator and "
+         "cannot be used", ".volumeMounts"),
+        ("!has(self.volumeMounts) || self.volumeMounts.all(m, " + _NO_DOTS.format(p="m.mountPath")
+         + " && (!has(m.subPath) || " + _NO_DOTS.format(p="m.subPath") + "))",
+         f"{f}.volumeMounts[]: mountPath and subPath may not contain . or .. segments", ".volumeMounts"),
+    )
 
 
 class Group(Model):
-    model_config = ConfigDict(json_schema_extra=rules(
-        ("!has(self.env) || self.env.all(e, !e.name.startsWith('LLM_DATADIST_') && !e.name.startsWith('PD_'))",
-         "env names starting with LLM_DATADIST_ or PD_ are set by the operator and cannot be overridden", ".env"),
-    ))
     replicas: int = Field(default=1, ge=0, le=512)
     resources: Resources | None = None
     node_selector: dict[str, str] | None = None
@@ -112,6 +262,40 @@ class Group(Model):
         default=None, max_length=8, description="the pods' topologySpreadConstraints (default: spread the group "
                                                 "over nodes, kubernetes.io/hostname, maxSkew 1, ScheduleAnyway)",
         json_schema_extra={"items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}})
+    command: list[Annotated[str, Field(max_length=4096)]] | None = Field(
+        default=None, max_length=64, description="the engine container's command (default: the image's "
+                                                 "entrypoint); it must start the pd agent, which starts the engine")
+    args: list[Annotated[str, Field(max_length=4096)]] | None = Field(
+        default=None, max_length=256, description="the engine container's arguments")
+    volumes: list[Volume] | None = Field(default=None, max_length=32, json_schema_extra=_map_list("name"),
+                                         description="volumes of the engine pods")
+    volume_mounts: list[VolumeMount] | None = Field(
+        default=None, max_length=32, json_schema_extra=_map_list("mountPath"),
+        description="where the engine container mounts them (an emptyDir of medium Memory at /dev/shm is "
+                    "shared memory)")
+    image_pull_secrets: list[LocalObjectReference] | None = Field(
+        default=None, max_length=16, json_schema_extra=_map_list("name"),
+        description="Secrets of the namespace to pull spec.image with")
+    affinity: dict[str, Any] | None = Field(default=None, description="the pods' affinity (node, pod, "
+                                                                      "anti-affinity), as Kubernetes writes it")
+    scheduler_name: str | None = Field(default=None, max_length=253, pattern=DNS_SUBDOMAIN)
+    priority_class_name: str | None = Field(default=None, max_length=253, pattern=DNS_SUBDOMAIN)
+    read_only_root_filesystem: bool = Field(
+        default=True, description="false: the engine container's root filesystem is writable (the rest of the "
+                                  "hardening stays: no privilege escalation, no capabilities, RuntimeDefault seccomp)")
+    egress: list[dict[str, Any]] | None = Field(
+        default=None, max_length=16,
+        description="extra egress rules of the engines' NetworkPolicy (both groups' rules are added to the one "
+                    "policy), as a NetworkPolicy writes them: e.g. a model store's address and port",
+        json_schema_extra={"items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}})
+
+
+class PrefillGroup(Group):
+    model_config = ConfigDict(json_schema_extra=_group_rules("prefill"))
+
+
+class DecoderGroup(Group):
+    model_config = ConfigDict(json_schema_extra=_group_rules("decoder"))
 
 
 class Targets(Model):
@@ -243,11 +427,6 @@ class GatewaySpec(Model):
     resources: Resources | None = None
 
 
-HOST_PATH = r"^/[A-Za-z0-9._+@/-]*$"
-# no `.`/`..` segment: an allowed directory must not lead out of itself
-_NO_DOTS = "!('/' + {p} + '/').contains('/../') && !('/' + {p} + '/').contains('/./')"
-
-
 def _host_path(default: str) -> Any:
     return Field(default=default, max_length=1024, pattern=HOST_PATH)
 
@@ -319,6 +498,16 @@ _P_BASE = "(has(self.prefill.clusterIdBase) ? self.prefill.clusterIdBase : 0)"
 _D_BASE = "(has(self.decoder.clusterIdBase) ? self.decoder.clusterIdBase : 1000)"
 
 
+class MindIE(Model):
+    """MindIE engines: a rank table (ConfigMap <name>-rank-table) and role pushes (POST /v2/role/<role>)."""
+    # The operator keeps MindIE's global rank table from the pods' devices and roles (ranktable.py)
+    # and mounts it in the engine pods; each pod's agent tells its MindIE server its role and peers
+    # at start, after every switch, and when its peers change (pd_agent.mindie_hook).
+    enabled: bool = Field(default=False, description="keep the rank table and push roles to MindIE")
+    role_url: str = Field(default="http://127.0.0.1:1026", max_length=1024, pattern=r"^https?://\S+$",
+                          description="the MindIE server's base URL as the agent in the pod reaches it")
+
+
 class PDDeploymentSpec(Model):
     model_config = ConfigDict(json_schema_extra=rules(
         ("!has(self.rebalance) || self.rebalance.minPrefill + self.rebalance.minDecoder <= "
@@ -383,8 +572,8 @@ class PDDeploymentSpec(Model):
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     model: ModelSpec
     datadist: Datadist = Field(default_factory=Datadist, json_schema_extra={"default": {}})
-    prefill: Group = Field(default_factory=Group, json_schema_extra={"default": {}})
-    decoder: Group = Field(default_factory=Group, json_schema_extra={"default": {}})
+    prefill: PrefillGroup = Field(default_factory=PrefillGroup, json_schema_extra={"default": {}})
+    decoder: DecoderGroup = Field(default_factory=DecoderGroup, json_schema_extra={"default": {}})
     rebalance: Rebalance | None = None
     replicas: int | None = Field(
         default=None, ge=2, le=1024,
@@ -397,6 +586,7 @@ class PDDeploymentSpec(Model):
     ascend: Ascend | None = None
     sim: Sim | None = None
     gateway: GatewaySpec | None = None
+    mindie: MindIE | None = None
 
     def group_sizes(self, decided: dict | None = None) -> dict[str, int]:
         """The StatefulSets' sizes: the groups' replicas, or spec.replicas spread over them; with

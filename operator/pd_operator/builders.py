@@ -5,6 +5,7 @@ Per group a StatefulSet and a headless Service; role Services selecting on the m
 StatefulSet selectors use only the immutable labels."""
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 
@@ -22,11 +23,12 @@ from pd_contract.names import (  # noqa: F401 (re-exported: the operator's modul
     PODINFO_DIR,
 )
 
-from .api import Ascend, PDDeploymentSpec
+from .api import Ascend, Group, PDDeploymentSpec
 from .cachedesc import DerivedCache, derive
 from .config import OperatorConfig
 from .gateway import gateway_objects, network_policy
 from .objmeta import common_labels, harden, liveness_probe, object_meta, owner_reference
+from .ranktable import mindie_pod_patch
 from .resources import per_ranks, with_defaults
 
 # ANNOTATION_ROLE: the role a pod's engine starts in (prefill | decoder): the pod template sets
@@ -184,8 +186,39 @@ def _env(name: str, spec: PDDeploymentSpec, group: str, resource: str = NPU_RESO
         env.append({"name": "PD_SIM_MEMORY_SCALE", "value": str(scale)})
         env += sim_env(spec)
     g = spec.prefill if group == "prefill" else spec.decoder
-    env += [{"name": e.name, "value": e.value} for e in g.env or []]
-    return env
+    return env + user_env(g)
+
+
+def user_env(g: Group) -> list[dict]:
+    """spec.<group>.env as the container's: a literal (empty when neither is given) or a valueFrom.
+    Admission refuses the operator's names (PD_*, LLM_DATADIST_*, POD_NAME, POD_NAMESPACE)."""
+    return [{"name": e.name, "valueFrom": e.value_from.model_dump(by_alias=True, exclude_none=True)}
+            if e.value_from is not None else {"name": e.name, "value": e.value or ""} for e in g.env or []]
+
+
+def user_pod_fields(g: Group) -> tuple[dict, dict]:
+    """What spec.<group> adds to the engine pods: (container fields, pod spec fields). The
+    operator's own (container name, ports, probes, identity env, its volumes) are not among them."""
+    dump = lambda items: [i.model_dump(by_alias=True, exclude_none=True) for i in items]  # noqa: E731
+    container: dict = {}
+    if g.command:
+        container["command"] = list(g.command)
+    if g.args:
+        container["args"] = list(g.args)
+    if g.volume_mounts:
+        container["volumeMounts"] = dump(g.volume_mounts)
+    pod: dict = {}
+    if g.volumes:
+        pod["volumes"] = dump(g.volumes)
+    if g.image_pull_secrets:
+        pod["imagePullSecrets"] = dump(g.image_pull_secrets)
+    if g.affinity:
+        pod["affinity"] = copy.deepcopy(g.affinity)
+    if g.scheduler_name:
+        pod["schedulerName"] = g.scheduler_name
+    if g.priority_class_name:
+        pod["priorityClassName"] = g.priority_class_name
+    return container, pod
 
 
 def sim_env(spec: PDDeploymentSpec) -> list[dict]:
@@ -276,11 +309,13 @@ def statefulset(name: str, namespace: str, spec: PDDeploymentSpec, group: str, o
     if ranked(spec, group, resource):
         vol, mount = _podinfo_volume()
         volumes, mounts = volumes + [vol], mounts + [mount]
-    container = {
+    mindie_env, mindie_volumes, mindie_mounts = mindie_pod_patch(spec, name)   # spec.mindie: ranktable.py
+    volumes, mounts = volumes + mindie_volumes, mounts + mindie_mounts
+    container: dict = {
         "name": "agent",
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
-        "env": _env(name, spec, group, resource, token_digests),
+        "env": _env(name, spec, group, resource, token_digests) + mindie_env,
         "ports": [{"name": "http", "containerPort": AGENT_PORT, "protocol": "TCP"},
                   {"name": "datadist", "containerPort": spec.datadist.port, "protocol": "TCP"},
                   {"name": "metrics", "containerPort": AGENT_METRICS_PORT, "protocol": "TCP"}],
@@ -293,6 +328,11 @@ def statefulset(name: str, namespace: str, spec: PDDeploymentSpec, group: str, o
     resources = _resources(spec, group, resource, config)
     if resources:
         container["resources"] = resources
+    user_container, user_pod = user_pod_fields(g)
+    # a command of the spec's own (it starts the agent, which starts the engine) and its mounts
+    container.update({k: v for k, v in user_container.items() if k in ("command", "args")})
+    mounts = mounts + user_container.get("volumeMounts", [])
+    volumes = volumes + user_pod.pop("volumes", [])
     if mounts:
         container["volumeMounts"] = mounts
     # engines never call the API server: no ServiceAccount token in them
@@ -304,6 +344,9 @@ def statefulset(name: str, namespace: str, spec: PDDeploymentSpec, group: str, o
         harden(pod_spec, container, non_root=False, user=config.engine_user, group=config.engine_group)
     else:
         harden(pod_spec, container)
+    if not g.read_only_root_filesystem:   # the opt-out: a writable root, the rest of the hardening stays
+        container["securityContext"]["readOnlyRootFilesystem"] = False
+    pod_spec.update(user_pod)
     # one node's failure must not take a whole group: spread it (soft, so a small cluster still fits)
     pod_spec["topologySpreadConstraints"] = g.topology_spread_constraints or [
         {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway",

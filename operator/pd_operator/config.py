@@ -71,6 +71,12 @@ class OperatorConfig:
     # the chart). spec.gateway.image must be one of allowed_gateway_images (or the configured one).
     gateway_image: str | None = None
     allowed_gateway_images: tuple[str, ...] = ()
+    # host paths spec.prefill/decoder.volumes[].hostPath may name (chart value engine.allowedHostPaths):
+    # none unless the admin lists some; a PersistentVolume is the way that needs no allow-list
+    engine_host_paths: tuple[str, ...] = ()
+    # Secrets the gateways' pods pull their image with (chart value imagePullSecrets): names, each in
+    # the gateway's own namespace
+    gateway_pull_secrets: tuple[str, ...] = ()
     namespace: str | None = None          # where the operator runs: its NetworkPolicy peer
     # the user and group real-backend engines run as (the NPU driver's, HwHiAiUser); None keeps
     # the image's user, which only an admin may choose
@@ -91,6 +97,8 @@ class OperatorConfig:
                    allowed_host_paths=DEFAULT_HOST_PATHS if paths is None else paths,
                    gateway_image=env.get("PD_OPERATOR_GATEWAY_IMAGE") or None,
                    allowed_gateway_images=_list(env.get("PD_OPERATOR_ALLOWED_GATEWAY_IMAGES")) or (),
+                   engine_host_paths=_list(env.get("PD_OPERATOR_ENGINE_ALLOWED_HOST_PATHS")) or (),
+                   gateway_pull_secrets=_list(env.get("PD_OPERATOR_GATEWAY_IMAGE_PULL_SECRETS")) or (),
                    namespace=env.get("PD_OPERATOR_NAMESPACE") or env.get("POD_NAMESPACE") or None,
                    engine_user=_int(env.get("PD_OPERATOR_ENGINE_USER")),
                    engine_group=_int(env.get("PD_OPERATOR_ENGINE_GROUP")),
@@ -111,6 +119,14 @@ def path_allowed(path: str, allowed: tuple[str, ...]) -> bool:
     return any(path == a or path.startswith(a.rstrip("/") + "/") for a in allowed)
 
 
+def ascend_mount_paths(spec: PDDeploymentSpec) -> tuple[str, ...]:
+    """Where the operator mounts the Ascend host paths in the engine pods (backend llm-datadist)."""
+    if spec.backend != "llm-datadist":
+        return ()
+    a = spec.ascend or Ascend()
+    return (a.hccn_conf, a.driver_path, *a.extra_host_paths)
+
+
 def not_allowed(spec: PDDeploymentSpec, config: OperatorConfig) -> str | None:
     """Why the spec asks for more than the operator's configuration allows, naming the field
     and the allow-list; None if it does not."""
@@ -128,6 +144,18 @@ def not_allowed(spec: PDDeploymentSpec, config: OperatorConfig) -> str | None:
                 problems.append(f"spec.ascend (default): host path {path} is not allowed (allowed: "
                                 f"{', '.join(config.allowed_host_paths) or 'none'}); list the paths this "
                                 f"cluster allows in spec.ascend")
+    for group in ("prefill", "decoder"):
+        g = spec.prefill if group == "prefill" else spec.decoder
+        for i, v in enumerate(g.volumes or []):
+            if v.host_path is not None and not path_allowed(v.host_path.path, config.engine_host_paths):
+                problems.append(f"spec.{group}.volumes[{i}].hostPath.path: host path {v.host_path.path} is not "
+                                f"allowed (allowed: {', '.join(config.engine_host_paths) or 'none'}; chart value "
+                                f"engine.allowedHostPaths, or use a PersistentVolume)")
+        taken = ascend_mount_paths(spec)
+        for i, m in enumerate(g.volume_mounts or []):
+            if m.mount_path in taken:
+                problems.append(f"spec.{group}.volumeMounts[{i}].mountPath: {m.mount_path} is mounted by the "
+                                f"operator (spec.ascend) and cannot be used")
     image = spec.gateway.image if spec.gateway else None
     if image and image != config.gateway_image and image not in config.allowed_gateway_images:
         allowed = [i for i in (config.gateway_image, *config.allowed_gateway_images) if i]

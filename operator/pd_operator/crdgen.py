@@ -4,6 +4,7 @@ written). ``python -m pd_operator.crdgen [--check FILE]``."""
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,8 @@ DROP = {"title", "discriminator"}
 
 def _structural(node: dict, defs: dict) -> dict:
     if "$ref" in node:
-        target = defs[node["$ref"].rsplit("/", 1)[-1]]
+        # a copy: a model used in two places must not become a YAML anchor and alias
+        target = copy.deepcopy(defs[node["$ref"].rsplit("/", 1)[-1]])
         merged = {**target, **{k: v for k, v in node.items() if k != "$ref"}}
         return _structural(merged, defs)
     if "anyOf" in node:

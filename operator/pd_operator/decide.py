@@ -15,7 +15,7 @@ from pd_contract.names import LABEL_DEPLOYMENT, NPU_RESOURCE
 
 from . import children as ch
 from . import links as lk
-from . import policies
+from . import policies, ranktable
 from . import rebalance as rb
 from . import replace as rp
 from . import switch as sw_
@@ -173,6 +173,8 @@ def decide(snap: Snapshot) -> Plan:
     desired = desired_children(name, ns, meta["uid"], spec, book.sizes, snap.npu_resource, snap.config,
                                keys_allowed=snap.keys is None or snap.keys[0], serving=serving,
                                token_digests=dict(snap.token_digests))
+    # MindIE's rank table follows the pods (their roles and devices): rendered from what was observed
+    desired += ranktable.desired(name, ns, meta["uid"], spec, live)
     obs.desired_pods = sum(spec.group_sizes(book.sizes).values())
     to_apply = [] if blocked and not retry else ch.to_apply(desired, snap.children, mem.applied)
     plans = lk.plan(engines, obs.reported, spec.datadist.topology,

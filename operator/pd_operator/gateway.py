@@ -12,7 +12,8 @@ the gateway, the namespace's PDGateways and the deployment's own pods (verify pr
 notices go agent to agent), the datadist port from the deployment's own pods only, and the
 agent's metrics port (its /metrics alone, not the API) from the operator and the configured
 monitoring namespaces; egress from the engines goes to
-the deployment's own pods (agent and datadist ports) and DNS only.
+the deployment's own pods (agent and datadist ports), DNS, and the rules spec.prefill.egress and
+spec.decoder.egress add (a model store).
 
 A gateway's pods serve the public API on GATEWAY_PORT (from anywhere) and /metrics and /stats,
 which name every key and its usage, on GATEWAY_METRICS_PORT: their NetworkPolicy admits that
@@ -104,13 +105,14 @@ def gateway_objects(name: str, namespace: str, spec: PDDeploymentSpec, owner: di
     resources = with_defaults(gw.resources.model_dump(exclude_none=True) if gw.resources else None,
                               config.gateway_resources)
     return workload(n, meta, rules, env, gateway_image(spec, image), gw.replicas if keys_allowed else 0,
-                    {LABEL_GATEWAY: name}, pod_labels, resources, spec.image_pull_policy) + \
+                    {LABEL_GATEWAY: name}, pod_labels, resources, spec.image_pull_policy,
+                    config.gateway_pull_secrets) + \
         [gateway_network_policy(meta, {LABEL_GATEWAY: name}, {"matchLabels": {LABEL_DEPLOYMENT: name}}, config)]
 
 
 def workload(n: str, meta: dict, rules: list[dict], env: list, image: str, replicas: int,
              select: dict[str, str], pod_labels: dict[str, str], resources: dict | None = None,
-             pull_policy: str | None = None) -> list[dict]:
+             pull_policy: str | None = None, pull_secrets: tuple[str, ...] = ()) -> list[dict]:
     """A gateway's objects, whichever kind it serves (a deployment's own, or a PDGateway's): its
     ServiceAccount with `rules`, the Deployment of hardened pods selected by `select`, the Service,
     the PodDisruptionBudget."""
@@ -135,6 +137,8 @@ def workload(n: str, meta: dict, rules: list[dict], env: list, image: str, repli
         container["resources"] = resources
     pod_spec = {"serviceAccountName": n, "containers": [container], "terminationGracePeriodSeconds": 30,
                 "enableServiceLinks": False, "automountServiceAccountToken": True}
+    if pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": n} for n in pull_secrets]
     harden(pod_spec, container)
     deployment = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": m(),
                   "spec": {"replicas": replicas, "selector": {"matchLabels": select},
@@ -208,5 +212,16 @@ def network_policy(name: str, namespace: str, spec: PDDeploymentSpec, owner: dic
         "spec": {"podSelector": {"matchLabels": {LABEL_DEPLOYMENT: name}}, "policyTypes": ["Ingress", "Egress"],
                  "ingress": ingress,
                  # links, pulls, verify probes and pull notices go to the deployment's own pods
-                 "egress": [{"to": [own], "ports": ports}, {"ports": copy.deepcopy(DNS_PORTS)}]},
+                 "egress": [{"to": [own], "ports": ports}, {"ports": copy.deepcopy(DNS_PORTS)}]
+                 + extra_egress(spec)},
     }
+
+
+def extra_egress(spec: PDDeploymentSpec) -> list[dict]:
+    """spec.prefill.egress and spec.decoder.egress (e.g. a model store), once each: the one policy
+    selects both groups' pods, so it allows the union."""
+    out: list[dict] = []
+    for rule in (spec.prefill.egress or []) + (spec.decoder.egress or []):
+        if rule not in out:
+            out.append(copy.deepcopy(rule))
+    return out

@@ -161,7 +161,8 @@ def objects(name: str, namespace: str, spec: PDGatewaySpec, owner: dict, r: Rout
     agents = {"matchExpressions": [{"key": LABEL_DEPLOYMENT, "operator": "In",
                                     "values": sorted({s.deployment for s in r.served})}]} if r.served else None
     return workload(name, meta, rules, env, image, spec.replicas if keys_allowed else 0, {LABEL_PDGATEWAY: name},
-                    pod_labels, resources) + [gateway_network_policy(meta, {LABEL_PDGATEWAY: name}, agents, config)]
+                    pod_labels, resources, pull_secrets=config.gateway_pull_secrets) + \
+        [gateway_network_policy(meta, {LABEL_PDGATEWAY: name}, agents, config)]
 
 
 def usage_configmap(name: str, namespace: str, owner: dict) -> dict:

@@ -28,6 +28,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Awaitable, Callable
 
 import httpx
 from aiohttp import web
@@ -67,6 +68,7 @@ from .devices import DeviceError, Devices, resolve_env
 from .identity import Identity, cluster_id_of, proxy_environment
 from .inference import OVERLOADED_RETRY_S, no_first_token
 from .metrics import AgentMetrics
+from .mindie_hook import attach as attach_mindie
 from .server import (
     MAX_BODY_BYTES,
     METRICS,
@@ -158,6 +160,8 @@ class Front:
         self.external = self.env.get("PD_RANKS_EXTERNAL", "").lower() in ("1", "true", "yes")
         self.peer_tps: dict[str, int] = {}  # peer pod -> its TP, as linked
         self.faults: dict[str, int] = {}    # the agent's own fault points (the simulator's are the ranks')
+        # as AgentCore's: told (old_role, new_role) once every rank switched
+        self.after_switch: list[Callable[[str, str], Awaitable[None]]] = []
 
     # ---- ranks -------------------------------------------------------------------------------
     def _headers(self) -> dict[str, str]:
@@ -639,6 +643,11 @@ class Front:
                                      for r in range(self.tp)), return_exceptions=True)
         failed = [(r, x) for r, x in enumerate(res) if isinstance(x, BaseException)]
         if not failed:
+            # a rank in another role before (or none known): the pod switched
+            old = next((r for r in before.values() if r != req.role),
+                       None if before else ("decoder" if req.role == "prompt" else "prompt"))
+            for hook in self.after_switch if old is not None else []:
+                await hook(old, req.role)
             return
         done = [r for r, x in enumerate(res) if not isinstance(x, BaseException)
                 and before.get(r) not in (None, req.role)]
@@ -802,6 +811,11 @@ async def serve_front(identity: Identity, tp: int, host: str, port: int) -> None
     log.info("pod agent %s (%s, %d ranks, cluster_ids %d-%d) serving on %s:%d", identity.pod, identity.role, tp,
              identity.cluster_id, identity.cluster_id + tp - 1, host, port)
     failed = asyncio.create_task(front.failed.wait())
+
+    async def ready() -> bool:
+        await front.refresh(max_age=HEALTH_AGE_S)
+        return front.initialized
+    mindie = attach_mindie(front.after_switch, identity.role, ready, stop)   # one push per pod, from here
     if await front.resolve_devices(stop):
         if front.external:
             log.info("waiting for %d rank processes to register at /v1/ranks", tp)
@@ -823,5 +837,9 @@ async def serve_front(identity: Identity, tp: int, host: str, port: int) -> None
         await metrics_runner.cleanup()
     await runner.cleanup()
     await http.aclose()
+    if mindie is not None:
+        stop.set()
+        await mindie[1]
+        await mindie[0].aclose()
     if code:
         raise SystemExit(code)

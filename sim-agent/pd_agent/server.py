@@ -39,6 +39,7 @@ from .devices import DeviceError, resolve_env
 from .identity import ConfigError, Identity, import_backend
 from .inference import Inference
 from .metrics import AgentMetrics
+from .mindie_hook import attach as attach_mindie
 from .notify import Notifier
 
 log = logging.getLogger("pd_agent")
@@ -446,6 +447,8 @@ async def _serve(identity: Identity, host: str, port: int, rank: int | None = No
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     core = AgentCore(llm, identity)
+    # MindIE's server learns its role from the pod's agent (rank processes: the front pushes)
+    mindie = attach_mindie(core.after_switch, identity.role, lambda: core.initialized, stop) if rank is None else None
     app = build_app(core, identity.token, data_token=identity.data_token, peer_token=identity.peer_token)
     runner = app_runner(app, identity)
     await runner.setup()
@@ -487,6 +490,9 @@ async def _serve(identity: Identity, host: str, port: int, rank: int | None = No
     if metrics_runner is not None:
         await metrics_runner.cleanup()
     await runner.cleanup()
+    if mindie is not None:
+        await mindie[1]
+        await mindie[0].aclose()
     await core.finalize()
 
 

@@ -21,8 +21,32 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- else -}}{{ default "default" .Values.serviceAccount.name }}{{- end -}}
 {{- end -}}
 
-{{- /* the gateway's image: the value, or the operator's repository renamed pd-gateway, same tag */ -}}
+{{- /* an image reference: [registry/]repository:tag, from a dict of registry, repository, tag */ -}}
+{{- define "pd-operator.imageRef" -}}
+{{- with .registry }}{{ trimSuffix "/" . }}/{{ end }}{{ .repository }}:{{ .tag }}
+{{- end -}}
+
+{{- /* the operator's image: image.registry (optional), image.repository, image.tag */ -}}
+{{- define "pd-operator.image" -}}
+{{- include "pd-operator.imageRef" (dict "registry" .Values.image.registry "repository" .Values.image.repository "tag" .Values.image.tag) -}}
+{{- end -}}
+
+{{- /* one of the project's other images (name pd-gateway or pd-sim-agent): registry, repository and tag
+of its values (v), each defaulting to the operator's (the repository renamed) */ -}}
+{{- define "pd-operator.siblingImage" -}}
+{{- $v := .v | default dict -}}
+{{- $repo := $v.repository | default (printf "%s%s" (trimSuffix "pd-operator" .root.Values.image.repository) .name) -}}
+{{- include "pd-operator.imageRef" (dict "registry" ($v.registry | default .root.Values.image.registry) "repository" $repo "tag" ($v.tag | default .root.Values.image.tag)) -}}
+{{- end -}}
+
+{{- /* the gateway's image: gateway.image (a whole reference) if set, else gateway.registry,
+gateway.repository and gateway.tag, each defaulting to the operator's (repository renamed pd-gateway) */ -}}
 {{- define "pd-operator.gatewayImage" -}}
 {{- if .Values.gateway.image -}}{{ .Values.gateway.image }}
-{{- else -}}{{ trimSuffix "pd-operator" .Values.image.repository }}pd-gateway:{{ .Values.image.tag }}{{- end -}}
+{{- else -}}{{ include "pd-operator.siblingImage" (dict "root" . "name" "pd-gateway" "v" .Values.gateway) }}{{- end -}}
+{{- end -}}
+
+{{- /* the simulator agent's image (engine.image), for the examples this chart prints */ -}}
+{{- define "pd-operator.engineImage" -}}
+{{- include "pd-operator.siblingImage" (dict "root" . "name" "pd-sim-agent" "v" .Values.engine.image) -}}
 {{- end -}}
