@@ -1,0 +1,240 @@
+"""One rank process under pd-operator: its identity, its LLM-DataDist engine, the agent API the
+operator drives it through, and the adapter that computes.
+
+`serve_rank(adapter, identity_env=os.environ)` is the entry point an inference server calls once
+per rank process. It builds the pieces pd-operator already has and ties the adapter in:
+
+1. the identity from the env the operator (and the pod's agent, `pd_agent.front.rank_env`)
+   injects: `Identity.from_env` (role, cluster id, device IP and port, CacheDesc, tokens);
+2. the LLM-DataDist engine: CANN's `llm_datadist` for `PD_BACKEND=llm-datadist`, the simulator
+   `llm_datadist_sim` for `sim`, initialised as the agent would (`AgentCore.options`);
+3. `adapter.register_kv_caches(rank)`, checked against the operator's CacheDesc;
+4. the agent core over that engine (`pd_agent.core.AgentCore(llm, identity, engine)`), with the
+   adapter's `before_switch`/`after_switch` as the core's switch hooks and its `load()` in the
+   core's status; its HTTP API (`pd_agent.server.build_app`, without the simulated serving) on a
+   local port, registered with the pod's agent (`AgentClient.register`, `POST /v1/ranks`), so the
+   operator's link, unlink, verify and switch calls reach this engine.
+
+It returns a `RankServer` (`block=False`) or serves until SIGTERM, then drains like the agent."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+
+from pd_agent.core import AgentCore, AgentError
+from pd_agent.identity import Identity, import_backend
+from pd_contract.agent_api import Load
+
+from .adapter import (
+    CacheHandle,
+    DecodeRequest,
+    EngineAdapter,
+    PrefillRequest,
+    PrefillResult,
+    Rank,
+    SwitchRefused,
+    check_layout,
+    serve_decode,
+)
+
+log = logging.getLogger("pd_engine")
+DEFAULT_AGENT_URL = "http://127.0.0.1:8080"
+
+
+class AgentClient:
+    """The rank's calls to its pod's agent: where it registers its agent API (`POST /v1/ranks`,
+    body `{"rank", "url", "boot_id"}`, the control token). The URL: `PD_RANK_REGISTER_URL` (what
+    the pod's agent gives the ranks it starts), else `PD_AGENT_URL` (default
+    http://127.0.0.1:8080) + `/v1/ranks`. The pod's agent reads each rank's cluster id, device IP
+    and port from that rank's `/v1/status`. Tests pass a client of their own."""
+
+    def __init__(self, env: Mapping[str, str] | None = None, token: str | None = None, timeout_s: float = 60.0):
+        env = os.environ if env is None else env
+        base = (env.get("PD_AGENT_URL") or DEFAULT_AGENT_URL).rstrip("/")
+        self.register_url = env.get("PD_RANK_REGISTER_URL") or f"{base}/v1/ranks"
+        self.token = token
+        self.timeout_s = timeout_s
+
+    def register(self, rank: int, url: str, boot_id: str) -> None:
+        """Until the agent takes it (it may start after this process), at most timeout_s."""
+        body = {"rank": rank, "url": url, "boot_id": boot_id}
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        deadline = time.monotonic() + self.timeout_s
+        last = ""
+        with httpx.Client(trust_env=False, timeout=5) as http:
+            while time.monotonic() < deadline:
+                try:
+                    r = http.post(self.register_url, json=body, headers=headers)
+                    if r.status_code == 200:
+                        return
+                    last = f"{r.status_code} {r.text[:200]}"
+                    if r.status_code in (400, 401, 403):
+                        break
+                except httpx.HTTPError as e:
+                    last = repr(e)
+                time.sleep(0.5)
+        raise RuntimeError(f"registering rank {rank} with the pod's agent at {self.register_url}: {last}")
+
+
+class _AdapterServing:
+    """Stands where the agent core keeps its serving (`core.inference`): the load figures come from
+    the adapter; requests are served by the inference server's own API, not the agent's."""
+
+    def __init__(self, adapter: EngineAdapter):
+        self.adapter = adapter
+        self.in_flight = 0
+        self.responding = 0
+
+    def load(self) -> Load:
+        f = self.adapter.load()
+        return Load(queue_depth=f.queue_depth, running=f.running, in_flight=f.running,
+                    kv_capacity_bytes=f.kv_capacity_bytes)
+
+    def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
+
+    def _not_here(self, *_: Any, **__: Any) -> Any:
+        raise AgentError("NOT_SERVED", "this rank's requests are served by its inference server's own API", 501)
+
+    prefill = decode = pull = take_held = _not_here
+
+
+def open_rank(identity_env: Mapping[str, str] | None = None, llm: Any = None) -> tuple[Identity, Rank, AgentCore]:
+    """The identity, the initialised engine and the agent core over it (steps 1, 2 and 4's core)."""
+    identity = Identity.from_env(dict(os.environ if identity_env is None else identity_env))
+    llm = llm or import_backend(identity.backend)
+    role = llm.LLMRole.PROMPT if identity.role == "prompt" else llm.LLMRole.DECODER
+    engine = llm.LLMDataDist(role, identity.cluster_id)
+    core = AgentCore(llm, identity, engine=engine)
+    engine.init(core.options(identity.role))
+    rank = Rank(llm, engine, identity.cluster_id, identity.model_id, identity.rank, identity.tensor_parallel,
+                dict(identity.cache_desc))
+    return identity, rank, core
+
+
+class RankServer:
+    """A rank process's pieces once `serve_rank` built them: `rank` (identity and engine), `core`
+    (the agent core), `url` (its agent API), and the adapter's serving paths."""
+
+    def __init__(self, adapter: EngineAdapter, identity: Identity, rank: Rank, core: AgentCore):
+        self.adapter, self.identity, self.rank, self.core = adapter, identity, rank, core
+        self.url = ""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._runner: Any = None
+
+    # -- serving (what the inference server's own API calls) --
+    def prefill(self, req: PrefillRequest) -> PrefillResult:
+        out = self.adapter.prefill(req)
+        self.core.cache_ready(out.handle.req_id)   # counted as pending until a decoder pulls it
+        self.core.meter.arrived(len(req.token_ids))
+        return out
+
+    def decode(self, handle: CacheHandle, req: DecodeRequest) -> list[int]:
+        return serve_decode(self.adapter, self.rank, handle, req)
+
+    # -- the agent API, on a thread of its own --
+    def start_api(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        from aiohttp import web
+
+        from pd_agent.server import build_app
+
+        ident = self.identity
+        app = build_app(self.core, ident.token, serve_inference=False, data_token=ident.data_token,
+                        peer_token=ident.peer_token)
+        ready = threading.Event()
+        failed: list[BaseException] = []
+
+        async def up() -> None:
+            self._runner = web.AppRunner(app)
+            await self._runner.setup()
+            site = web.TCPSite(self._runner, host, port)
+            await site.start()
+            bound = self._runner.addresses[0][1]
+            self.url = f"http://{host}:{bound}"
+
+        def run() -> None:
+            loop = self._loop = asyncio.new_event_loop()
+            try:
+                loop.run_until_complete(up())
+            except BaseException as e:  # noqa: BLE001 - reported to the caller
+                failed.append(e)
+                ready.set()
+                return
+            ready.set()
+            loop.run_forever()
+
+        self._thread = threading.Thread(target=run, name=f"pd-rank-{ident.rank}-api", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if failed:
+            raise failed[0]
+        return self.url
+
+    def run(self, coro: Any, timeout: float | None = None) -> Any:
+        """Run a coroutine on the API's loop (the core's calls: link, switch_role, ...)."""
+        if self._loop is None:
+            raise RuntimeError("start_api first")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def stop(self) -> None:
+        if self._loop is not None:
+            if self._runner is not None:
+                self.run(self._runner.cleanup(), 30)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            if self._thread is not None:
+                self._thread.join(10)
+            self._loop = None
+        self.rank.engine.finalize()
+
+
+def _hook(fn: Any) -> Any:
+    async def call(old: str, new: str) -> None:
+        try:
+            await asyncio.to_thread(fn, old, new)
+        except SwitchRefused as e:
+            raise AgentError("SWITCH_REFUSED", f"the engine refused the switch: {e}", 409) from e
+    return call
+
+
+def serve_rank(adapter: EngineAdapter, identity_env: Mapping[str, str] | None = None, *, host: str = "127.0.0.1",
+               port: int = 0, agent: AgentClient | None = None, block: bool = True, llm: Any = None) -> RankServer:
+    """The entry point of a rank process (see the module docstring). `identity_env`: the env the
+    operator injected (default os.environ). `agent`: where to register (default `AgentClient`
+    from that env; `register=None`-like stubs in tests). `block`: serve until SIGTERM/SIGINT, then
+    drain (`PD_DRAIN_TIMEOUT_S`) and finalize; else return the running `RankServer`."""
+    identity, rank, core = open_rank(identity_env, llm)
+    server = RankServer(adapter, identity, rank, core)
+    try:
+        layout = adapter.register_kv_caches(rank)
+        check_layout(layout, identity.cache_desc)
+        core.before_switch.append(_hook(adapter.before_switch))
+        core.after_switch.append(_hook(adapter.after_switch))
+        core.inference = _AdapterServing(adapter)  # type: ignore[assignment]  # duck-typed: load() and counters
+        url = server.start_api(host, port)
+        (agent or AgentClient(identity_env, identity.token)).register(identity.rank, url, core.boot_id)
+    except BaseException:
+        server.stop()
+        raise
+    log.info("rank %d (%s, cluster_id %d) agent API on %s, datadist %s:%d", identity.rank, identity.role,
+             identity.cluster_id, server.url, identity.ip, identity.port)
+    if not block:
+        return server
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    log.info("drained: %s", server.run(core.terminate(identity.drain_timeout_s)))
+    server.stop()
+    return server

@@ -1,0 +1,103 @@
+"""pd_engine's adapter interface, implemented for the reference engine: a prompt rank and a decoder
+rank in this process (two simulated engines, real TCP link and bytes), each built by
+`serve_rank`; the decoder linked by its agent core as the operator does. The P-D answer equals
+one engine's `Model.generate` token for token."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import llm_datadist_sim.engine as sim_engine
+from pd_agent.identity import Identity
+from pd_agent.refmodel import Model, Profile
+from pd_contract.agent_api import LinkRequest, Peer
+from pd_engine.adapter import CacheHandle, DecodeRequest, EngineAdapter, NotLinked, PrefillRequest, Sampling
+from pd_engine.rank import serve_rank
+from pd_engine.reference import ReferenceAdapter
+from tests.unit.test_sim import free_port
+
+PROFILE = {"attention": "GQA", "numLayers": 2, "numKvHeads": 2, "headDim": 16, "dtype": "float16",
+           "maxSeqLen": 64, "seed": 3}
+DESC = {"num_tensors": 4, "shape": [1, 64, 2, 16], "data_type": "DT_FLOAT16"}
+
+
+def env(role: str, cluster_id: int, port: int) -> dict:
+    return {"LLM_DATADIST_ROLE": role, "LLM_DATADIST_CLUSTER_ID": str(cluster_id), "LLM_DATADIST_IP": "127.0.0.1",
+            "LLM_DATADIST_PORT": str(port), "PD_BACKEND": "sim", "LLM_DATADIST_CACHE_DESC": json.dumps(DESC),
+            "PD_SIM_ENGINE": "reference", "PD_REFERENCE_MODEL": json.dumps(PROFILE), "PD_AGENT_TOKEN": "t",
+            "POD_NAME": f"{role}-0"}
+
+
+class Agent:
+    def __init__(self):
+        self.calls = []
+
+    def register(self, rank, url, boot_id):
+        self.calls.append((rank, url, boot_id))
+
+
+@pytest.fixture
+def ranks():
+    """serve_rank twice in one process: the simulator's one-engine guard is cleared between."""
+    made = []
+
+    def make(e):
+        sim_engine._active_engine = None
+        agent = Agent()
+        s = serve_rank(ReferenceAdapter(Identity.from_env(e)), e, agent=agent, block=False)
+        made.append(s)
+        assert agent.calls == [(0, s.url, s.core.boot_id)]
+        return s
+    yield make
+    for s in made:
+        s.stop()
+    sim_engine._active_engine = None
+
+
+def test_reference_adapter_prefill_pull_decode_equals_one_engine(ranks):
+    port = free_port()
+    p = ranks(env("prompt", 7, port))
+    d = ranks(env("decoder", 1007, free_port()))
+    assert isinstance(p.adapter, EngineAdapter)
+    prompt = (791, 3938, 1917, 315, 3526, 374, 264, 1296, 369, 1475, 2038)
+
+    with pytest.raises(NotLinked, match="prompt cluster 7"):
+        d.decode(CacheHandle(7, 1, 0, len(prompt)), DecodeRequest(300, 4))
+
+    res = d.run(d.core.link(LinkRequest(peers=[Peer(name="prompt-0", cluster_id=7, ip="127.0.0.1", port=port,
+                                                    agent_url=p.url)])))
+    assert res.ret == "LLM_SUCCESS", res
+    for sampling in (Sampling(), Sampling(temperature=0.8, top_p=0.9, seed=11)):
+        req_id = 100 + sampling.seed
+        out = p.prefill(PrefillRequest(req_id, prompt, sampling))
+        assert out.handle == CacheHandle(7, req_id, 0, len(prompt))
+        assert p.core.kv_pending and req_id in p.core.kv_pending
+        handle = CacheHandle.from_json(json.loads(json.dumps(out.handle.to_json())))   # as a router carries it
+        tokens = d.decode(handle, DecodeRequest(out.first_token, 12, sampling))
+        alone = Model.get(Profile.from_json(PROFILE)).generate(list(prompt), 12, sampling.temperature,
+                                                               sampling.top_p, sampling.seed)
+        assert tokens == alone
+    assert d.adapter.load().running == 0
+    assert p.core.status().load.kv_capacity_bytes > 0
+
+
+def test_serve_rank_refuses_a_layout_other_than_the_operators(ranks):
+    e = env("prompt", 7, free_port())
+    ident = Identity.from_env(e)
+    bad = {**e, "LLM_DATADIST_CACHE_DESC": json.dumps({**DESC, "num_tensors": 6})}
+    sim_engine._active_engine = None
+    with pytest.raises(ValueError, match="num_tensors 4"):
+        serve_rank(ReferenceAdapter(ident), bad, agent=Agent(), block=False)
+    sim_engine._active_engine = None
+
+
+def test_switch_hooks_follow_the_adapter(ranks):
+    p = ranks(env("prompt", 8, free_port()))
+    p.adapter._running = 1
+    from pd_agent.core import AgentError
+    with pytest.raises(AgentError, match="refused the switch: 1 requests in flight"):
+        p.run(p.core.switch_role("decoder"))
+    p.adapter._running = 0
+    p.run(p.core.switch_role("decoder"))
+    assert p.rank.role == "decoder"
