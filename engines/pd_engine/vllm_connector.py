@@ -193,6 +193,7 @@ class PDOperatorConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: Any) -> PDConnectorMetadata:
         meta = PDConnectorMetadata(reqs_to_recv=self._recv, reqs_to_save=self._save, reqs_to_send=self._send)
+        self._saving_ids()   # before _save is cleared: a request's later chunks are saved too
         # a chunked prefill's later chunks: the request's new blocks
         cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
         for i, rid in enumerate(getattr(cached, "req_ids", None) or []):

@@ -99,9 +99,11 @@ RELATIVE_PATH = r"^[A-Za-z0-9._+@-]+(/[A-Za-z0-9._+@-]+)*$"
 KEY = r"^[-._a-zA-Z0-9]+$"                           # a ConfigMap's or Secret's data key
 # what the operator mounts in every engine pod: harden's /tmp, the downwardAPI volume of the device
 # annotation, the Ascend host paths (ascend-<i>); the same names the builders use
-OPERATOR_VOLUMES = ("tmp", "podinfo")
+OPERATOR_VOLUMES = ("tmp", "podinfo", "mindie-rank-table")
 OPERATOR_VOLUME_PREFIX = "ascend-"
-OPERATOR_MOUNT_PATHS = ("/tmp", PODINFO_DIR)
+OPERATOR_MOUNT_PATHS = ("/tmp", PODINFO_DIR, "/etc/pd-mindie")
+# the operator's agent tokens: engines get them as the operator's env, never by a user's reference
+OPERATOR_SECRET_SUFFIXES = ("-agent-token", "-agent-data-token", "-agent-peer-token")
 OPERATOR_ENV = ("POD_NAME", "POD_NAMESPACE")         # the identity every engine reads
 
 
@@ -220,7 +222,10 @@ def _group_rules(group: str) -> dict:
     """The rules of spec.prefill or spec.decoder, each message naming the field: what the operator
     sets in the engine pods (identity env, its volumes and mounts) cannot be overridden."""
     f = f"spec.{group}"
-    reserved_paths = " || ".join(f"m.mountPath == '{p}'" for p in OPERATOR_MOUNT_PATHS)
+    reserved_paths = " || ".join(f"m.mountPath == '{p}' || m.mountPath.startsWith('{p}/')"
+                                 for p in OPERATOR_MOUNT_PATHS)
+    suffixes = ", ".join(f"'{s}'" for s in OPERATOR_SECRET_SUFFIXES)
+    token = lambda ref: f"[{suffixes}].exists(s, {ref}.endsWith(s))"  # noqa: E731
     return rules(
         ("!has(self.env) || self.env.all(e, !e.name.startsWith('LLM_DATADIST_') && !e.name.startsWith('PD_'))",
          f"{f}.env[].name: names starting with LLM_DATADIST_ or PD_ are set by the operator and cannot be "
@@ -236,10 +241,16 @@ def _group_rules(group: str) -> dict:
         ("!has(self.volumeMounts) || self.volumeMounts.all(m, has(self.volumes) && "
          "self.volumes.exists(v, v.name == m.name))",
          f"{f}.volumeMounts[].name must name one of {f}.volumes[]", ".volumeMounts"),
-        ("!has(self.volumeMounts) || self.volumeMounts.all(m, !(" + reserved_paths
-         + f" || m.mountPath.startsWith('{PODINFO_DIR}/')))",
-         f"{f}.volumeMounts[].mountPath: {' and '.join(OPERATOR_MOUNT_PATHS)} are mounted by the operator and "
-         "cannot be used", ".volumeMounts"),
+        ("!has(self.volumeMounts) || self.volumeMounts.all(m, !(" + reserved_paths + "))",
+         f"{f}.volumeMounts[].mountPath: {', '.join(OPERATOR_MOUNT_PATHS)} and what is under them are mounted by "
+         "the operator and cannot be used", ".volumeMounts"),
+        ("!has(self.env) || self.env.all(e, !has(e.valueFrom) || !has(e.valueFrom.secretKeyRef) || !"
+         + token("e.valueFrom.secretKeyRef.name") + ")",
+         f"{f}.env[].valueFrom.secretKeyRef.name: the agent token Secrets (*{', *'.join(OPERATOR_SECRET_SUFFIXES)}) "
+         "are the operator's and cannot be referenced", ".env"),
+        ("!has(self.volumes) || self.volumes.all(v, !has(v.secret) || !" + token("v.secret.secretName") + ")",
+         f"{f}.volumes[].secret.secretName: the agent token Secrets (*{', *'.join(OPERATOR_SECRET_SUFFIXES)}) "
+         "are the operator's and cannot be referenced", ".volumes"),
         ("!has(self.volumeMounts) || self.volumeMounts.all(m, " + _NO_DOTS.format(p="m.mountPath")
          + " && (!has(m.subPath) || " + _NO_DOTS.format(p="m.subPath") + "))",
          f"{f}.volumeMounts[]: mountPath and subPath may not contain . or .. segments", ".volumeMounts"),

@@ -206,7 +206,11 @@ def user_pod_fields(g: Group) -> tuple[dict, dict]:
     if g.args:
         container["args"] = list(g.args)
     if g.volume_mounts:
-        container["volumeMounts"] = dump(g.volume_mounts)
+        # a host directory is mounted read-only whatever the mount says: a writable one could hold
+        # a symlink that a later hostPath under the allow-list follows out of it
+        host = {v.name for v in g.volumes or [] if v.host_path is not None}
+        container["volumeMounts"] = [{**m, "readOnly": True} if m["name"] in host else m
+                                     for m in dump(g.volume_mounts)]
     pod: dict = {}
     if g.volumes:
         pod["volumes"] = dump(g.volumes)

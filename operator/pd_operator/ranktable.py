@@ -16,8 +16,8 @@ from pd_engine.mindie import TABLE_KEY, rank_table, render
 from .api import PDDeploymentSpec
 from .objmeta import common_labels, object_meta, owner_reference
 
-RANK_TABLE_DIR = "/etc/pd-mindie"
-VOLUME = "mindie-rank-table"
+RANK_TABLE_DIR = "/etc/pd-mindie"     # api.OPERATOR_MOUNT_PATHS reserves it
+VOLUME = "mindie-rank-table"          # api.OPERATOR_VOLUMES reserves it
 
 
 def rank_table_name(name: str) -> str:

@@ -23,6 +23,7 @@ import inspect
 import json
 import logging
 import os
+import time
 from typing import Any, Awaitable, Callable, Union
 from urllib.parse import urlsplit, urlunsplit
 
@@ -42,6 +43,7 @@ RETRY_MAX_S = 30.0
 POST_TIMEOUT_S = 10.0
 Ready = Callable[[], Union[bool, Awaitable[bool]]]   # the engine is initialised
 HOOK_WAIT_S = 5.0       # a switch waits this long at most for its push; later tries run in the background
+REPUSH_S = 60.0         # the same role and peers are told again after this (a restarted server forgets)
 
 
 def role_url(env: dict[str, str]) -> str | None:
@@ -113,6 +115,7 @@ class Pusher:
         self.http = http or httpx.AsyncClient(trust_env=False, timeout=POST_TIMEOUT_S)
         self.watch_s = watch_s if watch_s is not None else float(env.get(WATCH_ENV) or 5)
         self.acked: tuple[str, dict] | None = None   # the last (role, body) the server took
+        self.acked_at = 0.0                          # when (monotonic)
         self.pushes = 0                              # answered 200
         self.failures = 0                            # in a row
         self.last_error = ""
@@ -124,11 +127,12 @@ class Pusher:
         async with self.lock:
             try:
                 role, body = body_for(self.engine_role, self.env)
-            except (DeviceError, ValueError, KeyError) as e:
-                self.last_error = f"MindIE role push ({why}): no body yet: {e}"
+            except Exception as e:  # noqa: BLE001 - a file being rewritten, a malformed table: retried, never fatal
+                self.last_error = f"MindIE role push ({why}): no body yet: {e!r}"
                 log.warning("%s", self.last_error)
                 return False
-            if self.acked == (role, body):
+            # the same body again only now and then: a MindIE server that restarted learns its role back
+            if self.acked == (role, body) and time.monotonic() - self.acked_at < REPUSH_S:
                 return True
             target = f"{self.url}/v2/role/{role}"
             try:
@@ -137,7 +141,7 @@ class Pusher:
                 return self._failed(f"POST {target} ({why}): {e!r}")
             if r.status_code != 200:
                 return self._failed(f"POST {target} ({why}): {r.status_code} {r.text[:300]}")
-            self.acked, self.failures, self.last_error = (role, body), 0, ""
+            self.acked, self.acked_at, self.failures, self.last_error = (role, body), time.monotonic(), 0, ""
             self.pushes += 1
             log.info("MindIE told role %s (%s): %d peer instance(s)", role, why, len(body["peers"]))
             return True

@@ -137,6 +137,18 @@ def test_host_path_volumes_need_the_operators_allow_list(group):
     assert why and "/data/model" in why   # a prefix of a name is not a directory
 
 
+def test_a_host_directory_is_mounted_read_only_whatever_the_mount_says():
+    """A writable allowed directory could hold a symlink that a later allowed hostPath follows out."""
+    spec = spec_with(prefill={"volumes": [{"name": "models", "hostPath": {"path": "/data/models"}},
+                                          {"name": "scratch", "emptyDir": {}}],
+                              "volumeMounts": [{"name": "models", "mountPath": "/models", "readOnly": False},
+                                               {"name": "scratch", "mountPath": "/scratch"}]})
+    sts = by_kind_name(builders.desired_children("llm", "ns", "u", spec))[("StatefulSet", "llm-prefill")]
+    mounts = {m["mountPath"]: m for m in sts["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]}
+    assert mounts["/models"]["readOnly"] is True
+    assert "readOnly" not in mounts["/scratch"]
+
+
 def test_a_mount_over_an_ascend_host_path_is_refused():
     spec = spec_with(backend="llm-datadist", decoder={"volumes": [{"name": "x", "emptyDir": {}}],
                                                       "volumeMounts": [{"name": "x", "mountPath": "/etc/hccn.conf"}]})
@@ -191,11 +203,16 @@ def test_admission_names_the_field_for_what_the_operator_owns(group):
     r = rules[f"{f}.env[].name: names starting with LLM_DATADIST_ or PD_ are set by the operator and cannot be "
               "overridden"]
     assert "startsWith('PD_')" in r["rule"] and "startsWith('LLM_DATADIST_')" in r["rule"]
-    r = rules[f"{f}.volumes[].name: tmp, podinfo and ascend-* are the operator's volumes and cannot be used"]
+    r = rules[f"{f}.volumes[].name: tmp, podinfo, mindie-rank-table and ascend-* are the operator's volumes and "
+              "cannot be used"]
     assert r["fieldPath"] == ".volumes" and "v.name.startsWith('ascend-')" in r["rule"]
-    r = rules[f"{f}.volumeMounts[].mountPath: /tmp and /etc/pd-podinfo are mounted by the operator and cannot be "
-              "used"]
-    assert all(f"'{p}'" in r["rule"] for p in OPERATOR_MOUNT_PATHS) and r["fieldPath"] == ".volumeMounts"
+    r = rules[f"{f}.volumeMounts[].mountPath: /tmp, /etc/pd-podinfo, /etc/pd-mindie and what is under them are "
+              "mounted by the operator and cannot be used"]
+    assert all(f"m.mountPath.startsWith('{p}/')" in r["rule"] for p in OPERATOR_MOUNT_PATHS)
+    assert r["fieldPath"] == ".volumeMounts"
+    for where, ref in ((".env", "e.valueFrom.secretKeyRef.name"), (".volumes", "v.secret.secretName")):
+        r = next(r for m, r in rules.items() if "agent token Secrets" in m and r["fieldPath"] == where)
+        assert f"{ref}.endsWith(s)" in r["rule"] and "'-agent-data-token'" in r["rule"], r
     assert f"{f}.volumeMounts[].name must name one of {f}.volumes[]" in rules
     assert f"{f}.volumes[].hostPath.path may not contain . or .. segments" in rules
     # the container's name, ports, probes and labels are not fields at all
