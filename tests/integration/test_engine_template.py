@@ -27,13 +27,24 @@ pytestmark = pytest.mark.integration
 TOLERATION = {"key": "huawei.com/Ascend910", "operator": "Exists", "effect": "NoSchedule"}
 
 
-def weights_volume(cluster: Cluster, ns: str, tmp_path: Path, claim: str, bind: bool = True) -> Path:
+@pytest.fixture
+def volumes(cluster: Cluster):
+    """The PersistentVolumes a test made (cluster-scoped: the namespace's deletion leaves them)."""
+    made: list[str] = []
+    yield made
+    for pv in made:
+        cluster.kubectl("delete", "pv", pv, "--ignore-not-found", "--wait=false", check=False)
+
+
+def weights_volume(cluster: Cluster, ns: str, tmp_path: Path, claim: str, made: list[str],
+                   bind: bool = True) -> Path:
     """A statically provisioned PersistentVolume (a directory of this machine) and its claim."""
     store = tmp_path / f"store-{claim}"
     store.mkdir()
     (store / "weights.txt").write_text("seeded weights\n")
     pv = f"pv-{uuid.uuid4().hex[:8]}"
     if bind:
+        made.append(pv)
         cluster.apply({"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
                        "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"],
                                 "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "",
@@ -69,10 +80,10 @@ def secrets(cluster: Cluster, ns: str) -> None:
 
 
 def test_an_engine_with_weights_on_a_claim_shm_a_pull_secret_and_its_own_command_serves(
-        cluster: Cluster, namespace: str, operator, tmp_path: Path) -> None:
+        cluster: Cluster, namespace: str, operator, tmp_path: Path, volumes: list[str]) -> None:
     ns = namespace
     secrets(cluster, ns)
-    weights_volume(cluster, ns, tmp_path, "weights")
+    weights_volume(cluster, ns, tmp_path, "weights", volumes)
     keys_secret(cluster, ns, **{"team-a": KEY})
     doc = reference_doc(1, 1)
     for g in ("prefill", "decoder"):
@@ -106,10 +117,10 @@ def test_an_engine_with_weights_on_a_claim_shm_a_pull_secret_and_its_own_command
 
 
 def test_an_unbound_claim_keeps_the_pods_from_starting_and_says_so(
-        cluster: Cluster, namespace: str, operator, tmp_path: Path) -> None:
+        cluster: Cluster, namespace: str, operator, tmp_path: Path, volumes: list[str]) -> None:
     ns = namespace
     secrets(cluster, ns)
-    weights_volume(cluster, ns, tmp_path, "nothing-bound", bind=False)
+    weights_volume(cluster, ns, tmp_path, "nothing-bound", volumes, bind=False)
     doc = reference_doc(1, 1)
     doc["spec"].pop("gateway")
     for g in ("prefill", "decoder"):
