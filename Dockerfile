@@ -1,5 +1,6 @@
-# The three images, one target each: pd-operator, pd-sim-agent (the in-pod agent with the
-# llm_datadist simulator) and pd-gateway (the OpenAI- and Anthropic-compatible entry).
+# The images, one target each: pd-operator, pd-sim-agent (the in-pod agent with the llm_datadist
+# simulator), pd-gateway (the OpenAI- and Anthropic-compatible entry) and pd-reference-engine (the
+# reference engine as an inference server beside the agent, spec.engine).
 # `make images` (hack/images/build.sh) builds the wheels on the host first, then:
 #   docker build --build-arg BASE=<base> --target pd-operator -t <registry>/pd-operator:<version> .
 # BASE defaults to the official python image pinned by digest; where no registry is reachable,
@@ -29,6 +30,11 @@ ENTRYPOINT ["/opt/pd/bin/python", "-m", "pd_operator"]
 FROM runtime AS pd-gateway
 EXPOSE 8000
 ENTRYPOINT ["/opt/pd/bin/python", "-m", "pd_gateway"]
+
+# the reference engine as an ordinary inference server (spec.engine): one process per rank, each
+# calling pd_engine.rank.serve_rank; the pod's agent runs beside it from pd-sim-agent
+FROM runtime AS pd-reference-engine
+ENTRYPOINT ["/opt/pd/bin/python", "-m", "pd_engine.reference_server"]
 
 # last, so a plain `docker build .` gives the agent
 FROM runtime AS pd-sim-agent

@@ -31,22 +31,28 @@ import httpx
 
 from pd_agent.core import AgentCore, AgentError
 from pd_agent.identity import Identity, import_backend
+from pd_contract import agent_api as api
 from pd_contract.agent_api import Load
 
 from .adapter import (
     CacheHandle,
     DecodeRequest,
     EngineAdapter,
+    NotLinked,
     PrefillRequest,
     PrefillResult,
+    PullTarget,
     Rank,
+    Sampling,
     SwitchRefused,
     check_layout,
+    pull,
     serve_decode,
 )
 
 log = logging.getLogger("pd_engine")
 DEFAULT_AGENT_URL = "http://127.0.0.1:8080"
+HELD_TTL_S = 60.0   # a pulled shard whose decode never came is freed after this
 
 
 class AgentClient:
@@ -85,29 +91,180 @@ class AgentClient:
 
 
 class _AdapterServing:
-    """Stands where the agent core keeps its serving (`core.inference`): the load figures come from
-    the adapter; requests are served by the inference server's own API, not the agent's."""
+    """Stands where the agent core keeps its serving (`core.inference`): the agent API's
+    `/v1/prefill`, `/v1/pull` and `/v1/decode` (what pd-gateway and the pod's agent send) are
+    served by the adapter, and its load figures are the core's. An adapter over the reference model
+    (`reference`, as `ReferenceAdapter` has) also lets the content probe compare the real KV."""
 
-    def __init__(self, adapter: EngineAdapter):
+    def __init__(self, core: AgentCore, adapter: EngineAdapter, rank: Rank):
+        self.core = core
         self.adapter = adapter
+        self.rank = rank
+        self.ref = getattr(adapter, "reference", None)
         self.in_flight = 0
         self.responding = 0
+        self.held: dict[int, tuple[float, CacheHandle, PullTarget]] = {}   # pulled on this rank, for its decode
 
     def load(self) -> Load:
         f = self.adapter.load()
-        return Load(queue_depth=f.queue_depth, running=f.running, in_flight=f.running,
-                    kv_capacity_bytes=f.kv_capacity_bytes)
+        return Load(queue_depth=f.queue_depth, running=f.running, in_flight=max(f.running, self.in_flight),
+                    kv_capacity_bytes=f.kv_capacity_bytes, kv_used_bytes=f.kv_used_bytes)
 
     def start(self) -> None:
         return None
 
     async def stop(self) -> None:
-        return None
+        for _, _, target in self.held.values():
+            self._free(target)
+        self.held.clear()
 
-    def _not_here(self, *_: Any, **__: Any) -> Any:
-        raise AgentError("NOT_SERVED", "this rank's requests are served by its inference server's own API", 501)
+    def _admit(self, role: str, admitted: bool) -> None:
+        if self.core.draining and not admitted:
+            raise AgentError("DRAINING", f"{self.core.id.pod} is draining; send the request elsewhere", 503)
+        self.core._require(role, "prefill" if role == "prompt" else "decode")
 
-    prefill = decode = pull = take_held = _not_here
+    def _free(self, target: PullTarget) -> None:
+        if target.owned:
+            self.core.engine.kv_cache_manager.deallocate_cache(target.cache)
+
+    @staticmethod
+    def _sampling(s: Any) -> Sampling:
+        return Sampling(s.temperature, s.top_p, s.seed) if s is not None else Sampling()
+
+    async def prefill(self, req: api.PrefillRequest) -> api.PrefillResponse:
+        self._admit("prompt", req.admitted)
+        if req.token_ids is None:
+            raise AgentError("LLM_PARAM_INVALID", "this engine computes its prompts: send token_ids", 400)
+        self.in_flight += 1
+        t0 = time.monotonic()
+        try:
+            out = await asyncio.to_thread(self.adapter.prefill, PrefillRequest(
+                req.req_id, tuple(req.token_ids), self._sampling(req.sampling)))
+        except ValueError as e:
+            raise AgentError("LLM_PARAM_INVALID", f"the engine refused the prompt: {e}", 400) from e
+        finally:
+            self.in_flight -= 1
+        self.core.cache_ready(req.req_id)      # counted as pending until a decoder pulls it
+        self.core.meter.arrived(len(req.token_ids))
+        return api.PrefillResponse(prompt_cluster_id=out.handle.cluster_id, req_id=req.req_id,
+                                   model_id=out.handle.model_id, queue_ms=0.0,
+                                   prefill_ms=(time.monotonic() - t0) * 1000, first_token=out.first_token)
+
+    def _handle(self, req: api.DecodeRequest | api.PullRequest) -> CacheHandle:
+        return CacheHandle(req.prompt_cluster_id, req.req_id, self.core.id.model_id, req.prompt_tokens)
+
+    async def _pull(self, req: api.DecodeRequest | api.PullRequest) -> tuple[CacheHandle, PullTarget, float]:
+        """The handle's KV pulled over the operator's link into a target of the adapter's."""
+        handle = self._handle(req)
+        t0 = time.monotonic()
+        try:
+            target = await asyncio.to_thread(self.adapter.pull_target, handle)
+        except ValueError as e:
+            raise AgentError("LLM_PARAM_INVALID", f"the engine refused the decode: {e}", 400) from e
+        llm = self.core.llm
+        try:
+            await asyncio.to_thread(pull, self.rank, handle, target)
+        except NotLinked as e:
+            self._free(target)
+            raise AgentError("NOT_LINKED", f"{e}; nothing was pulled", 503) from e
+        except llm.LLMException as e:
+            self._free(target)
+            code = getattr(e.status_code, "name", str(e.status_code))
+            self.core.note_link(req.prompt_cluster_id, code)
+            raise AgentError(code, str(e), 502) from e
+        except BaseException:
+            self._free(target)
+            raise
+        self.core.note_link(req.prompt_cluster_id, "LLM_SUCCESS")
+        peer = self.core.peers.get(req.prompt_cluster_id)
+        if self.core.notifier and peer is not None and peer.agent_url:
+            self.core.notifier.pulled(peer.agent_url, req.req_id)
+        return handle, target, (time.monotonic() - t0) * 1000
+
+    async def pull(self, req: api.PullRequest) -> api.PullResponse:
+        """A rank of a multi-rank decoder: pull this rank's shard; the decode (rank 0) follows."""
+        self._admit("decoder", req.admitted)
+        self.in_flight += 1
+        try:
+            handle, target, ms = await self._pull(req)
+            if self.rank.rank != 0:
+                # the pod's rank 0 decodes (an MLA rank holds the whole latent): this shard arrived,
+                # which is what the first token waits for; nothing here reads it again
+                await asyncio.to_thread(self._free, target)
+                return api.PullResponse(pull_ms=ms)
+            now = time.monotonic()
+            for k, (at, _, old) in list(self.held.items()):
+                if now - at > HELD_TTL_S:
+                    self._free(old)
+                    del self.held[k]
+            self.held[req.req_id] = (now, handle, target)
+            return api.PullResponse(pull_ms=ms)
+        finally:
+            self.in_flight -= 1
+
+    async def decode(self, req: api.DecodeRequest, out: asyncio.Queue | None = None) -> api.DecodeResponse:
+        self._admit("decoder", req.admitted)
+        if req.first_token is None:
+            raise AgentError("LLM_PARAM_INVALID", "the decode continues from the prefill's first token: send "
+                             "first_token (the prefill's answer has it)", 400)
+        self.in_flight += 1
+        t0 = time.monotonic()
+        try:
+            if req.kv_pulled_ms is not None:   # the pod's agent had every rank pull already
+                got = self.held.pop(req.req_id, None)
+                if got is None:
+                    raise AgentError("KV_NOT_HELD", f"rank {self.core.id.rank} holds no pulled KV for req_id "
+                                     f"{req.req_id}", 502)
+                handle, target, pull_ms = got[1], got[2], req.kv_pulled_ms
+            else:
+                handle, target, pull_ms = await self._pull(req)
+            try:
+                tokens = await asyncio.to_thread(self.adapter.decode, handle, target, DecodeRequest(
+                    req.first_token, req.output_tokens, self._sampling(req.sampling)))
+            except ValueError as e:
+                raise AgentError("LLM_PARAM_INVALID", f"the engine refused the decode: {e}", 400) from e
+            ms = (time.monotonic() - t0) * 1000
+            for i, tok in enumerate(tokens):
+                if out is not None:
+                    out.put_nowait({"token": i, "ms": round(ms, 2), "id": tok})
+            self.core.meter.completed(time.monotonic())
+            return api.DecodeResponse(tokens=len(tokens), token_ids=list(tokens), pull_ms=pull_ms,
+                                      first_token_ms=ms, tbt_ms_mean=0.0, tbt_ms_max=0.0, total_ms=ms)
+        finally:
+            self.in_flight -= 1
+
+    def take_held(self, req_id: int) -> bytes:
+        raise AgentError("KV_NOT_HELD", "an adapter's ranks decode from their own pulled KV (each rank "
+                         "continues on its own shard): nothing is gathered", 404)
+
+
+def rank_env_for(env: Mapping[str, str], rank: int, tensor_parallel: int | None = None,
+                 wait_s: float = 120.0) -> dict[str, str]:
+    """Rank `rank`'s identity env, from the pod's (what the operator injects in the engine container):
+    its cluster id, device IP and port from the device plugin's annotation (re-read until it names
+    every rank, at most `wait_s`: the annotation may come after the container starts) or the pod IP,
+    and where it registers. An env that already names its rank (PD_RANK) is returned as it is."""
+    if env.get("PD_RANK"):
+        return dict(env)
+    from pd_agent.devices import DeviceError, resolve_env
+    from pd_agent.front import rank_env
+    tp = tensor_parallel or int(env.get("PD_TENSOR_PARALLEL") or 1)
+    if not 0 <= rank < tp:
+        raise ValueError(f"rank {rank} of a pod with tensor parallel {tp}")
+    pod = {**env, "PD_TENSOR_PARALLEL": str(tp)}
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            devices = resolve_env(pod)
+            problem = "" if devices.complete else devices.error
+        except DeviceError as e:
+            problem = str(e)
+        if not problem:
+            return rank_env(pod, devices, rank, AgentClient(env).register_url)
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"rank {rank}: no device IP after {wait_s:.0f}s: {problem}")
+        log.warning("rank %d: %s; re-reading in 1s", rank, problem)
+        time.sleep(1.0)
 
 
 def open_rank(identity_env: Mapping[str, str] | None = None, llm: Any = None) -> tuple[Identity, Rank, AgentCore]:
@@ -221,7 +378,7 @@ def serve_rank(adapter: EngineAdapter, identity_env: Mapping[str, str] | None = 
         check_layout(layout, identity.cache_desc)
         core.before_switch.append(_hook(adapter.before_switch))
         core.after_switch.append(_hook(adapter.after_switch))
-        core.inference = _AdapterServing(adapter)  # type: ignore[assignment]  # duck-typed: load() and counters
+        core.inference = _AdapterServing(core, adapter, rank)  # type: ignore[assignment]  # duck-typed: the agent API's serving calls
         url = server.start_api(host, port)
         (agent or AgentClient(identity_env, identity.token)).register(identity.rank, url, core.boot_id)
     except BaseException:

@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from .adapter import BlockInfo, KVLayout, NotLinked, Rank, check_layout
-from .rank import AgentClient, RankServer, open_rank
+from .rank import AgentClient, RankServer, open_rank, rank_env_for
 
 try:  # vLLM's own base class when vllm is installed
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[import-not-found]
@@ -228,16 +228,13 @@ class PDOperatorConnector(KVConnectorBase_V1):
     def _rank_env(self) -> dict[str, str]:
         if self.env.get("PD_RANK"):
             return self.env
-        from pd_agent.devices import resolve_env
-        from pd_agent.front import rank_env
         r = self._tp_rank
         if r is None:
             r = 0
             if VLLM:
                 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank  # type: ignore
                 r = get_tensor_model_parallel_rank()
-        env = {**self.env, "PD_TENSOR_PARALLEL": str(self.tp)}
-        return rank_env(env, resolve_env(env), r, AgentClient(self.env).register_url)
+        return rank_env_for(self.env, r, self.tp)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]):
         views: list[np.ndarray] = []

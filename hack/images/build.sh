@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `make images`: build pd-operator, pd-sim-agent and pd-gateway with Docker. Wheels are built on
+# `make images`: build pd-operator, pd-sim-agent, pd-gateway and pd-reference-engine with Docker. Wheels are built on
 # the host (pip's cache and index) and installed offline in the image, so no image step needs
 # the network or this machine's CA bundle. Tags match the chart's (the project's version).
 set -euo pipefail
@@ -19,7 +19,7 @@ echo "[images] building wheels"
 "$PY" -m pip wheel -q --wheel-dir build/wheels . >/dev/null
 
 REV=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
-for name in pd-operator pd-sim-agent pd-gateway; do
+for name in pd-operator pd-sim-agent pd-gateway pd-reference-engine; do
   echo "[images] $REGISTRY/$name:$VERSION"
   if ! docker build -q --network host --target "$name" --build-arg "BASE=$BASE" \
       --label "org.opencontainers.image.source=https://github.com/pd-operator/pd-operator" \
@@ -30,4 +30,4 @@ for name in pd-operator pd-sim-agent pd-gateway; do
   fi
 done
 echo "[images] built in $(( $(date +%s) - T0 )) s:"
-docker image ls --format '  {{.Repository}}:{{.Tag}}  {{.Size}}' | grep -E "$REGISTRY/pd-(operator|sim-agent|gateway):$VERSION"
+docker image ls --format '  {{.Repository}}:{{.Tag}}  {{.Size}}' | grep -E "$REGISTRY/pd-(operator|sim-agent|gateway|reference-engine):$VERSION"

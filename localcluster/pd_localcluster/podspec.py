@@ -12,6 +12,7 @@ from typing import Any
 # Repository suffix -> entrypoint. Images stand for our Python entry points on this machine.
 IMAGE_ENTRYPOINTS: dict[str, list[str]] = {
     "pd-sim-agent": ["{python}", "-m", "pd_agent"],
+    "pd-reference-engine": ["{python}", "-m", "pd_engine.reference_server"],
     "pd-operator": ["{python}", "-m", "pd_operator"],
     "pd-gateway": ["{python}", "-m", "pd_gateway"],
 }

@@ -275,7 +275,8 @@ class Group(Model):
         json_schema_extra={"items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}})
     command: list[Annotated[str, Field(max_length=4096)]] | None = Field(
         default=None, max_length=64, description="the engine container's command (default: the image's "
-                                                 "entrypoint); it must start the pd agent, which starts the engine")
+                                                 "entrypoint); without spec.engine it must start the pd agent, "
+                                                 "which starts the engine")
     args: list[Annotated[str, Field(max_length=4096)]] | None = Field(
         default=None, max_length=256, description="the engine container's arguments")
     volumes: list[Volume] | None = Field(default=None, max_length=32, json_schema_extra=_map_list("name"),
@@ -519,6 +520,21 @@ class MindIE(Model):
                           description="the MindIE server's base URL as the agent in the pod reaches it")
 
 
+class Engine(Model):
+    """An inference server of your own beside the pod's agent: container `engine` in every engine pod."""
+    # The agent container (spec.image) keeps what the operator owns (identity, ports, probes, the
+    # token); the engine container takes the group's command, args, env, mounts and resources and
+    # gets the identity env, and its rank processes register with the agent (docs/engines.md).
+    image: str = Field(min_length=1, max_length=1024, pattern=r"^\S+$", description="the inference server's image")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
+        default=None, description="default spec.imagePullPolicy")
+    adapter: Literal["EngineAdapter", "vLLM"] = Field(
+        default="EngineAdapter",
+        description="EngineAdapter: each rank process calls pd_engine.rank.serve_rank; vLLM: vLLM(-Ascend) with "
+                    "pd_engine's KV connector, the operator adds --tensor-parallel-size, --kv-transfer-config and "
+                    "the Ascend env unless the args already have them")
+
+
 class PDDeploymentSpec(Model):
     model_config = ConfigDict(json_schema_extra=rules(
         ("!has(self.rebalance) || self.rebalance.minPrefill + self.rebalance.minDecoder <= "
@@ -598,6 +614,8 @@ class PDDeploymentSpec(Model):
     sim: Sim | None = None
     gateway: GatewaySpec | None = None
     mindie: MindIE | None = None
+    engine: Engine | None = Field(default=None, description="run your inference server's image beside the agent "
+                                  "(the groups' command, args, env, mounts and resources then apply to it)")
 
     def group_sizes(self, decided: dict | None = None) -> dict[str, int]:
         """The StatefulSets' sizes: the groups' replicas, or spec.replicas spread over them; with

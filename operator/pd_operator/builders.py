@@ -22,6 +22,7 @@ from pd_contract.names import (  # noqa: F401 (re-exported: the operator's modul
     PODINFO_ASCEND,
     PODINFO_DIR,
 )
+from pd_contract.vllm import render_vllm_args
 
 from .api import Ascend, Group, PDDeploymentSpec
 from .cachedesc import DerivedCache, derive
@@ -135,7 +136,7 @@ TOKEN_DIGEST_ENV = {"control": "PD_AGENT_TOKEN_SHA256", "data": "PD_AGENT_DATA_T
 
 
 def _env(name: str, spec: PDDeploymentSpec, group: str, resource: str = NPU_RESOURCE,
-         token_digests: dict[str, str] | None = None) -> list[dict]:
+         token_digests: dict[str, str] | None = None, user: bool = True) -> list[dict]:
     field = lambda path: {"valueFrom": {"fieldRef": {"fieldPath": path}}}  # noqa: E731
     env: list[dict] = [
         {"name": "POD_NAME", **field("metadata.name")},
@@ -186,7 +187,7 @@ def _env(name: str, spec: PDDeploymentSpec, group: str, resource: str = NPU_RESO
         env.append({"name": "PD_SIM_MEMORY_SCALE", "value": str(scale)})
         env += sim_env(spec)
     g = spec.prefill if group == "prefill" else spec.decoder
-    return env + user_env(g)
+    return env + (user_env(g) if user else [])
 
 
 def user_env(g: Group) -> list[dict]:
@@ -256,6 +257,55 @@ def reference_profile(spec: PDDeploymentSpec) -> dict:
     return out
 
 
+# the agent beside an inference server only relays: the engine container gets the group's resources
+AGENT_BESIDE_RESOURCES = {"requests": {"cpu": "100m", "memory": "128Mi", "ephemeral-storage": "64Mi"},
+                          "limits": {"cpu": "1", "memory": "512Mi", "ephemeral-storage": "256Mi"}}
+
+
+def engine_container(name: str, spec: PDDeploymentSpec, group: str, resource: str,
+                     token_digests: dict[str, str] | None, user: dict, mounts: list[dict],
+                     resources: dict | None) -> dict:
+    """spec.engine's container: the inference server's image with the group's command, args, env and
+    mounts, the identity env the agent has (its rank processes read their identity from it and
+    register with the agent at PD_AGENT_URL) and the group's resources (the NPUs are its). For
+    adapter vLLM, the arguments and env that load pd_engine's KV connector (pd_contract.vllm)."""
+    assert spec.engine is not None
+    e = spec.engine
+    env = _env(name, spec, group, resource, token_digests, user=False)
+    # $(LLM_DATADIST_IP) is the pod IP (defined above it): the agent listens there
+    env.append({"name": "PD_AGENT_URL", "value": f"http://$(LLM_DATADIST_IP):{AGENT_PORT}"})
+    args = list(user.get("args") or [])
+    if e.adapter == "vLLM":
+        given = list(user.get("command") or []) + args
+        vargs, venv = render_vllm_args(tensor_parallel=spec.tp(group), host_ip="$(LLM_DATADIST_IP)")
+        for flag, value in zip(vargs[::2], vargs[1::2]):
+            if not any(a == flag or a.startswith(flag + "=") for a in given):
+                args += [flag, value]
+        env += [{"name": k, "value": v} for k, v in venv.items() if k != "PD_RANKS_EXTERNAL"]
+    g = spec.prefill if group == "prefill" else spec.decoder
+    env += user_env(g)
+    c: dict = {"name": "engine", "image": e.image, "imagePullPolicy": e.image_pull_policy or spec.image_pull_policy,
+               "env": env}
+    if user.get("command"):
+        c["command"] = list(user["command"])
+    if args:
+        c["args"] = args
+    c["volumeMounts"] = list(mounts) + list(user.get("volumeMounts") or [])
+    if resources:
+        c["resources"] = resources
+    return c
+
+
+def unique_by_name(items: list[dict]) -> list[dict]:
+    seen: set[str] = set()
+    out = []
+    for i in items:
+        if i["name"] not in seen:
+            seen.add(i["name"])
+            out.append(i)
+    return out
+
+
 def termination_grace_seconds(spec: PDDeploymentSpec) -> int:
     """The agent drains for at most drainTimeoutSeconds after SIGTERM; the rest is shutdown."""
     return spec.drain_timeout_seconds + TERMINATION_MARGIN_S
@@ -315,11 +365,13 @@ def statefulset(name: str, namespace: str, spec: PDDeploymentSpec, group: str, o
         volumes, mounts = volumes + [vol], mounts + [mount]
     mindie_env, mindie_volumes, mindie_mounts = mindie_pod_patch(spec, name)   # spec.mindie: ranktable.py
     volumes, mounts = volumes + mindie_volumes, mounts + mindie_mounts
+    beside = spec.engine is not None    # the inference server runs in a container of its own
     container: dict = {
         "name": "agent",
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
-        "env": _env(name, spec, group, resource, token_digests) + mindie_env,
+        "env": _env(name, spec, group, resource, token_digests, user=not beside) + mindie_env
+        + ([{"name": "PD_RANKS_EXTERNAL", "value": "1"}] if beside else []),
         "ports": [{"name": "http", "containerPort": AGENT_PORT, "protocol": "TCP"},
                   {"name": "datadist", "containerPort": spec.datadist.port, "protocol": "TCP"},
                   {"name": "metrics", "containerPort": AGENT_METRICS_PORT, "protocol": "TCP"}],
@@ -330,26 +382,34 @@ def statefulset(name: str, namespace: str, spec: PDDeploymentSpec, group: str, o
         "livenessProbe": liveness_probe(path=None),
     }
     resources = _resources(spec, group, resource, config)
-    if resources:
-        container["resources"] = resources
     user_container, user_pod = user_pod_fields(g)
-    # a command of the spec's own (it starts the agent, which starts the engine) and its mounts
-    container.update({k: v for k, v in user_container.items() if k in ("command", "args")})
-    mounts = mounts + user_container.get("volumeMounts", [])
     volumes = volumes + user_pod.pop("volumes", [])
+    engine: dict | None = None
+    if beside:
+        engine = engine_container(name, spec, group, resource, token_digests, user_container, mounts, resources)
+        container["resources"] = AGENT_BESIDE_RESOURCES
+    else:
+        if resources:
+            container["resources"] = resources
+        # a command of the spec's own (it starts the agent, which starts the engine) and its mounts
+        container.update({k: v for k, v in user_container.items() if k in ("command", "args")})
+        mounts = mounts + user_container.get("volumeMounts", [])
     if mounts:
         container["volumeMounts"] = mounts
     # engines never call the API server: no ServiceAccount token in them
-    pod_spec: dict = {"containers": [container], "terminationGracePeriodSeconds": termination_grace_seconds(spec),
+    containers = [container] + ([engine] if engine is not None else [])
+    pod_spec: dict = {"containers": containers, "terminationGracePeriodSeconds": termination_grace_seconds(spec),
                       "enableServiceLinks": False, "automountServiceAccountToken": False}
     if volumes:
         pod_spec["volumes"] = volumes
-    if spec.backend == "llm-datadist":
-        harden(pod_spec, container, non_root=False, user=config.engine_user, group=config.engine_group)
-    else:
-        harden(pod_spec, container)
+    for c in containers:
+        if spec.backend == "llm-datadist":
+            harden(pod_spec, c, non_root=False, user=config.engine_user, group=config.engine_group)
+        else:
+            harden(pod_spec, c)
+    pod_spec["volumes"] = unique_by_name(pod_spec["volumes"])   # harden adds /tmp's emptyDir per container
     if not g.read_only_root_filesystem:   # the opt-out: a writable root, the rest of the hardening stays
-        container["securityContext"]["readOnlyRootFilesystem"] = False
+        containers[-1]["securityContext"]["readOnlyRootFilesystem"] = False
     pod_spec.update(user_pod)
     # one node's failure must not take a whole group: spread it (soft, so a small cluster still fits)
     pod_spec["topologySpreadConstraints"] = g.topology_spread_constraints or [

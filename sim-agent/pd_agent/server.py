@@ -513,7 +513,8 @@ def main(argv: list[str] | None = None) -> None:
         # a rank process: its API on a local port, registered with the pod's agent
         _die_with_parent()
         asyncio.run(_serve(identity, os.environ.get("PD_LOCAL_POD_IP") or "127.0.0.1", 0, rank=rank))
-    elif tp > 1:
+    elif tp > 1 or os.environ.get("PD_RANKS_EXTERNAL", "").lower() in ("1", "true", "yes"):
+        # several ranks, or an inference server beside this agent starts its own: the pod's agent
         from .front import serve_front
         asyncio.run(serve_front(identity, tp, args.host, args.port or identity.agent_port))
     else:

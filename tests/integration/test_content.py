@@ -69,7 +69,7 @@ def prompts(n: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 40))) + "?" for _ in range(n)]
 
 
-def gateway_url(cluster: Cluster, ns: str) -> str:
+def gateway_url(cluster: Cluster, ns: str, decoders: int = 2) -> str:
     def ready() -> str | None:
         pods = cluster.get_json("pods", "-n", ns, "-l", "pdoperator.io/gateway=sim-small")["items"]
         p = next((p for p in pods if not p["metadata"].get("deletionTimestamp") and any(
@@ -77,7 +77,7 @@ def gateway_url(cluster: Cluster, ns: str) -> str:
         return p and f"http://{p['status']['podIP']}:8000"
     url = wait_for("the gateway Ready", ready, timeout=90)
     wait_for("the gateway sees the fleet", lambda: httpx.get(f"{url}/healthz", trust_env=False).json()[
-        "decoders"] >= 2, timeout=60)
+        "decoders"] >= decoders, timeout=60)
     return url
 
 

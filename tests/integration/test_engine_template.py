@@ -14,6 +14,7 @@ from tests.conftest import Cluster
 from tests.integration.conftest import condition, events, keys_secret, wait_phase
 from tests.integration.test_content import (
     KEY,
+    NPU,
     Checker,
     assert_all_match,
     gateway_url,
@@ -114,6 +115,49 @@ def test_an_engine_with_weights_on_a_claim_shm_a_pull_secret_and_its_own_command
     # serves: completions through pd-gateway equal one engine's decode
     check = Checker(gateway_url(cluster, ns), one_engine(doc))
     assert_all_match(check.run(prompts(12, seed=5), workers=4))
+
+
+def test_an_inference_server_image_beside_the_agent_links_verifies_and_serves(
+        cluster: Cluster, namespace: str, operator, tmp_path: Path, volumes: list[str]) -> None:
+    """spec.engine: the reference engine packaged as an ordinary inference server (its ranks call
+    serve_rank and know nothing else of pd-operator) runs in container `engine` beside the agent,
+    with the weights claim, shm, pull secret, toleration and a command of its own; MLA at TP 2, so
+    its two rank processes register with the agent, are linked rank to rank and verified by content."""
+    ns = namespace
+    secrets(cluster, ns)
+    weights_volume(cluster, ns, tmp_path, "weights", volumes)
+    keys_secret(cluster, ns, **{"team-a": KEY})
+    doc = reference_doc(2, 2, attention="MLA")
+    doc["spec"]["engine"] = {"image": "registry.example.com/pd/pd-reference-engine:0.1"}
+    for g in ("prefill", "decoder"):
+        tpl = open_template("weights")
+        tpl.pop("priorityClassName")
+        tpl["command"] = ["python3", "-m", "pd_engine.reference_server", "--tensor-parallel", "2"]
+        doc["spec"][g].update(tpl, replicas=1)
+    cluster.apply(doc, ns)
+    wait_phase(cluster, ns, "Ready", timeout=240, extra=lambda o: o["status"]["linksSummary"] == "2/2"
+               and condition(o, "KVContentMismatch").get("status") == "False"
+               and condition(o, "KVPathVerified").get("status") == "True")
+
+    spec = cluster.get_json("pod", "sim-small-decoder-0", "-n", ns)["spec"]
+    agent, engine = spec["containers"]
+    assert (agent["name"], engine["name"]) == ("agent", "engine")
+    assert engine["image"].endswith("/pd-reference-engine:0.1") and engine["command"][2] == "pd_engine.reference_server"
+    assert "command" not in agent and {"name": "PD_RANKS_EXTERNAL", "value": "1"} in agent["env"]
+    # the group's env, mounts and NPUs are the engine's; the agent keeps the operator's
+    assert any(e["name"] == "ENGINE_API_KEY" for e in engine["env"])
+    assert not any(e["name"] == "ENGINE_API_KEY" for e in agent["env"])
+    assert {m["mountPath"] for m in engine["volumeMounts"]} >= {"/models", "/dev/shm"}
+    assert "/models" not in {m["mountPath"] for m in agent["volumeMounts"]}
+    assert str(engine["resources"]["limits"][NPU]) == "2" and NPU not in agent["resources"]["limits"]
+    assert {"name": "registry-pull"} in spec["imagePullSecrets"] and TOLERATION in spec["tolerations"]
+    # both rank processes of each pod are the engine container's, registered with the agent
+    st = cluster.get_json("pddeployment", "sim-small", "-n", ns)["status"]
+    for m in st["members"]:
+        assert m["ranks"]["tensorParallel"] == 2 and m["ranks"]["initialized"] == 2, m
+
+    check = Checker(gateway_url(cluster, ns, decoders=1), one_engine(doc))
+    assert_all_match(check.run(prompts(12, seed=7), workers=4))
 
 
 def test_an_unbound_claim_keeps_the_pods_from_starting_and_says_so(

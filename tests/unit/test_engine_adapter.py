@@ -101,3 +101,47 @@ def test_switch_hooks_follow_the_adapter(ranks):
     p.adapter._running = 0
     p.run(p.core.switch_role("decoder"))
     assert p.rank.role == "decoder"
+
+
+def test_the_agent_api_of_an_adapter_rank_serves_prefill_and_decode(ranks):
+    """What pd-gateway and the pod's agent send (/v1/prefill, /v1/decode) reaches the adapter."""
+    import httpx
+    port = free_port()
+    p = ranks(env("prompt", 9, port))
+    d = ranks(env("decoder", 1009, free_port()))
+    d.run(d.core.link(LinkRequest(peers=[Peer(name="prompt-0", cluster_id=9, ip="127.0.0.1", port=port,
+                                                agent_url=p.url)])))
+    prompt = [791, 3938, 1917, 315, 3526]
+    auth = {"Authorization": "Bearer t"}
+    with httpx.Client(trust_env=False, timeout=30, headers=auth) as http:
+        r = http.post(f"{p.url}/v1/prefill", json={"req_id": 5, "prompt_tokens": 5, "token_ids": prompt})
+        assert r.status_code == 200, r.text
+        first = r.json()["first_token"]
+        assert r.json()["prompt_cluster_id"] == 9
+        r = http.post(f"{d.url}/v1/decode", json={"req_id": 5, "prompt_cluster_id": 9, "prompt_tokens": 5,
+                                                  "output_tokens": 6, "first_token": first})
+        assert r.status_code == 200, r.text
+        assert r.json()["token_ids"] == Model.get(Profile.from_json(PROFILE)).generate(prompt, 6, 0.0, 1.0, 0)
+        # a decode from a prefill this decoder is not linked to: NOT_LINKED, nothing pulled
+        r = http.post(f"{d.url}/v1/decode", json={"req_id": 6, "prompt_cluster_id": 77, "prompt_tokens": 5,
+                                                  "output_tokens": 2, "first_token": first})
+        assert r.status_code == 503 and r.json()["code"] == "NOT_LINKED", r.text
+        # a prefill without the prompt's tokens is the caller's error
+        r = http.post(f"{p.url}/v1/prefill", json={"req_id": 7, "prompt_tokens": 3})
+        assert r.status_code == 400 and "token_ids" in r.text
+        # the content probe compares this engine's real KV
+        v = http.post(f"{d.url}/v1/verify", json={"peer": {"name": "prompt-0", "cluster_id": 9, "ip": "127.0.0.1",
+                                                           "port": port, "agent_url": p.url}})
+        assert v.status_code == 200 and v.json()["ok"] is True, v.text
+
+
+def test_rank_env_for_gives_each_rank_its_identity():
+    from pd_engine.rank import rank_env_for
+    pod = {**env("prompt", 0, 26000), "LLM_DATADIST_CLUSTER_ID_BASE": "100", "LLM_DATADIST_POD_INDEX": "2",
+           "PD_TENSOR_PARALLEL": "4", "PD_AGENT_URL": "http://10.0.0.5:8080"}
+    pod.pop("LLM_DATADIST_CLUSTER_ID")
+    r3 = rank_env_for(pod, 3)
+    assert r3["PD_RANK"] == "3" and r3["LLM_DATADIST_CLUSTER_ID"] == str(100 + 2 * 4 + 3)
+    assert r3["PD_RANK_REGISTER_URL"] == "http://10.0.0.5:8080/v1/ranks"
+    with pytest.raises(ValueError, match="rank 4"):
+        rank_env_for(pod, 4)

@@ -237,3 +237,51 @@ def test_one_source_per_volume_and_per_env_value():
     assert "size() == 1" in src["rule"] and "secretKeyRef, configMapKeyRef, fieldRef, resourceFieldRef" in \
         src["message"]
     assert "default" not in env["properties"]["value"]   # a default would set value beside valueFrom
+
+
+def test_an_inference_server_beside_the_agent_takes_the_groups_fields():
+    """spec.engine: container `engine` runs the server's image with the group's command, env,
+    mounts and resources and the identity env; the agent keeps the operator's and waits for ranks."""
+    spec = spec_with(engine={"image": "registry.example.com/my-engine:2"},
+                     prefill={"replicas": 1, **ENGINE, "resources": {"limits": {"huawei.com/Ascend910": 1}}})
+    pod = pod_of(spec)
+    agent, engine = pod["containers"]
+    assert agent["name"] == "agent" and engine["name"] == "engine"
+    assert engine["image"] == "registry.example.com/my-engine:2" and engine["command"] == ENGINE["command"]
+    assert "command" not in agent and "args" not in agent
+    names = lambda c: [e["name"] for e in c["env"]]  # noqa: E731
+    assert "HF_TOKEN" in names(engine) and "HF_TOKEN" not in names(agent)
+    assert "PD_RANKS_EXTERNAL" in names(agent) and "PD_RANKS_EXTERNAL" not in names(engine)
+    # the identity the ranks read, and where they register (the pod IP is defined before its use)
+    for n in ("LLM_DATADIST_CLUSTER_ID_BASE", "LLM_DATADIST_CACHE_DESC", "PD_AGENT_TOKEN", "PD_AGENT_URL"):
+        assert n in names(engine)
+    assert names(engine).index("LLM_DATADIST_IP") < names(engine).index("PD_AGENT_URL")
+    assert {m["mountPath"] for m in engine["volumeMounts"]} >= {"/models", "/dev/shm", "/tmp"}
+    assert "/models" not in {m["mountPath"] for m in agent["volumeMounts"]}
+    assert engine["resources"]["limits"]["huawei.com/Ascend910"] == 1
+    assert "huawei.com/Ascend910" not in agent["resources"]["limits"]
+    # the writable-root opt-out is the engine's; the agent stays read-only
+    assert engine["securityContext"]["readOnlyRootFilesystem"] is False
+    assert agent["securityContext"]["readOnlyRootFilesystem"] is True
+    assert [v["name"] for v in pod["volumes"]].count("tmp") == 1
+
+
+def test_a_vllm_engine_gets_the_connector_arguments_unless_it_has_them():
+    import json
+    vllm = {"replicas": 1, "command": ["vllm", "serve", "/models/qwen"], "tensorParallel": 2}
+    spec = spec_with(engine={"image": "vllm-ascend:0.9", "adapter": "vLLM"},
+                     model={**SPEC["model"], "kvCache": {**SPEC["model"]["kvCache"], "numKvHeads": 8}},
+                     prefill=vllm, decoder={**vllm, "args": ["--kv-transfer-config", "{}"]})
+    p = pod_of(spec, "prefill")["containers"][1]
+    args = p["args"]
+    assert args[args.index("--tensor-parallel-size") + 1] == "2"
+    cfg = json.loads(args[args.index("--kv-transfer-config") + 1])
+    assert cfg["kv_connector_module_path"] == "pd_engine.vllm_connector" and cfg["kv_role"] == "kv_both"
+    env = {e["name"]: e.get("value") for e in p["env"]}
+    assert env["HCCL_IF_IP"] == "$(LLM_DATADIST_IP)" and env["ASCEND_RT_VISIBLE_DEVICES"] == "0,1"
+    d = pod_of(spec, "decoder")["containers"][1]
+    assert d["args"].count("--kv-transfer-config") == 1 and d["args"][:2] == ["--kv-transfer-config", "{}"]
+
+
+def test_without_spec_engine_the_pod_has_one_container():
+    assert [c["name"] for c in pod_of(spec_with(prefill={"replicas": 1, **ENGINE}))["containers"]] == ["agent"]
