@@ -34,8 +34,10 @@ def agents():
 @pytest.fixture(scope="session")
 def crd(cluster: Cluster) -> None:
     cluster.kubectl("apply", "-f", str(REPO / "crds"))
-    cluster.kubectl("wait", "--for=condition=Established", "crd/pddeployments.pdoperator.io",
-                    "crd/pdgateways.pdoperator.io", "--timeout=30s")
+    # a just-started API server may not list a CRD it just took (`wait` then exits at once): ask again
+    wait_for("the CRDs Established", lambda: cluster.kubectl(
+        "wait", "--for=condition=Established", "crd/pddeployments.pdoperator.io", "crd/pdgateways.pdoperator.io",
+        "--timeout=10s", check=False).returncode == 0, timeout=120, interval=1)
 
 
 class OperatorProc:
