@@ -254,6 +254,7 @@ class PDOperatorConnector(KVConnectorBase_V1):
                                BlockInfo(shape[0], shape[1]))
         env = self._rank_env()
         identity, rank, core = open_rank(env, self._llm)
+        core.engine_owns_blocks = True     # vLLM's blocks: the operator's probes use a cache of their own
         self.rank = rank
         self.server = RankServer(None, identity, rank, core)   # type: ignore[arg-type]  # no adapter: vLLM serves
         try:

@@ -71,6 +71,9 @@ class AgentCore:
         self.terminating = False
         self.last_error = ""
         self.blocks_cache = None                  # paged: this engine's blocks cache
+        # paged, but the blocks are the inference server's (vLLM's, through its KV connector): the
+        # core allocates none, and probes go through a cache of their own, never a live block
+        self.engine_owns_blocks = False
         self._probes: dict[int, float] = {}       # prompt: probe req_id -> created
         self.kv_pending: dict[int, float] = {}    # prompt: req_id -> prefilled at, until pulled
         self.linked_by: set[int] = set()          # prompt: decoders that told us they linked
@@ -139,7 +142,7 @@ class AgentCore:
         return self.llm.CacheDesc(d["num_tensors"], shape, getattr(self.llm.DataType, d["data_type"]))
 
     async def _ensure_blocks_cache(self) -> None:
-        if not self.paged or self.blocks_cache is not None:
+        if not self.paged or self.blocks_cache is not None or self.engine_owns_blocks:
             return
         mgr = self.engine.kv_cache_manager
         if self.role == "prompt":
@@ -313,7 +316,7 @@ class AgentCore:
             data = shard.tobytes()
             return ProbeResponse(prompt_cluster_id=self.id.cluster_id, req_id=req_id, model_id=self.id.model_id,
                                  sha256=hashlib.sha256(data).hexdigest(), bytes=len(data), content=True, seq=seq)
-        if self.paged:
+        if self.paged and self.blocks_cache is not None:
             cache = self.blocks_cache
             block = random.randrange(cache.cache_desc.shape[0])
             data = _fill(self.llm, cache, [block])
@@ -369,6 +372,10 @@ class AgentCore:
         except ValueError as e:
             return VerifyResult(ok=False, code="PEER_AGENT_ERROR",
                                 message=f"prefill agent's probe is not one: {e}", **base)
+        if probe.paged and self.blocks_cache is None:
+            return VerifyResult(ok=False, code="ENGINE_MISMATCH", message="the prefill probes a block of its own "
+                                "blocks cache, but this decoder's blocks are its inference server's: both sides "
+                                "must run the same engine (spec.engine)", **base)
         mgr = self.engine.kv_cache_manager
         t0 = time.perf_counter()
         pulled = None

@@ -144,6 +144,15 @@ def test_prefill_pull_decode_moves_the_exact_bytes(engines):
         Peer(name="prompt-0", cluster_id=11, ip="127.0.0.1", port=port, agent_url=p.server.url)])))
     assert res.ret == "LLM_SUCCESS", res
 
+    # the operator's verify: a probe cache of its own, never one of vLLM's blocks
+    import httpx
+    before = {k: v.copy() for k, v in src.items()}
+    peer = {"name": "prompt-0", "cluster_id": 11, "ip": "127.0.0.1", "port": port, "agent_url": p.server.url}
+    v = httpx.post(f"{d.server.url}/v1/verify", json={"peer": peer}, trust_env=False, timeout=30,
+                   headers={"Authorization": "Bearer control-token"})
+    assert v.status_code == 200 and v.json()["ok"] is True, v.text
+    assert all(np.array_equal(before[k], src[k]) for k in src) and not any(a.any() for a in dst.values())
+
     # prefill: the blocks of r1 are saved layer by layer, then held for the decoder
     blocks = [1, 3, 4]
     p.bind_connector_metadata(vc.PDConnectorMetadata(reqs_to_save={"r1": blocks}))
