@@ -5,6 +5,8 @@ claim that is not bound keeps the pods from being scheduled, and the deployment 
 from __future__ import annotations
 
 import json
+import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from tests.integration.test_content import (
     prompts,
     reference_doc,
 )
+from tests.integration.test_switching import REBALANCE, set_prefill, switched
 
 pytestmark = pytest.mark.integration
 
@@ -117,25 +120,28 @@ def test_an_engine_with_weights_on_a_claim_shm_a_pull_secret_and_its_own_command
     assert_all_match(check.run(prompts(12, seed=5), workers=4))
 
 
-def test_an_inference_server_image_beside_the_agent_links_verifies_and_serves(
+def test_an_inference_server_image_beside_the_agent_links_verifies_serves_and_switches_live(
         cluster: Cluster, namespace: str, operator, tmp_path: Path, volumes: list[str]) -> None:
     """spec.engine: the reference engine packaged as an ordinary inference server (its ranks call
     serve_rank and know nothing else of pd-operator) runs in container `engine` beside the agent,
     with the weights claim, shm, pull secret, toleration and a command of its own; MLA at TP 2, so
-    its two rank processes register with the agent, are linked rank to rank and verified by content."""
+    its two rank processes register with the agent, are linked rank to rank and verified by content.
+    A live switch of one of its engines (prefill -> decoder, through the adapter's switch hooks)
+    fails and changes no answer while completions are checked against one engine's."""
     ns = namespace
     secrets(cluster, ns)
     weights_volume(cluster, ns, tmp_path, "weights", volumes)
     keys_secret(cluster, ns, **{"team-a": KEY})
-    doc = reference_doc(2, 2, attention="MLA")
+    doc = reference_doc(2, 2, attention="MLA", rebalance=REBALANCE)
     doc["spec"]["engine"] = {"image": "registry.example.com/pd/pd-reference-engine:0.1"}
-    for g in ("prefill", "decoder"):
+    for g, n in (("prefill", 2), ("decoder", 1)):
         tpl = open_template("weights")
         tpl.pop("priorityClassName")
         tpl["command"] = ["python3", "-m", "pd_engine.reference_server", "--tensor-parallel", "2"]
-        doc["spec"][g].update(tpl, replicas=1)
+        doc["spec"][g].update(tpl, replicas=n)
     cluster.apply(doc, ns)
-    wait_phase(cluster, ns, "Ready", timeout=240, extra=lambda o: o["status"]["linksSummary"] == "2/2"
+    # one decoder x two prefills x two ranks
+    wait_phase(cluster, ns, "Ready", timeout=240, extra=lambda o: o["status"]["linksSummary"] == "4/4"
                and condition(o, "KVContentMismatch").get("status") == "False"
                and condition(o, "KVPathVerified").get("status") == "True")
 
@@ -158,6 +164,31 @@ def test_an_inference_server_image_beside_the_agent_links_verifies_and_serves(
 
     check = Checker(gateway_url(cluster, ns, decoders=1), one_engine(doc))
     assert_all_match(check.run(prompts(12, seed=7), workers=4))
+
+    # a live switch, completions checked all along
+    stop = threading.Event()
+    window: list[float] = []
+
+    def keep_checking() -> None:
+        i = 0
+        while not stop.is_set():
+            check.run(prompts(4, seed=2000 + i), workers=4)
+            i += 1
+    checker = threading.Thread(target=keep_checking, daemon=True)
+    checker.start()
+    time.sleep(2)
+    window.append(time.time())
+    set_prefill(cluster, ns, 1)
+    switched(cluster, ns, "decoder", None, "4/4", timeout=150)   # two decoders x one prefill x two ranks
+    window.append(time.time())
+    time.sleep(2)
+    stop.set()
+    checker.join(timeout=180)
+    c = check.summary()
+    print(f"\nthrough the switch of an engine beside the agent: {c['requests']} content checks, {c}")
+    assert c["failed"] == 0 and c["mismatched"] == 0, c
+    assert [r for r in check.results if r["sent_at"] <= window[1] and r["done_at"] >= window[0]], \
+        "no content check ran during the switch"
 
 
 def test_an_unbound_claim_keeps_the_pods_from_starting_and_says_so(
