@@ -268,7 +268,8 @@ class Group(Model):
     tensor_parallel: int | None = Field(default=None, ge=1, le=64,
                                         description="ranks per pod, one engine and one NPU each (default "
                                                     "spec.model.kvCache.tensorParallel)")
-    env: list[EnvVar] | None = Field(default=None, max_length=128, description="extra environment for the engine")
+    env: list[EnvVar] | None = Field(default=None, max_length=128, json_schema_extra=_map_list("name"),
+                                     description="extra environment for the engine (one entry per name)")
     topology_spread_constraints: list[dict[str, Any]] | None = Field(
         default=None, max_length=8, description="the pods' topologySpreadConstraints (default: spread the group "
                                                 "over nodes, kubernetes.io/hostname, maxSkew 1, ScheduleAnyway)",
