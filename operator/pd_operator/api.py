@@ -698,7 +698,10 @@ class Member(Model):
     boot_id: str | None = None
     assigned_role: str | None = Field(default=None, description="the role its engine starts in")
     links: LinkCounts | None = Field(default=None, description="decoders: links up/expected")
-    failing_links: list[PeerLink] | None = Field(default=None, description="links that are down, with the code")
+    failing_links: list[PeerLink] | None = Field(default=None, description="links that are down, with the code "
+                                                 "(the first 5; failingLinkCounts counts them all)")
+    failing_link_counts: dict[str, int] | None = Field(
+        default=None, description="when more links are down than failingLinks names: how many, per code")
     ranks: RankSummary | None = None
     last_error: str | None = Field(default=None, description="what is wrong with this member, if anything")
 

@@ -25,6 +25,11 @@ POD_PROBLEMS = {
     "CreateContainerError": "ConfigError", "RunContainerError": "CrashLoopBackOff",
 }
 MAX_LISTED = 5   # failures named in one condition message; the rest are counted
+# a member's failing links named in status (the rest counted per code in failingLinkCounts): with
+# every link down at 128P+128D TP 8 the list alone was 10 MiB, over what etcd stores, so the status
+# write failed exactly when it mattered
+MAX_FAILING_NAMED = 5
+MAX_ERROR_CHARS = 256   # a member's lastError, cut (an agent's exception text can be long)
 
 
 def pod_problem(pod: dict) -> Diagnosis | None:
@@ -80,6 +85,10 @@ def _listed(messages: list[str]) -> str:
     return shown + (f" | and {len(messages) - MAX_LISTED} more" if len(messages) > MAX_LISTED else "")
 
 
+def _cut(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
 def _members(obs: Observed, per: dict[str, tuple[int, int, list[dict]]],
              failures_by_decoder: dict[str, list[tuple[int, str]]]) -> list[dict]:
     by_pod: dict[str, Engine | Problem] = {e.pod: e for e in obs.engines}
@@ -114,9 +123,14 @@ def _members(obs: Observed, per: dict[str, tuple[int, int, list[dict]]],
                 if not any(k[0] == cid for k in failing):
                     failing[(cid, -1)] = code
             if failing:
+                named = sorted(failing.items())[:MAX_FAILING_NAMED]
                 row["failingLinks"] = [{"peer": by_cid.get(cid, str(cid)), "clusterId": cid, "code": code,
-                                        **({"rank": rank} if rank >= 0 else {})}
-                                       for (cid, rank), code in sorted(failing.items())]
+                                        **({"rank": rank} if rank >= 0 else {})} for (cid, rank), code in named]
+                if len(failing) > len(named):
+                    counts: dict[str, int] = {}
+                    for code in failing.values():
+                        counts[code] = counts.get(code, 0) + 1
+                    row["failingLinkCounts"] = dict(sorted(counts.items()))
         rep = obs.rank_reports.get(e.pod)
         if rep is not None and (rep[0] > 1 or rep[2] not in ("", "pod-ip")):
             row["ranks"] = {"tensorParallel": rep[0], "initialized": rep[1],
@@ -124,7 +138,7 @@ def _members(obs: Observed, per: dict[str, tuple[int, int, list[dict]]],
         problem = pod_problem(p)
         err = obs.agent_errors.get(e.pod)
         if err or problem:
-            row["lastError"] = err[1] if err else problem.message if problem else ""
+            row["lastError"] = _cut(err[1] if err else problem.message if problem else "")
         out.append({k: v for k, v in row.items() if v is not None})
     return out
 

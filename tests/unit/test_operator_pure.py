@@ -562,3 +562,35 @@ def test_ready_summarises_by_declared_polarity():
     assert conditions.first_unhealthy(conds)["type"] == "KVPathVerified"      # Unknown is not good
     conds[3]["status"] = "True"
     assert conditions.first_unhealthy(conds) is None, "a proxy warning does not make the deployment unready"
+
+
+def test_status_of_128_prefills_and_128_decoders_at_tp8_with_every_link_failing_stays_under_256k():
+    """The worst case: every rank link of every decoder down and every agent in error. The failing
+    links are summarised per member (counts per code, the first few named), so the status write
+    does not fail exactly when it matters (etcd refuses objects over 1.5 MiB)."""
+    import json
+
+    from pd_operator import status as status_mod
+    spec, pods, engines, reported = _fleet(128, 128)
+    spec = parse_spec({**SPEC, "model": {**SPEC["model"], "kvCache": {**SPEC["model"]["kvCache"],
+                                                                     "tensorParallel": 8, "numKvHeads": 8}},
+                       "prefill": {"replicas": 128}, "decoder": {"replicas": 128}})
+    codes = ["LLM_LINK_FAILED", "LLM_WAIT_PROCESS_TIMEOUT", "LLM_NOT_YET_LINK"]
+    for d, reports in reported.items():
+        reported[d] = [{**l, "code": "LLM_LINK_FAILED", "healthy": False,
+                        "ranks": [{"rank": r, "code": codes[(i + r) % 3], "healthy": False} for r in range(8)]}
+                       for i, l in enumerate(reports)]
+    errors = {e.pod: ("AgentUnreachable", f"agent of {e.pod} at http://{e.ip}:8080: " + "ConnectError(" * 8 + "x"
+                      * 300) for e in engines}
+    obs = Observed(generation=1, pods=pods, engines=engines, reported=reported, observed_generation=1,
+                   boot_ids={e.pod: e.boot_id for e in engines}, agent_errors=errors,
+                   rank_reports={e.pod: (8, 8, "annotation") for e in engines})
+    s = build_status(spec, obs, None)
+    size = len(json.dumps(s))
+    print(f"status of 128P+128D TP 8, every link failing: {size / 1024:.1f} KiB")
+    assert size < 256 * 1024, size
+    d0 = next(m for m in s["members"] if m["pod"] == "big-decoder-0")
+    assert len(d0["failingLinks"]) == status_mod.MAX_FAILING_NAMED
+    assert set(d0["failingLinkCounts"]) == set(codes)
+    assert sum(d0["failingLinkCounts"].values()) == 128 * 8
+    assert d0["failingLinks"][0] == {"peer": "big-prefill-0", "clusterId": 0, "code": "LLM_LINK_FAILED", "rank": 0}
