@@ -521,7 +521,7 @@ class MindIE(Model):
                           description="the MindIE server's base URL as the agent in the pod reaches it")
 
 
-class Engine(Model):
+class EngineContainer(Model):
     """An inference server of your own beside the pod's agent: container `engine` in every engine pod."""
     # The agent container (spec.image) keeps what the operator owns (identity, ports, probes, the
     # token); the engine container takes the group's command, args, env, mounts and resources and
@@ -615,8 +615,9 @@ class PDDeploymentSpec(Model):
     sim: Sim | None = None
     gateway: GatewaySpec | None = None
     mindie: MindIE | None = None
-    engine: Engine | None = Field(default=None, description="run your inference server's image beside the agent "
-                                  "(the groups' command, args, env, mounts and resources then apply to it)")
+    engine: EngineContainer | None = Field(
+        default=None, description="run your inference server's image beside the agent (the groups' command, args, "
+                                  "env, mounts and resources then apply to it)")
 
     def group_sizes(self, decided: dict | None = None) -> dict[str, int]:
         """The StatefulSets' sizes: the groups' replicas, or spec.replicas spread over them; with

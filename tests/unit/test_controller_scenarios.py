@@ -524,3 +524,11 @@ async def test_a_move_in_progress_follows_a_new_target_and_its_stopped_drains_ho
     assert a.role == "decoder" and not a.draining and not w.status.get("switches")
     assert "retryAfter" not in w.status.get("rebalance", {}), "the policy stopped it: no hold"
     assert w.condition("Rebalancing")["reason"] == "AtTarget"
+
+
+def test_resyncs_are_spread_over_deployments():
+    """Deployments that settled together do not resync together: a fixed offset per key."""
+    delays = {rc.resync_s(("ns", f"d-{i}")) for i in range(100)}
+    assert all(0.8 * rc.RESYNC_S <= d <= rc.RESYNC_S for d in delays)
+    assert len(delays) > 80 and max(delays) - min(delays) > 0.15 * rc.RESYNC_S
+    assert rc.resync_s(("ns", "d-1")) == rc.resync_s(("ns", "d-1"))
