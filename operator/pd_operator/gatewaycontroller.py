@@ -23,6 +23,7 @@ from .events import Events
 from .gateway import data_token_secret_name
 from .kube import Kube, KubeError
 from .reconcile import error_policy
+from .runtime import Runtime
 from .sharedgateway import (
     keys_state,
     objects,
@@ -44,28 +45,24 @@ class GatewayController:
     def __init__(self, kube: Kube, events: Events, config: OperatorConfig, leading: asyncio.Event):
         self.kube, self.events, self.config, self.leading = kube, events, config, leading
         self.gateways: dict[Key, dict] = {}
-        self.wake: dict[Key, asyncio.Event] = {}
-        self.tasks: dict[Key, asyncio.Task] = {}
+        self.attempts: dict[Key, int] = {}   # failed passes in a row
+        self.runtime = Runtime("pdgw", self._pass, self._failed, leading)
         self.served: dict[Key, list] = {}   # what each gateway routed at its last pass (for Events)
         self.deployment_seen: dict[Key, tuple] = {}   # PDDeployment -> what a gateway's routing reads of it
         self.token_seen: dict[Key, float] = {}        # PDDeployment -> when its data token was last seen
         self.applied: dict[Key, tuple[str, float]] = {}   # PDGateway -> (digest of its objects, when applied)
-        self.stopping = False
 
     def on_gateway(self, etype: str | None, body: dict) -> None:
         key = (body["metadata"]["namespace"], body["metadata"]["name"])
         if etype == "DELETED" or body["metadata"].get("deletionTimestamp"):
             self.gateways.pop(key, None)
             self.applied.pop(key, None)
-            task = self.tasks.pop(key, None)
-            if task:
-                task.cancel()
+            self.attempts.pop(key, None)
+            self.runtime.forget(key)
             return
         before = self.gateways.get(key)
         self.gateways[key] = body
-        if key not in self.tasks and not self.stopping:
-            self.wake[key] = asyncio.Event()
-            self.tasks[key] = asyncio.create_task(self._worker(key), name=f"pdgw/{key[0]}/{key[1]}")
+        self.runtime.ensure(key)
         if before is None or before["metadata"].get("generation") != body["metadata"].get("generation"):
             self.poke(key)
 
@@ -87,35 +84,31 @@ class GatewayController:
                 self.poke(key)
 
     def poke(self, key: Key) -> None:
-        ev = self.wake.get(key)
-        if ev:
-            ev.set()
+        self.runtime.poke(key)
+
+    async def lead(self) -> None:
+        self.runtime.poke_all()
+
+    async def follow(self) -> None:
+        """Leadership lost: passes in flight are cancelled, as the deployments' are."""
+        await self.runtime.restart()
 
     async def stop(self) -> None:
-        self.stopping = True
-        for t in self.tasks.values():
-            t.cancel()
-        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        await self.runtime.stop()
 
-    async def _worker(self, key: Key) -> None:
-        attempts = 0
-        while key in self.gateways:
-            await self.leading.wait()
-            ev = self.wake[key]
-            ev.clear()
-            try:
-                await self.reconcile(key)
-                attempts, delay = 0, RESYNC_S
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # noqa: BLE001 - reported, retried with backoff; never ends the operator
-                attempts += 1
-                delay = error_policy(e, attempts) or RESYNC_S
-                log.error("%s/%s: gateway pass failed (%s), again in %.1fs", *key, e, delay)
-            try:
-                await asyncio.wait_for(ev.wait(), delay)
-            except TimeoutError:
-                pass
+    async def _pass(self, key: Key) -> float | None:
+        await self.reconcile(key)
+        self.attempts.pop(key, None)
+        return RESYNC_S
+
+    async def _failed(self, key: Key, e: Exception) -> float | None:
+        """Retried with backoff; a terminal error (a rejected apply) waits for a change of the
+        PDGateway or of a deployment of its namespace, as a PDDeployment's waits for its spec."""
+        n = self.attempts[key] = self.attempts.get(key, 0) + 1
+        delay = error_policy(e, n)
+        log.error("%s/%s: gateway pass failed (%s), %s", *key, e,
+                  f"again in {delay:.1f}s" if delay is not None else "again on the next change")
+        return delay
 
     async def reconcile(self, key: Key) -> None:
         ns, name = key

@@ -54,7 +54,16 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None
     lease = LeaseSettings.from_env()
     if lease is not None:
         memo.controller.leading.clear()
-        memo.elector = Elector(memo.kube, lease, memo.controller.lead, memo.controller.follow)
+        controllers = (memo.controller, memo.gateways)
+
+        async def lead() -> None:
+            for c in controllers:
+                await c.lead()
+
+        async def follow() -> None:
+            for c in controllers:
+                await c.follow()
+        memo.elector = Elector(memo.kube, lease, lead, follow)
         memo.elector_task = asyncio.create_task(memo.elector.run(), name="leader-election")
     log.info("pd-operator started")
 

@@ -44,6 +44,7 @@ from .members import Problem, claimed_owner, foreign, member_of, own_statefulset
 from .metrics import OperatorMetrics
 from .objmeta import owner_reference
 from .observe import ask_always, to_ask
+from .runtime import Runtime
 from .state import Memory
 
 log = logging.getLogger("pd_operator.reconcile")
@@ -117,23 +118,28 @@ class Controller:
         self.ready_since: dict[Key, dict[str, float]] = {}   # pod -> when its watch event said Ready
         self.memory: dict[Key, Memory] = {}
         self.dirty: dict[Key, set[str]] = {}   # pods whose object changed since their agent was asked
-        self.wake: dict[Key, asyncio.Event] = {}
-        self.tasks: dict[Key, asyncio.Task] = {}
-        self.stopping = False
         # set while this process may act: always without leader election, only while it holds
         # the Lease with it (a standby keeps its caches warm and runs no pass)
         self.leading = asyncio.Event()
         self.leading.set()
+        self.runtime = Runtime("pdd", self._pass, self._failed, self.leading,
+                               timed=self.metrics.reconcile_seconds.observe)
         self.after_record = after_record   # called with the switches each recorded status holds
+
+    @property
+    def stopping(self) -> bool:
+        return self.runtime.stopping
+
+    @stopping.setter
+    def stopping(self, value: bool) -> None:
+        self.runtime.stopping = value
 
     # ---- fed by Kopf's watch events ------------------------------------------------------
     def on_deployment(self, etype: str | None, body: dict) -> None:
         key = (body["metadata"]["namespace"], body["metadata"]["name"])
         if etype == "DELETED" or body["metadata"].get("deletionTimestamp"):
             self.deployments.pop(key, None)
-            task = self.tasks.pop(key, None)
-            if task:
-                task.cancel()
+            self.runtime.forget(key)
             self.memory.pop(key, None)
             self.dirty.pop(key, None)
             self.ready_since.pop(key, None)
@@ -141,9 +147,7 @@ class Controller:
             return
         before = self.deployments.get(key)
         self.deployments[key] = body
-        if key not in self.tasks and not self.stopping:
-            self.wake[key] = asyncio.Event()
-            self.tasks[key] = asyncio.create_task(self._worker(key), name=f"pdd/{key[0]}/{key[1]}")
+        self.runtime.ensure(key)
         # Our own status writes come back as events; only a spec change needs a pass.
         if before is None or before["metadata"].get("generation") != body["metadata"].get("generation"):
             self.poke(key)
@@ -173,9 +177,7 @@ class Controller:
             cache[name] = (body, time.monotonic())
 
     def poke(self, key: Key) -> None:
-        ev = self.wake.get(key)
-        if ev:
-            ev.set()
+        self.runtime.poke(key)
 
     async def lead(self) -> None:
         """This process became the leader: start from what the API server says, as a fresh
@@ -183,58 +185,38 @@ class Controller:
         self.memory.clear()
         self.relisted_at.clear()
         self.leading.set()
-        for key in list(self.wake):
-            self.poke(key)
+        self.runtime.poke_all()
 
     async def follow(self) -> None:
         """Leadership lost: stop acting now (passes in flight are cancelled; what they recorded
         is in status for the next leader) and wait to lead again."""
         self.leading.clear()
-        tasks = list(self.tasks.items())
-        for _, t in tasks:
-            t.cancel()
-        await asyncio.gather(*(t for _, t in tasks), return_exceptions=True)
-        for key, _ in tasks:
-            if key in self.deployments and not self.stopping:
-                self.tasks[key] = asyncio.create_task(self._worker(key), name=f"pdd/{key[0]}/{key[1]}")
+        await self.runtime.restart()
 
     async def stop(self) -> None:
-        self.stopping = True
-        for t in self.tasks.values():
-            t.cancel()
-        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        await self.runtime.stop()
 
-    # ---- the worker ----------------------------------------------------------------------
-    async def _worker(self, key: Key) -> None:
-        while not self.stopping:
-            await self.leading.wait()
-            self.wake[key].clear()
-            t0 = time.perf_counter()
-            try:
-                delay = await self.reconcile(key)
-                self.memory.setdefault(key, Memory()).errors = 0   # (the pass may have kept a new memory)
-                self.metrics.reconciles.labels("requeue" if delay == ACTED_DELAY_S else "ok").inc()
-            except asyncio.CancelledError:
-                raise
-            except TerminalError as e:
-                log.warning("%s/%s: %s", key[0], key[1], e)
-                self.metrics.reconciles.labels("terminal").inc()
-                await self._record_terminal(key, self.memory.setdefault(key, Memory()), e.diagnosis)
-                delay = error_policy(e, 1)
-            except Exception as e:  # noqa: BLE001 - never let one deployment stop the operator
-                mem = self.memory.setdefault(key, Memory())
-                mem.errors += 1
-                self.relisted_at.pop(key, None)  # the API server may have been away: list again first
-                delay = error_policy(e, mem.errors)
-                (log.warning if isinstance(e, KubeError) else log.exception)(
-                    "%s/%s: pass failed (%s), again in %.1fs", key[0], key[1], e, delay)
-                self.metrics.reconciles.labels("transient").inc()
-            self.metrics.reconcile_seconds.observe(time.perf_counter() - t0)
-            try:
-                await asyncio.wait_for(self.wake[key].wait(), delay)
-                await asyncio.sleep(0.02)  # coalesce bursts of watch events
-            except asyncio.TimeoutError:
-                pass
+    # ---- a pass, and a pass that failed (the runtime's calls) ------------------------------
+    async def _pass(self, key: Key) -> float | None:
+        delay = await self.reconcile(key)
+        self.memory.setdefault(key, Memory()).errors = 0   # (the pass may have kept a new memory)
+        self.metrics.reconciles.labels("requeue" if delay == ACTED_DELAY_S else "ok").inc()
+        return delay
+
+    async def _failed(self, key: Key, e: Exception) -> float | None:
+        mem = self.memory.setdefault(key, Memory())
+        if isinstance(e, TerminalError):
+            log.warning("%s/%s: %s", key[0], key[1], e)
+            self.metrics.reconciles.labels("terminal").inc()
+            await self._record_terminal(key, mem, e.diagnosis)
+            return error_policy(e, 1)
+        mem.errors += 1
+        self.relisted_at.pop(key, None)  # the API server may have been away: list again first
+        delay = error_policy(e, mem.errors)
+        (log.warning if isinstance(e, KubeError) else log.exception)(
+            "%s/%s: pass failed (%s), again in %.1fs", key[0], key[1], e, delay)
+        self.metrics.reconciles.labels("transient").inc()
+        return delay
 
     # ---- observe: the caches and the token ---------------------------------------------------------
     def _own_statefulsets(self, key: Key, uid: str) -> set[str]:

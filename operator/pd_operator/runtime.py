@@ -1,0 +1,113 @@
+"""The per-key worker runtime both controllers run on (PDDeployment: reconcile.Controller, PDGateway:
+gatewaycontroller.GatewayController): one worker task per object, woken by its watch events or
+after the delay its last pass asked for, running only while this process leads, cancelled when
+leadership is lost (what a pass recorded is in status for the next leader) and restarted to wait
+for it again, with the error policy the controller gives it. The clock is injected, so tests drive
+time without sleeping."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+log = logging.getLogger("pd_operator.runtime")
+Key = tuple[str, str]
+COALESCE_S = 0.02   # after a wake-up: let a burst of watch events land before the pass
+ERROR_FALLBACK_S = 5.0
+
+
+class Clock(Protocol):
+    def monotonic(self) -> float: ...
+
+    def time(self) -> float: ...
+
+
+class SystemClock:
+    monotonic = staticmethod(time.monotonic)
+    time = staticmethod(time.time)
+
+
+SYSTEM_CLOCK = SystemClock()
+
+
+class Runtime:
+    """`run(key)` is one pass: it returns the seconds until the next (None: only on a wake-up).
+    `on_error(key, error)` decides the delay after a pass that raised (None: only on a wake-up, e.g.
+    a terminal error waits for a spec change). `timed(seconds)` sees every pass's duration."""
+
+    def __init__(self, name: str, run: Callable[[Key], Awaitable[float | None]],
+                 on_error: Callable[[Key, Exception], Awaitable[float | None]], leading: asyncio.Event,
+                 timed: Callable[[float], None] | None = None, clock: Clock = SYSTEM_CLOCK):
+        self.name, self.run, self.on_error, self.leading, self.timed = name, run, on_error, leading, timed
+        self.clock = clock
+        self.wake: dict[Key, asyncio.Event] = {}
+        self.tasks: dict[Key, asyncio.Task] = {}
+        self.stopping = False
+
+    def ensure(self, key: Key) -> None:
+        """A worker for `key`, if it has none (and the runtime is not stopping)."""
+        if key not in self.tasks and not self.stopping:
+            self.wake[key] = asyncio.Event()
+            self.tasks[key] = asyncio.create_task(self._worker(key), name=f"{self.name}/{key[0]}/{key[1]}")
+
+    def forget(self, key: Key) -> None:
+        task = self.tasks.pop(key, None)
+        if task:
+            task.cancel()
+        self.wake.pop(key, None)
+
+    def poke(self, key: Key) -> None:
+        ev = self.wake.get(key)
+        if ev:
+            ev.set()
+
+    def poke_all(self) -> None:
+        for key in list(self.wake):
+            self.poke(key)
+
+    async def restart(self) -> None:
+        """Leadership lost: cancel every pass in flight now and start the workers again, to wait
+        until this process leads."""
+        tasks = list(self.tasks.items())
+        for _, t in tasks:
+            t.cancel()
+        await asyncio.gather(*(t for _, t in tasks), return_exceptions=True)
+        for key, _ in tasks:
+            if self.tasks.get(key) is not None and self.tasks[key].done():
+                del self.tasks[key]
+                self.ensure(key)
+
+    async def stop(self) -> None:
+        self.stopping = True
+        for t in self.tasks.values():
+            t.cancel()
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+
+    async def _worker(self, key: Key) -> None:
+        while not self.stopping:
+            await self.leading.wait()
+            wake = self.wake[key]
+            wake.clear()
+            t0 = self.clock.monotonic()
+            delay: float | None
+            try:
+                delay = await self.run(key)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - never let one object stop the operator
+                try:
+                    delay = await self.on_error(key, e)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # noqa: BLE001 - reporting the error failed too (the API away)
+                    log.exception("%s %s/%s: handling a failed pass", self.name, *key)
+                    delay = ERROR_FALLBACK_S
+            if self.timed is not None:
+                self.timed(self.clock.monotonic() - t0)
+            try:
+                await asyncio.wait_for(wake.wait(), delay)
+                await asyncio.sleep(COALESCE_S)
+            except asyncio.TimeoutError:
+                pass

@@ -1,0 +1,116 @@
+"""The per-key worker runtime both controllers run on: passes requeue after the delay they ask for
+or on a wake-up, failures follow the controller's error policy, leadership loss cancels a pass in
+flight and the worker waits to lead again, and nothing a pass raises ends the worker."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pd_operator.runtime import Runtime
+
+KEY = ("ns", "a")
+
+
+class Script:
+    """run() answers from a list: a delay, or an exception to raise; on_error() from another."""
+
+    def __init__(self, runs: list, errors: list | None = None):
+        self.runs, self.errors = list(runs), list(errors or [])
+        self.calls: list[str] = []
+        self.ran = asyncio.Event()
+        self.block: asyncio.Event | None = None
+
+    async def run(self, key):
+        self.calls.append("run")
+        self.ran.set()
+        if self.block is not None:
+            await self.block.wait()
+        out = self.runs.pop(0) if self.runs else None
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    async def on_error(self, key, e):
+        self.calls.append(f"error:{type(e).__name__}")
+        out = self.errors.pop(0) if self.errors else None
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+
+async def runs_of(s: Script, n: int, timeout: float = 5.0) -> None:
+    async def until() -> None:
+        while s.calls.count("run") < n:
+            s.ran.clear()
+            await s.ran.wait()
+    await asyncio.wait_for(until(), timeout)
+
+
+@pytest.fixture
+def leading():
+    ev = asyncio.Event()
+    ev.set()
+    return ev
+
+
+async def test_a_pass_requeues_after_its_delay_and_a_poke_wakes_it_early(leading):
+    s = Script([0.05, 3600, None])
+    rt = Runtime("t", s.run, s.on_error, leading)
+    rt.ensure(KEY)
+    rt.ensure(KEY)                     # one worker per key
+    await runs_of(s, 2)                # the first pass asked for 0.05 s
+    assert len(rt.tasks) == 1
+    rt.poke(KEY)                       # the second asked for an hour: a wake-up comes first
+    await runs_of(s, 3)
+    await rt.stop()
+
+
+async def test_failures_follow_the_error_policy_and_a_failing_handler_does_not_end_the_worker(leading):
+    s = Script([RuntimeError("api away"), ValueError("x"), None], errors=[0.01, KeyError("reporting failed")])
+    rt = Runtime("t", s.run, s.on_error, leading)
+    import pd_operator.runtime as runtime
+    runtime.ERROR_FALLBACK_S, before = 0.01, runtime.ERROR_FALLBACK_S
+    try:
+        rt.ensure(KEY)
+        await runs_of(s, 3)
+    finally:
+        runtime.ERROR_FALLBACK_S = before
+    assert s.calls == ["run", "error:RuntimeError", "run", "error:ValueError", "run"]
+    assert not rt.tasks[KEY].done()
+    await rt.stop()
+
+
+async def test_a_terminal_error_waits_for_a_wake_up(leading):
+    s = Script([RuntimeError("rejected"), None], errors=[None])
+    rt = Runtime("t", s.run, s.on_error, leading)
+    rt.ensure(KEY)
+    await runs_of(s, 1)
+    await asyncio.sleep(0.2)
+    assert s.calls.count("run") == 1   # no retry on its own
+    rt.poke(KEY)
+    await runs_of(s, 2)
+    await rt.stop()
+
+
+async def test_leadership_loss_cancels_the_pass_in_flight_and_the_worker_waits_to_lead(leading):
+    s = Script([5.0, 5.0, None])
+    s.block = asyncio.Event()          # the pass is in flight (waiting on the API)
+    timings: list[float] = []
+    rt = Runtime("t", s.run, s.on_error, leading, timed=timings.append)
+    rt.ensure(KEY)
+    await runs_of(s, 1)
+    leading.clear()
+    await rt.restart()                 # follow(): cancelled, not finished
+    assert timings == [] and KEY in rt.tasks and not rt.tasks[KEY].done()
+    s.block.set()
+    await asyncio.sleep(0.1)
+    assert s.calls.count("run") == 1   # a standby runs no pass
+    leading.set()                      # lead(): from the start again
+    rt.poke_all()
+    await runs_of(s, 2)
+    rt.forget(KEY)
+    assert KEY not in rt.tasks and KEY not in rt.wake
+    await rt.stop()
+    rt.ensure(("ns", "b"))             # a stopped runtime starts no worker
+    assert ("ns", "b") not in rt.tasks
