@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 from .api import GROUP, VERSION
 from .api import KIND as DEPLOYMENT_KIND
@@ -23,7 +22,7 @@ from .events import Events
 from .gateway import data_token_secret_name
 from .kube import Kube, KubeError
 from .reconcile import error_policy
-from .runtime import Runtime
+from .runtime import SYSTEM_CLOCK, Clock, Runtime
 from .sharedgateway import (
     keys_state,
     objects,
@@ -42,11 +41,12 @@ RECHECK_S = 60.0
 
 
 class GatewayController:
-    def __init__(self, kube: Kube, events: Events, config: OperatorConfig, leading: asyncio.Event):
-        self.kube, self.events, self.config, self.leading = kube, events, config, leading
+    def __init__(self, kube: Kube, events: Events, config: OperatorConfig, leading: asyncio.Event,
+                 clock: Clock = SYSTEM_CLOCK):
+        self.kube, self.events, self.config, self.leading, self.clock = kube, events, config, leading, clock
         self.gateways: dict[Key, dict] = {}
         self.attempts: dict[Key, int] = {}   # failed passes in a row
-        self.runtime = Runtime("pdgw", self._pass, self._failed, leading)
+        self.runtime = Runtime("pdgw", self._pass, self._failed, leading, clock=clock)
         self.served: dict[Key, list] = {}   # what each gateway routed at its last pass (for Events)
         self.deployment_seen: dict[Key, tuple] = {}   # PDDeployment -> what a gateway's routing reads of it
         self.token_seen: dict[Key, float] = {}        # PDDeployment -> when its data token was last seen
@@ -127,17 +127,20 @@ class GatewayController:
         secret = await self.kube.get("v1", "Secret", ns, spec.api_keys_secret)
         keys = keys_state(secret, spec.api_keys_secret)
         tokens = set()
-        now = time.monotonic()
+        now = self.clock.monotonic()
         for d in deployments:   # routed once its data token exists (pods read it at start) and is the operator's
             dname = d["metadata"]["name"]
-            if now - self.token_seen.get((ns, dname), -RECHECK_S) < RECHECK_S or \
-                    made_by_operator(d, await self.kube.get("v1", "Secret", ns, data_token_secret_name(dname))):
-                self.token_seen.setdefault((ns, dname), now)
+            seen = self.token_seen.get((ns, dname))
+            if seen is not None and now - seen < RECHECK_S:
+                tokens.add(dname)
+            elif made_by_operator(d, await self.kube.get("v1", "Secret", ns, data_token_secret_name(dname))):
+                self.token_seen[(ns, dname)] = now   # read again once RECHECK_S passed
                 tokens.add(dname)
             else:
                 self.token_seen.pop((ns, dname), None)
-        for k in [k for k in self.token_seen if now - self.token_seen[k] >= RECHECK_S]:
-            del self.token_seen[k]   # seen long enough ago: read again next pass
+        listed = {(ns, d["metadata"]["name"]) for d in deployments}
+        for k in [k for k in self.token_seen if k[0] == ns and k not in listed]:
+            del self.token_seen[k]   # the deployment is gone
         r = routing(deployments, spec.selector, tokens)
         owner = owner_reference(name, gw["metadata"]["uid"])
         image = self.config.gateway_image
