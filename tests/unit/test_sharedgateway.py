@@ -162,7 +162,7 @@ def test_a_deployment_is_routed_once_its_token_exists():
     assert {c["type"]: c for c in st["conditions"]}["ModelsServed"]["reason"] == "WaitingForDeployments"
 
 
-async def test_a_pass_reads_and_applies_what_changed_only(monkeypatch):
+async def test_a_pass_reads_and_applies_what_changed_only():
     """Data-token Secrets once seen, and objects once applied, are not asked for or applied again
     every pass; a missing object, a change, or RECHECK_S later, they are."""
     import asyncio
@@ -183,7 +183,13 @@ async def test_a_pass_reads_and_applies_what_changed_only(monkeypatch):
         return await real_get(api_version, kind, namespace, name)
     kube.get = get  # type: ignore[method-assign]
     clock = [1000.0]
-    monkeypatch.setattr(gc.time, "monotonic", lambda: clock[0])
+
+    class Clock:
+        def monotonic(self) -> float:
+            return clock[0]
+
+        def time(self) -> float:
+            return clock[0]
     for d in (dep("a", "llama-8b"), dep("b", "qwen-7b")):
         d["apiVersion"], d["kind"] = "pdoperator.io/v1alpha1", "PDDeployment"
         d["status"] = {"tokenDigests": {"data": digest("x")}}   # the operator made the data token "x"
@@ -194,7 +200,7 @@ async def test_a_pass_reads_and_applies_what_changed_only(monkeypatch):
                  "metadata": {"name": "shared", "namespace": "t", "generation": 1},
                  "spec": {"apiKeysSecret": "keys"}})
     ctl = gc.GatewayController(kube, Events(kube), OperatorConfig(gateway_image="img/pd-gateway:1"),  # type: ignore[arg-type]
-                               asyncio.Event())
+                               asyncio.Event(), clock=Clock())
 
     def applied() -> int:
         return sum(1 for c in log if c[0] == "apply")
