@@ -19,6 +19,7 @@ from .diagnosis import Diagnosis, link_failure
 from .events import Events
 from .kube import Kube, KubeError
 from .metrics import OperatorMetrics
+from .runtime import SYSTEM_CLOCK, Clock
 from .state import Memory
 from .switch import ENGINE_ROLE, Intent
 
@@ -39,7 +40,8 @@ def _peer_of_link(link: dict) -> Peer:
                 port=link.get("port") or 1, ranks=ranks)
 
 
-async def create_tokens(kube: Kube, mem: Memory, name: str, namespace: str, owner: dict) -> None:
+async def create_tokens(kube: Kube, mem: Memory, name: str, namespace: str, owner: dict,
+                        clock: Clock = SYSTEM_CLOCK) -> None:
     """The agents' bearer tokens, control (the operator's), data (routers') and peer (pull notices
     between the deployment's agents), whose digests the status now records: created once, never
     re-generated (running pods hold them). One that exists already (409) was made by someone
@@ -51,7 +53,7 @@ async def create_tokens(kube: Kube, mem: Memory, name: str, namespace: str, owne
             continue
         del mem.token_create[role]
         if role == "control":
-            mem.token, mem.token_read_at = token, time.monotonic()
+            mem.token, mem.token_read_at = token, clock.monotonic()
 
 
 async def apply_children(kube: Kube, metrics: OperatorMetrics, mem: Memory, objs: list[dict]) -> None:
@@ -62,7 +64,7 @@ async def apply_children(kube: Kube, metrics: OperatorMetrics, mem: Memory, objs
 
 
 async def execute(body: dict, agents: AgentClient, events: Events, metrics: OperatorMetrics, mem: Memory,
-                  plan: lk.DecoderPlan, token: str, link_timeout_ms: int) -> None:
+                  plan: lk.DecoderPlan, token: str, link_timeout_ms: int, clock: Clock = SYSTEM_CLOCK) -> None:
     d = plan.decoder
     try:
         for force, stale in ((True, plan.force_unlink), (False, plan.unlink)):
@@ -86,7 +88,7 @@ async def execute(body: dict, agents: AgentClient, events: Events, metrics: Oper
                     ok.append(e.pod)
                 else:
                     diag = _link_failure(code, d, e, (res.rank_rets or {}).get(e.pod), link_timeout_ms)
-                    mem.fail(d.pod, e.cluster_id, code, diag)
+                    mem.fail(d.pod, e.cluster_id, code, diag, clock.monotonic())
                     bad.append((code, diag))
             if ok:
                 await events.post(body, "Normal", "Linked", f"{d.pod} linked {', '.join(ok)} (LLM_SUCCESS) "
@@ -97,7 +99,7 @@ async def execute(body: dict, agents: AgentClient, events: Events, metrics: Oper
         log.info("agent call to %s failed: %s", d.pod, err)
         diag = Diagnosis(err.kind, f"{d.pod}: {err}")
         for cid in {e.cluster_id for e in plan.link} | {l["cluster_id"] for l in plan.unlink + plan.force_unlink}:
-            mem.fail(d.pod, cid, err.code or err.kind, diag)
+            mem.fail(d.pod, cid, err.code or err.kind, diag, clock.monotonic())
 
 
 def _link_failure(code: str, d: lk.Engine, e: lk.Engine, rank_codes: list[str] | None, timeout_ms: int) -> Diagnosis:
@@ -110,7 +112,7 @@ def _link_failure(code: str, d: lk.Engine, e: lk.Engine, rank_codes: list[str] |
 
 
 async def verify(body: dict, agents: AgentClient, events: Events, mem: Memory,
-                 pairs: list[tuple[lk.Engine, lk.Engine]], token: str) -> None:
+                 pairs: list[tuple[lk.Engine, lk.Engine]], token: str, clock: Clock = SYSTEM_CLOCK) -> None:
     """One verification round: each decoder pulls a probe from one prefill."""
     async def one(d: lk.Engine, p: lk.Engine) -> dict:
         try:
@@ -132,14 +134,15 @@ async def verify(body: dict, agents: AgentClient, events: Events, mem: Memory,
         await events.post(body, "Normal", "KVPathVerified", "; ".join(
             f"{r['decoder']} <- {r['prefill']}: {r['bytes']} B in {r['pull_ms']:.2f} ms" for r in results),
             key="first verification")
-    mem.verified_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    mem.verified_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(clock.time()))
 
 
 # ---- role switching ---------------------------------------------------------------------------
 
 async def switch_intents(kube: Kube, agents: AgentClient, mem: Memory, namespace: str, intents: list[Intent],
                          engines: dict[str, lk.Engine], reported: dict[str, list[dict]],
-                         pairs: dict[str, list[tuple[lk.Engine, lk.Engine]]], token: str) -> None:
+                         pairs: dict[str, list[tuple[lk.Engine, lk.Engine]]], token: str,
+                         clock: Clock = SYSTEM_CLOCK) -> None:
     """Carry out one pod's switch intents in order. Agent failures are remembered (the step
     is retried after a backoff; an engine that cannot switch is marked for the abort); an API
     error on the pod is raised, except a pod that is gone (the next pass ends its switch)."""
@@ -151,7 +154,7 @@ async def switch_intents(kube: Kube, agents: AgentClient, mem: Memory, namespace
             elif it.kind == "annotate":
                 await kube.patch("v1", "Pod", namespace, it.pod,
                                  {"metadata": {"annotations": {ANNOTATION_ROLE: it.role}}})
-            elif e is None or not e.agent_url or not mem.switch_backoff.due(it.pod, time.monotonic()):
+            elif e is None or not e.agent_url or not mem.switch_backoff.due(it.pod, clock.monotonic()):
                 return  # an agent call that must wait: the rest of this pod's intents follow it
             elif it.kind == "drain":
                 await agents.drain(e.agent_url, token, limiter=mem.limiter)
@@ -170,7 +173,7 @@ async def switch_intents(kube: Kube, agents: AgentClient, mem: Memory, namespace
             raise
         except AgentCallError as err:
             log.info("switch of %s: %s failed: %s", it.pod, it.kind, err)
-            mem.switch_backoff.fail(it.pod, time.monotonic())
+            mem.switch_backoff.fail(it.pod, clock.monotonic())
             mem.switch_errors[it.pod] = f"{it.kind}: {err.code or err.kind}: {err}"[:300]
             mem.switch_fails[it.pod] = mem.switch_fails.get(it.pod, 0) + 1
             if err.code == "LLM_FEATURE_NOT_ENABLED":

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 
 import httpx
 from pydantic import BaseModel, ValidationError
@@ -28,6 +27,7 @@ from pd_contract.agent_api import (
 
 from .metrics import OperatorMetrics
 from .reports import AgentCallError
+from .runtime import SYSTEM_CLOCK, Clock
 
 __all__ = ["STATUS_TIMEOUT_S", "AgentCallError", "AgentClient"]
 
@@ -35,7 +35,8 @@ STATUS_TIMEOUT_S = 3.0
 
 
 class AgentClient:
-    def __init__(self, metrics: OperatorMetrics | None = None, timeout: float = 5.0):
+    def __init__(self, metrics: OperatorMetrics | None = None, timeout: float = 5.0, clock: Clock = SYSTEM_CLOCK):
+        self.clock = clock
         self._http = httpx.AsyncClient(trust_env=False, timeout=httpx.Timeout(timeout, connect=2.0),
                                        limits=httpx.Limits(max_connections=512, max_keepalive_connections=128))
         self.metrics = metrics or OperatorMetrics()
@@ -45,7 +46,7 @@ class AgentClient:
 
     async def _call(self, op: str, method: str, url: str, token: str, reply: type[BaseModel], body=None,
                     timeout: float | None = None, limiter: asyncio.Semaphore | None = None) -> BaseModel:
-        t0 = time.perf_counter()
+        t0 = self.clock.monotonic()
         result = "ok"
         try:
             async with limiter or contextlib.nullcontext():
@@ -75,7 +76,7 @@ class AgentClient:
             raise
         finally:
             self.metrics.agent_calls.labels(op, result).inc()
-            self.metrics.agent_seconds.labels(op).observe(time.perf_counter() - t0)
+            self.metrics.agent_seconds.labels(op).observe(self.clock.monotonic() - t0)
 
     async def status(self, base: str, token: str, limiter=None) -> AgentStatus:
         return await self._call("status", "GET", f"{base}/v1/status", token, AgentStatus,

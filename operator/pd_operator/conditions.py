@@ -5,8 +5,9 @@ from __future__ import annotations
 import datetime as dt
 
 
-def now() -> str:
-    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+def iso(wall: float) -> str:
+    """A condition's lastTransitionTime, from the caller's clock (the controller's, injected)."""
+    return dt.datetime.fromtimestamp(wall, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def get(conditions: list[dict] | None, ctype: str) -> dict | None:
@@ -19,12 +20,12 @@ def is_true(conditions: list[dict] | None, ctype: str) -> bool:
 
 
 def set_condition(conditions: list[dict] | None, ctype: str, status: bool | str, reason: str,
-                  message: str, generation: int | None, at: str | None = None) -> list[dict]:
+                  message: str, generation: int | None, at: str) -> list[dict]:
     """Return a new list with `ctype` set. lastTransitionTime moves only when status flips."""
     s = status if isinstance(status, str) else ("True" if status else "False")
     prev = get(conditions, ctype)
     ltt = prev["lastTransitionTime"] if prev and prev.get("status") == s and prev.get("lastTransitionTime") \
-        else (at or now())
+        else at
     new = {"type": ctype, "status": s, "reason": reason, "message": message[:2000],
            "lastTransitionTime": ltt, "observedGeneration": generation}
     out = [c for c in conditions or [] if c.get("type") != ctype]

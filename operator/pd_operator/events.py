@@ -6,37 +6,38 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-import time
 import uuid
 
 from .kube import Kube, KubeError
+from .runtime import SYSTEM_CLOCK, Clock
 
 log = logging.getLogger("pd_operator.events")
 AGGREGATE_WINDOW_S = 600     # a repeat within this bumps the existing Event
 PATCH_EVERY_S = 10           # at most one count update per Event in this time
 
 
-def _ts() -> str:
-    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+def _ts(wall: float) -> str:
+    return dt.datetime.fromtimestamp(wall, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 class _Seen:
     __slots__ = ("name", "namespace", "count", "first", "last_post", "last_patch")
 
-    def __init__(self, name: str, namespace: str, now: float):
+    def __init__(self, name: str, namespace: str, now: float, first: str):
         self.name, self.namespace = name, namespace
-        self.count, self.first, self.last_post, self.last_patch = 1, _ts(), now, now
+        self.count, self.first, self.last_post, self.last_patch = 1, first, now, now
 
 
 class Events:
-    def __init__(self, kube: Kube):
+    def __init__(self, kube: Kube, clock: Clock = SYSTEM_CLOCK):
         self.kube = kube
+        self.clock = clock
         self._seen: dict[tuple, _Seen] = {}
 
     async def post(self, body: dict, etype: str, reason: str, message: str, key: str | None = None) -> None:
         meta = body["metadata"]
         k = (meta.get("uid"), etype, reason, key if key is not None else message)
-        now = time.monotonic()
+        now = self.clock.monotonic()
         seen = self._seen.get(k)
         if seen is not None and now - seen.last_post < AGGREGATE_WINDOW_S:
             seen.count += 1
@@ -49,8 +50,8 @@ class Events:
         (log.warning if etype == "Warning" else log.info)("%s/%s %s: %s", meta["namespace"], meta["name"],
                                                           reason, message)
         name = f"{meta['name']}.{uuid.uuid4().hex[:16]}"
-        self._seen[k] = _Seen(name, meta["namespace"], now)
-        ts = _ts()
+        ts = _ts(self.clock.time())
+        self._seen[k] = _Seen(name, meta["namespace"], now, ts)
         event = {
             "apiVersion": "v1", "kind": "Event",
             "metadata": {"name": name, "namespace": meta["namespace"]},
@@ -69,7 +70,8 @@ class Events:
     async def _bump(self, seen: _Seen, message: str) -> None:
         try:
             await self.kube.patch("v1", "Event", seen.namespace, seen.name,
-                                  {"count": seen.count, "lastTimestamp": _ts(), "message": message[:1024]})
+                                  {"count": seen.count, "lastTimestamp": _ts(self.clock.time()),
+                                   "message": message[:1024]})
         except KubeError as e:
             log.info("could not update event %s: %s", seen.name, e)
 

@@ -16,7 +16,7 @@ from .api import GROUP, VERSION
 from .api import KIND as DEPLOYMENT_KIND
 from .api_gateway import KIND, parse_spec
 from .children import digest
-from .conditions import set_condition
+from .conditions import iso, set_condition
 from .config import OperatorConfig
 from .events import Events
 from .gateway import data_token_secret_name
@@ -120,7 +120,8 @@ class GatewayController:
             spec = parse_spec(gw.get("spec") or {})
         except ValueError as e:
             msg = f"the spec does not parse: {str(e).splitlines()[0]}"
-            conds = set_condition((gw.get("status") or {}).get("conditions"), "Ready", False, "InvalidSpec", msg, gen)
+            conds = set_condition((gw.get("status") or {}).get("conditions"), "Ready", False, "InvalidSpec", msg, gen,
+                                  at=iso(self.clock.time()))
             await self._write_status(gw, {**(gw.get("status") or {}), "conditions": conds, "phase": "Degraded"})
             return
         deployments = await self.kube.list(f"{GROUP}/{VERSION}", DEPLOYMENT_KIND, ns)
@@ -148,7 +149,7 @@ class GatewayController:
             msg = ("the operator's configuration names no gateway image (chart value gateway.image, env "
                    "PD_OPERATOR_GATEWAY_IMAGE): a PDGateway cannot run without one")
             conds = set_condition((gw.get("status") or {}).get("conditions"), "Ready", False, "NoGatewayImage", msg,
-                                  gen)
+                                  gen, at=iso(self.clock.time()))
             await self._write_status(gw, {**(gw.get("status") or {}), "conditions": conds, "phase": "Degraded"})
             await self.events.post(gw, "Warning", "NoGatewayImage", msg)
             return
@@ -170,7 +171,8 @@ class GatewayController:
         if taken:
             msg = (f"{', '.join(taken)} already exist and belong to something else; rename this PDGateway "
                    f"(a PDDeployment's own gateway is named <deployment>-gateway)")
-            conds = set_condition((gw.get("status") or {}).get("conditions"), "Ready", False, "NameTaken", msg, gen)
+            conds = set_condition((gw.get("status") or {}).get("conditions"), "Ready", False, "NameTaken", msg, gen,
+                                  at=iso(self.clock.time()))
             await self._write_status(gw, {**(gw.get("status") or {}), "conditions": conds, "phase": "Degraded"})
             await self.events.post(gw, "Warning", "NameTaken", msg)
             return
@@ -182,7 +184,7 @@ class GatewayController:
                 await self.kube.apply(obj)
             self.applied[key] = (want, now)
         dep = await self.kube.get("apps/v1", "Deployment", ns, name)
-        st = status(gw, r, keys, dep)
+        st = status(gw, r, keys, dep, iso(self.clock.time()))
         if st != (gw.get("status") or {}):
             await self._write_status(gw, st)
         served = [(s.model, s.deployment, tuple(s.aliases)) for s in r.served]

@@ -18,12 +18,12 @@ import logging
 import os
 import secrets
 import socket
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 from .kube import Kube, KubeError
+from .runtime import SYSTEM_CLOCK, Clock
 
 log = logging.getLogger("pd_operator.leader")
 API = "coordination.k8s.io/v1"
@@ -76,8 +76,9 @@ def held_for(written, configured: float) -> float:
 
 class Elector:
     def __init__(self, kube: Kube, settings: LeaseSettings, on_started: Callable[[], Awaitable[None]],
-                 on_stopped: Callable[[], Awaitable[None]]):
+                 on_stopped: Callable[[], Awaitable[None]], clock: Clock = SYSTEM_CLOCK):
         self.kube = kube
+        self.clock = clock
         self.s = settings
         self.on_started = on_started
         self.on_stopped = on_stopped
@@ -101,7 +102,7 @@ class Elector:
 
     async def try_acquire_or_renew(self) -> bool:
         """One round; True if this process holds the Lease after it."""
-        now_wall, now = time.time(), time.monotonic()
+        now_wall, now = self.clock.time(), self.clock.monotonic()
         lease = await self.kube.get(API, "Lease", self.s.namespace, self.s.name)
         if lease is None:
             got = await self.kube.create(self._lease(None, now_wall, acquire=True))
@@ -132,7 +133,7 @@ class Elector:
             except Exception as e:  # noqa: BLE001 - the API server may be away: not leading this round
                 log.debug("lease round failed: %r", e)
                 held = False
-            now = time.monotonic()
+            now = self.clock.monotonic()
             if held:
                 self._renewed_at = now
                 if not self.leading:
@@ -156,7 +157,7 @@ class Elector:
             lease = await self.kube.get(API, "Lease", self.s.namespace, self.s.name)
             if lease and (lease.get("spec") or {}).get("holderIdentity") == self.s.identity:
                 spec = {**lease["spec"], "holderIdentity": "", "leaseDurationSeconds": 1,
-                        "renewTime": _micro(time.time())}
+                        "renewTime": _micro(self.clock.time())}
                 await self.kube.replace({**lease, "spec": spec})
                 log.info("released the Lease")
         except Exception as e:  # noqa: BLE001 - best effort: it expires anyway

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 import zlib
 from dataclasses import replace
 from typing import Callable
@@ -34,7 +33,7 @@ from . import tokens as tk
 from .agentclient import AgentClient
 from .api import GROUP, KIND, VERSION, PDDeploymentSpec, parse_spec
 from .builders import LABEL_DEPLOYMENT
-from .conditions import set_condition
+from .conditions import iso, set_condition
 from .config import OperatorConfig
 from .decide import Plan, Snapshot, decide
 from .diagnosis import Diagnosis
@@ -44,7 +43,7 @@ from .members import Problem, claimed_owner, foreign, member_of, own_statefulset
 from .metrics import OperatorMetrics
 from .objmeta import owner_reference
 from .observe import ask_always, to_ask
-from .runtime import Runtime
+from .runtime import SYSTEM_CLOCK, Clock, Runtime
 from .state import Memory
 
 log = logging.getLogger("pd_operator.reconcile")
@@ -101,8 +100,9 @@ def spec_changes(old: dict | None, new: dict, prefix: str = "spec") -> list[str]
 class Controller:
     def __init__(self, kube: Kube, agents: AgentClient, metrics: OperatorMetrics | None = None,
                  after_record: Callable[[list[sw_.Switch]], None] | None = None, npu_resource: str | None = None,
-                 config: OperatorConfig | None = None):
+                 config: OperatorConfig | None = None, clock: Clock = SYSTEM_CLOCK):
         self.kube = kube
+        self.clock = clock
         # what the cluster admin allows (chart values): NPU resource, host paths, gateway image
         self.config = config or OperatorConfig.from_env()
         if npu_resource:
@@ -110,7 +110,7 @@ class Controller:
         self.npu_resource = self.config.npu_resource
         self.agents = agents
         self.metrics = metrics or agents.metrics
-        self.events = Events(kube)
+        self.events = Events(kube, clock)
         self.deployments: dict[Key, dict] = {}
         self.pods: dict[Key, dict[str, tuple[dict, float]]] = {}        # -> name -> (object, cached at)
         self.children: dict[Key, dict[ch.ChildKey, tuple[dict, float]]] = {}
@@ -123,7 +123,7 @@ class Controller:
         self.leading = asyncio.Event()
         self.leading.set()
         self.runtime = Runtime("pdd", self._pass, self._failed, self.leading,
-                               timed=self.metrics.reconcile_seconds.observe)
+                               timed=self.metrics.reconcile_seconds.observe, clock=clock)
         self.after_record = after_record   # called with the switches each recorded status holds
 
     @property
@@ -159,7 +159,7 @@ class Controller:
         was_ready = meta["name"] in cache and pod_ready(cache[meta["name"]][0])
         self._cache(cache, meta["name"], etype, body)
         if etype != "DELETED" and pod_ready(body) and not was_ready:
-            self.ready_since.setdefault(key, {})[meta["name"]] = time.monotonic()
+            self.ready_since.setdefault(key, {})[meta["name"]] = self.clock.monotonic()
         self.dirty.setdefault(key, set()).add(meta["name"])
         self.poke(key)
 
@@ -169,12 +169,11 @@ class Controller:
         self._cache(self.children.setdefault(key, {}), (body.get("kind", ""), meta["name"]), etype, body)
         self.poke(key)
 
-    @staticmethod
-    def _cache(cache: dict, name, etype: str | None, body: dict) -> None:
+    def _cache(self, cache: dict, name, etype: str | None, body: dict) -> None:
         if etype == "DELETED":
             cache.pop(name, None)
         else:
-            cache[name] = (body, time.monotonic())
+            cache[name] = (body, self.clock.monotonic())
 
     def poke(self, key: Key) -> None:
         self.runtime.poke(key)
@@ -226,7 +225,7 @@ class Controller:
         """Check the caches against a fresh list: a watch that reconnects lists again but sends
         no DELETED for objects removed while it was away."""
         ns, name = key
-        t0 = time.monotonic()
+        t0 = self.clock.monotonic()
         selector = f"{LABEL_DEPLOYMENT}={name}"
         pods = {p["metadata"]["name"]: p for p in await self.kube.list("v1", "Pod", ns, selector)}
         kids = {}
@@ -250,7 +249,7 @@ class Controller:
         the running pods answer AgentUnauthorized until they restart with it), and RBAC allows `get`
         on the Secret, not a watch."""
         if (mem.token or mem.token_problem) and not mem.token_create \
-                and time.monotonic() - mem.token_read_at < TOKEN_TTL_S:
+                and self.clock.monotonic() - mem.token_read_at < TOKEN_TTL_S:
             return mem.token
         ns, name = key
         found = {role: await self.kube.get("v1", "Secret", ns, secret_name(name))
@@ -265,7 +264,7 @@ class Controller:
                 v = tk.judge(name, ns, uid, found, fresh.get("status"), mem.token_create)
         mem.token, mem.token_problem, mem.token_digests = v.token, v.problem, v.digests
         mem.token_create = v.create
-        mem.token_read_at = time.monotonic()
+        mem.token_read_at = self.clock.monotonic()
         return mem.token
 
     async def _keys_secret(self, key: Key, mem: Memory, spec: PDDeploymentSpec) -> tuple[bool, str, str] | None:
@@ -276,7 +275,7 @@ class Controller:
             mem.keys_verdict = None
             return None
         v = mem.keys_verdict
-        if v is not None and v[0] and time.monotonic() - mem.keys_read_at < TOKEN_TTL_S:
+        if v is not None and v[0] and self.clock.monotonic() - mem.keys_read_at < TOKEN_TTL_S:
             return v
         sec = await self.kube.get("v1", "Secret", key[0], gw.api_keys_secret)
         n = gw.api_keys_secret
@@ -289,7 +288,7 @@ class Controller:
                                                 f"pod runs); `kubectl label secret {n} {LABEL_KEYS}=true` opts it in")
         else:
             v = (True, "KeysSecretOptedIn", f"Secret {n} opted in as the gateway's API keys")
-        mem.keys_verdict, mem.keys_read_at = v, time.monotonic()
+        mem.keys_verdict, mem.keys_read_at = v, self.clock.monotonic()
         return v
 
     # ---- the pass ------------------------------------------------------------------------------
@@ -303,7 +302,7 @@ class Controller:
         await self.record(snap, plan)
         acted = await self.act(snap, plan)
         log.debug("%s/%s pass: asked %d in %.0f ms, %s, %d link plans, %d verify pairs, %d to apply%s", *key,
-                  len(snap.reports), (time.monotonic() - snap.now) * 1000, plan.status["phase"], len(plan.links),
+                  len(snap.reports), (self.clock.monotonic() - snap.now) * 1000, plan.status["phase"], len(plan.links),
                   len(plan.verify), len(plan.to_apply), ", acted" if acted else "")
         return self.requeue(snap, plan, acted)
 
@@ -313,7 +312,7 @@ class Controller:
         calls (the agents' backoff, the token it read), never a decision."""
         ns, name = key
         mem = self.memory.setdefault(key, Memory())
-        now, wall = time.monotonic(), time.time()
+        now, wall = self.clock.monotonic(), self.clock.time()
         try:
             spec = parse_spec(body["spec"])
         except ValueError as e:
@@ -376,7 +375,7 @@ class Controller:
             if ip and pod_ready(p) and not p["metadata"].get("deletionTimestamp"):
                 stats = await self.agents.gateway_stats(f"http://{ip}:{GATEWAY_METRICS_PORT}")
                 if stats is not None:
-                    return stats, time.monotonic()
+                    return stats, self.clock.monotonic()
         return None
 
     # ---- record ------------------------------------------------------------------------------
@@ -428,11 +427,13 @@ class Controller:
             for it in plan.switch_intents:
                 grouped.setdefault(it.pod, []).append(it)
             await asyncio.gather(*(act.switch_intents(self.kube, self.agents, mem, ns, its, by_pod, plan.reported,
-                                                      plan.switch_probes, token) for its in grouped.values()))
+                                                      plan.switch_probes, token, self.clock)
+                                   for its in grouped.values()))
             dirty.update(grouped)
             acted = True
         if mem.token_create and not snap.token_problem:   # their digests are in the status just written
-            await act.create_tokens(self.kube, mem, name, ns, owner_reference(name, body["metadata"]["uid"]))
+            await act.create_tokens(self.kube, mem, name, ns, owner_reference(name, body["metadata"]["uid"]),
+                                    self.clock)
             acted = True
         if plan.to_apply:
             await self._apply(body, spec, mem, snap.generation, plan.to_apply, created=not snap.children,
@@ -443,13 +444,13 @@ class Controller:
         if plan.links and token:
             dirty.update(p.decoder.pod for p in plan.links)  # ask them again next pass
             await asyncio.gather(*(act.execute(body, self.agents, self.events, self.metrics, mem, p, token,
-                                               spec.datadist.link_timeout_ms) for p in plan.links))
+                                               spec.datadist.link_timeout_ms, self.clock) for p in plan.links))
             acted = True
             if plan.verify_after_links is not None and not mem.failures and not pairs:
                 mem.verified_links = plan.verify_after_links
                 pairs = lk.verify_pairs(plan.engines, mem.verify_round)
         if pairs and token:
-            await act.verify(body, self.agents, self.events, mem, pairs, token)
+            await act.verify(body, self.agents, self.events, mem, pairs, token, self.clock)
             mem.verify_round += 1
             interval = spec.datadist.verify_interval_seconds
             mem.next_verify = snap.now + (interval if all(r["ok"] for r in mem.verify.values()) else min(interval, 5))
@@ -463,15 +464,15 @@ class Controller:
             return ACTED_DELAY_S
         if plan.book.switches:
             return SWITCH_POLL_S
-        fire = policies.next_fire(spec, time.time()) if spec.rebalance is not None else None
+        fire = policies.next_fire(spec, self.clock.time()) if spec.rebalance is not None else None
         if fire is not None and fire < RESYNC_S:
             return fire + 0.01   # a schedule entry fires then: be there
         if lk.holding_links(plan.engines, plan.reported):
             return HOLDING_RECHECK_S
         if plan.status["phase"] != "Ready":
-            retry = mem.next_retry_in()
+            retry = mem.next_retry_in(self.clock.monotonic())
             return min(NOT_READY_RESYNC_S, retry) if retry is not None else NOT_READY_RESYNC_S
-        return min(resync_s(snap.key), max(0.5, mem.next_verify - time.monotonic()))
+        return min(resync_s(snap.key), max(0.5, mem.next_verify - self.clock.monotonic()))
 
     async def _switch_ended(self, body: dict, o: sw_.Outcome) -> None:
         s = o.switch
@@ -507,9 +508,9 @@ class Controller:
                 # a quota, a webhook or a policy may be fixed without a spec change: tried again
                 mem.blocked_attempts = mem.blocked_attempts + 1 if mem.blocked_generation == gen else 1
                 delay = apply_retry_s(mem.blocked_attempts)
-                mem.blocked_retry_at = time.monotonic() + delay
+                mem.blocked_retry_at = self.clock.monotonic() + delay
                 msg = (f"the API server rejected an owned object: {e}; tried again in {delay:.0f}s (at "
-                       f"{sw_.iso(time.time() + delay)[:19]}Z, attempt {mem.blocked_attempts + 1}), or at once "
+                       f"{sw_.iso(self.clock.time() + delay)[:19]}Z, attempt {mem.blocked_attempts + 1}), or at once "
                        f"when the spec changes")
                 mem.blocked, mem.blocked_generation = Diagnosis("ApplyRejected", msg), gen
                 await self.events.post(body, "Warning", "ApplyRejected", str(e))
@@ -551,7 +552,8 @@ class Controller:
         # what this operator wrote last is newer than the cache (a whole-status write from a stale
         # cache would drop status.tokenDigests written a moment ago)
         prev = mem.last_status or body.get("status") or {}
-        conds = set_condition(prev.get("conditions"), "Ready", False, diag.reason, diag.message, gen)
+        conds = set_condition(prev.get("conditions"), "Ready", False, diag.reason, diag.message, gen,
+                              at=iso(self.clock.time()))
         status = {**{k: v for k, v in prev.items() if k != "conditions"}, "conditions": conds, "phase": "Degraded"}
         if status != mem.last_status:
             await self._write_status(key, status)
@@ -570,7 +572,7 @@ class Controller:
             mem.pods_ready_at = last_pod_ready
         if status["phase"] == "Ready" and not mem.was_ready and mem.pods_ready_at is not None:
             mem.was_ready = True
-            self.metrics.ready_seconds.observe(time.monotonic() - mem.pods_ready_at)
+            self.metrics.ready_seconds.observe(self.clock.monotonic() - mem.pods_ready_at)
 
     async def _write_status(self, key: Key, status: dict) -> None:
         obj = {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND,

@@ -181,41 +181,42 @@ def keys_state(secret: dict | None, name: str) -> tuple[bool, str, str]:
     return True, "KeysSecretReady", f"Secret {name} holds {len(secret.get('data') or {})} keys"
 
 
-def status(gw: dict, r: Routing, keys: tuple[bool, str, str], dep_obj: dict | None) -> dict:
+def status(gw: dict, r: Routing, keys: tuple[bool, str, str], dep_obj: dict | None, at: str) -> dict:
+    """`at`: the time a condition that flips records (the pass's clock)."""
     meta, prev = gw["metadata"], gw.get("status") or {}
     gen = meta.get("generation")
     conds = prev.get("conditions") or []
     ok, reason, message = keys
-    conds = set_condition(conds, "GatewayKeys", ok, reason, message, gen)
+    conds = set_condition(conds, "GatewayKeys", ok, reason, message, gen, at=at)
     if r.conflicts:
         msg = "; ".join(f"model {m!r} is claimed by {', '.join(ds)}: routed to {ds[0]}, {', '.join(ds[1:])} left "
                         f"out" for m, ds in sorted(r.conflicts.items()))
         conds = set_condition(conds, "ModelsServed", False, "ModelConflict",
                               f"{msg} (a claim that serves wins, else the oldest; rename a model or an alias, or "
-                              f"narrow spec.selector)", gen)
+                              f"narrow spec.selector)", gen, at=at)
     elif r.invalid:
         conds = set_condition(conds, "ModelsServed", False, "InvalidDeployment", "; ".join(
-            f"{d}: {why}" for d, why in sorted(r.invalid.items())), gen)
+            f"{d}: {why}" for d, why in sorted(r.invalid.items())), gen, at=at)
     elif not r.served and r.waiting:
         conds = set_condition(conds, "ModelsServed", False, "WaitingForDeployments",
-                              f"{', '.join(r.waiting)}: their data-scope token does not exist yet", gen)
+                              f"{', '.join(r.waiting)}: their data-scope token does not exist yet", gen, at=at)
     elif not r.served:
         conds = set_condition(conds, "ModelsServed", False, "NoDeployments",
-                              "spec.selector selects no PDDeployment in this namespace", gen)
+                              "spec.selector selects no PDDeployment in this namespace", gen, at=at)
     else:
         conds = set_condition(conds, "ModelsServed", True, "Serving", ", ".join(
-            f"{s.model} ({s.deployment})" for s in r.served), gen)
+            f"{s.model} ({s.deployment})" for s in r.served), gen, at=at)
     st = (dep_obj or {}).get("status") or {}
     ready = st.get("readyReplicas") or 0
     want = (dep_obj or {}).get("spec", {}).get("replicas", 0)
     if not ok:
-        conds = set_condition(conds, "Ready", False, reason, message, gen)
+        conds = set_condition(conds, "Ready", False, reason, message, gen, at=at)
     elif ready < 1:
         conds = set_condition(conds, "Ready", False, "NoReadyReplica",
                               f"0/{want} gateway pods ready (see the pods labelled {LABEL_PDGATEWAY}={meta['name']})",
-                              gen)
+                              gen, at=at)
     else:
-        conds = set_condition(conds, "Ready", True, "Serving", f"{ready}/{want} gateway pods ready", gen)
+        conds = set_condition(conds, "Ready", True, "Serving", f"{ready}/{want} gateway pods ready", gen, at=at)
     healthy = ok and ready >= 1 and not r.conflicts and bool(r.served)
     phase = "Ready" if healthy else ("Degraded" if ready >= 1 or r.conflicts else "Pending")
     return {"phase": phase, "url": f"http://{meta['name']}.{meta['namespace']}.svc:{GATEWAY_PORT}/v1",

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import time
 from dataclasses import dataclass, field, fields
 
 from .backoff import Backoff
@@ -78,18 +77,14 @@ class Memory:
         new.book = self.book.copy() if self.book is not None else None
         return new
 
-    def due(self, decoder: str, cid: int) -> bool:
-        return self.link_backoff.due((decoder, cid), time.monotonic())
-
-    def fail(self, decoder: str, cid: int, code: str, diag: Diagnosis) -> None:
-        self.link_backoff.fail((decoder, cid), time.monotonic())
+    def fail(self, decoder: str, cid: int, code: str, diag: Diagnosis, now: float) -> None:
+        self.link_backoff.fail((decoder, cid), now)
         self.failures[(decoder, cid)] = (code, diag)
 
     def succeed(self, decoder: str, cid: int) -> None:
         self.link_backoff.succeed((decoder, cid))
         self.failures.pop((decoder, cid), None)
 
-    def next_retry_in(self) -> float | None:
-        now = time.monotonic()
+    def next_retry_in(self, now: float) -> float | None:
         waits = [w for w in (self.link_backoff.next_in(now), self.agent_backoff.next_in(now)) if w is not None]
         return min(waits) if waits else None

@@ -308,8 +308,8 @@ def ready(obs: Observed, phase: str, conds: list[dict]) -> Verdict:
     return False, why["reason"], why["message"]
 
 
-def build_status(spec: PDDeploymentSpec, obs: Observed, previous: dict | None, at: str | None = None) -> dict:
-    """`at`: the time a condition that flips records (the pass's clock; default now)."""
+def build_status(spec: PDDeploymentSpec, obs: Observed, previous: dict | None, at: str) -> dict:
+    """`at`: the time a condition that flips records (the pass's clock)."""
     conds: list[dict] = list((previous or {}).get("conditions") or [])
     gen = obs.generation
     desired_pods = obs.desired_pods if obs.desired_pods is not None else spec.total

@@ -5,6 +5,7 @@ restart, a requeue that never comes) shows here before it costs a cluster run.""
 from __future__ import annotations
 
 import copy
+import time
 from pathlib import Path
 
 import pytest
@@ -20,10 +21,27 @@ KEY = ("ns", "x")
 MANUAL = {"policy": "Manual", "manual": {"prefill": 2}, "cooldownSeconds": 0, "drainTimeoutSeconds": 30}
 
 
+class Clock:
+    """The controller's clock: real time plus what a test skips ahead (`advance`)."""
+
+    def __init__(self) -> None:
+        self.skipped = 0.0
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.skipped
+
+    def time(self) -> float:
+        return time.time() + self.skipped
+
+    def advance(self, seconds: float) -> None:
+        self.skipped += seconds
+
+
 class World:
     """One PDDeployment `ns/x`, the fake API server, the fake agents and a Controller."""
 
     def __init__(self, spec: dict | None = None, status: dict | None = None):
+        self.clock = Clock()
         self.log = Log()
         self.kube = FakeKube(self.log)
         self.agents = FakeAgents(self.log)
@@ -35,7 +53,7 @@ class World:
 
     def controller(self, **kw) -> Controller:
         """A fresh Controller (as after an operator restart) that sees the stored objects."""
-        ctl = Controller(self.kube, self.agents, self.agents.metrics, **kw)
+        ctl = Controller(self.kube, self.agents, self.agents.metrics, clock=self.clock, **kw)
         ctl.stopping = True   # no worker task: the test runs the passes
         self.kube.controller = ctl
         ctl.on_deployment("ADDED", copy.deepcopy(self.kube.objects[("PDDeployment", "ns", "x")]))
@@ -224,8 +242,7 @@ async def test_an_invalid_spec_is_terminal():
     assert e.value.diagnosis.reason == "InvalidSpec"
 
 
-async def test_an_apply_the_api_server_rejects_is_reported_and_tried_again_with_backoff(monkeypatch):
-    import time
+async def test_an_apply_the_api_server_rejects_is_reported_and_tried_again_with_backoff():
     w = World()
     w.kube.reject["StatefulSet"] = (403, "exceeded quota: compute-resources")
     with pytest.raises(TerminalError) as e:
@@ -240,22 +257,20 @@ async def test_an_apply_the_api_server_rejects_is_reported_and_tried_again_with_
     applies = sum(1 for x in w.log if x[0] == "apply")
     await w.step()
     assert sum(1 for x in w.log if x[0] == "apply") == applies
-    real = time.monotonic
-    monkeypatch.setattr(time, "monotonic", lambda: real() + 6)
+    w.clock.advance(6)
     with pytest.raises(TerminalError) as e:
         await w.step()
     assert e.value.retry_s == 10.0
     # the quota is raised elsewhere: the next try is taken, without a spec change
     del w.kube.reject["StatefulSet"]
-    monkeypatch.setattr(time, "monotonic", lambda: real() + 20)
+    w.clock.advance(14)
     w.add_pods()
     await w.settle()
     assert w.status["phase"] == "Ready" and w.condition("Ready")["reason"] == "Ready"
 
 
-async def test_a_retried_apply_is_not_taken_while_a_token_secret_is_foreign(monkeypatch):
+async def test_a_retried_apply_is_not_taken_while_a_token_secret_is_foreign():
     import base64
-    import time
     w = World()
     w.kube.reject["StatefulSet"] = (403, "exceeded quota")
     with pytest.raises(TerminalError):
@@ -265,8 +280,7 @@ async def test_a_retried_apply_is_not_taken_while_a_token_secret_is_foreign(monk
     sec["data"] = {"token": base64.b64encode(b"chosen-by-them").decode()}
     sec.pop("stringData", None)
     del w.kube.reject["StatefulSet"]
-    real = time.monotonic
-    monkeypatch.setattr(time, "monotonic", lambda: real() + 60)   # past the retry and the token's re-read
+    w.clock.advance(60)   # past the retry and the token's re-read
     applies = sum(1 for c in w.log if c[0] == "apply" and c[1] == "StatefulSet")
     await w.step()
     assert sum(1 for c in w.log if c[0] == "apply" and c[1] == "StatefulSet") == applies
@@ -421,7 +435,7 @@ async def test_switch_abort_before_switch_role_puts_the_pod_back_and_clears_the_
     assert w.status["rebalance"]["retryAfter"], "the policy does not start it again at once"
 
 
-async def test_switch_abort_past_switch_role_is_refused_with_what_finishing_requires(monkeypatch):
+async def test_switch_abort_past_switch_role_is_refused_with_what_finishing_requires():
     w = await ready_world({**SPEC, "rebalance": MANUAL})
     w.agents.verify_ok = False   # held in Verify: the probes through it fail
     w.patch_spec(manual={"prefill": 3})
@@ -434,9 +448,7 @@ async def test_switch_abort_past_switch_role_is_refused_with_what_finishing_requ
     assert c["reason"] == "AbortRefused" and pod_ in c["message"] and "past switch_role" in c["message"], c
     assert w.kube.objects[("PDDeployment", "ns", "x")]["metadata"]["annotations"]["pdoperator.io/switch-abort"]
     w.agents.verify_ok = True
-    import time
-    real = time.monotonic
-    monkeypatch.setattr(time, "monotonic", lambda: real() + 600)   # past the failed probes' backoff
+    w.clock.advance(600)   # past the failed probes' backoff
     await w.settle()
     assert w.status["lastSwitch"]["result"] == "Completed"
     assert "pdoperator.io/switch-abort" not in w.kube.objects[("PDDeployment", "ns", "x")]["metadata"]["annotations"]

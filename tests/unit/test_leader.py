@@ -5,7 +5,6 @@ import copy
 
 import pytest
 
-from pd_operator import leader
 from pd_operator.leader import Elector, LeaseSettings, held_for
 
 
@@ -35,18 +34,25 @@ def test_a_foreign_duration_is_bounded_by_ours(written, want):
     assert held_for(written, 15.0) == want
 
 
-async def test_a_lease_held_with_a_duration_of_decades_is_taken_after_our_own_duration(monkeypatch):
+async def test_a_lease_held_with_a_duration_of_decades_is_taken_after_our_own_duration():
     hostile = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
                "metadata": {"name": "pd-operator-leader", "namespace": "pd-system", "resourceVersion": "7"},
                "spec": {"holderIdentity": "someone-else", "leaseDurationSeconds": 2147483647,
                         "renewTime": "2026-12-04T00:00:00.000000Z", "leaseTransitions": 3}}
     kube = OneLease(hostile)
     clock = [1000.0]
-    monkeypatch.setattr(leader.time, "monotonic", lambda: clock[0])
+
+    class Clock:
+        def monotonic(self) -> float:
+            return clock[0]
+
+        def time(self) -> float:
+            return 1.8e9 + clock[0]
 
     async def nothing():
         return None
-    e = Elector(kube, LeaseSettings(namespace="pd-system", identity="me"), nothing, nothing)   # type: ignore[arg-type]
+    e = Elector(kube, LeaseSettings(namespace="pd-system", identity="me"), nothing, nothing,   # type: ignore[arg-type]
+                clock=Clock())
     assert not await e.try_acquire_or_renew()        # held, as far as it can tell
     clock[0] += 14.0
     assert not await e.try_acquire_or_renew()        # within our own 15 s

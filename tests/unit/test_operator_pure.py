@@ -12,6 +12,8 @@ from pd_operator.cachedesc import derive
 from pd_operator.members import member_of, with_report
 from pd_operator.status import Observed, build_status
 
+AT = "2026-12-05T00:00:00Z"   # the pass's clock, as decide gives it
+
 REPO = Path(__file__).resolve().parents[2]
 SPEC = yaml.safe_load((REPO / "examples" / "sim-small.yaml").read_text())["spec"]
 
@@ -372,21 +374,21 @@ def test_status_ready_and_pending():
                    reported={"x-decoder-0": [up(engines[0])]}, observed_generation=3,
                    verify={"x-decoder-0": {"ok": True, "code": "LLM_SUCCESS", "decoder": "x-decoder-0",
                                            "prefill": "x-prefill-0", "bytes": 10, "pull_ms": 1.0}})
-    s = build_status(spec, obs, None)
+    s = build_status(spec, obs, None, at=AT)
     assert s["phase"] == "Ready" and s["linksSummary"] == "1/1" and s["observedGeneration"] == 3
     assert s["prefill"] == 1 and s["decoder"] == 1
     dec = next(m for m in s["members"] if m["pod"] == "x-decoder-0")
     assert dec["clusterId"] == 1000 and dec["links"] == {"expected": 1, "up": 1} and "failingLinks" not in dec
     assert conditions.is_true(s["conditions"], "KVPathVerified")
     obs.pods = [pod("x-prefill-0", "prefill", 0, ready=False), pods[1]]
-    assert build_status(spec, obs, s)["phase"] == "Pending"
+    assert build_status(spec, obs, s, at=AT)["phase"] == "Pending"
 
 
 def test_status_image_error_is_degraded_with_reason():
     spec = parse_spec({**SPEC, "prefill": {"replicas": 1}, "decoder": {"replicas": 0}})
     p = pod("x-prefill-0", "prefill", 0, ready=False,
             waiting={"reason": "ImagePullBackOff", "message": "image nope:1 not available"})
-    s = build_status(spec, Observed(generation=1, pods=[p], engines=[member_of(p, spec)]), None)
+    s = build_status(spec, Observed(generation=1, pods=[p], engines=[member_of(p, spec)]), None, at=AT)
     c = conditions.get(s["conditions"], "PodsReady")
     assert s["phase"] == "Degraded" and c["reason"] == "ImagePullError" and "nope:1" in c["message"]
 
@@ -449,7 +451,7 @@ def test_status_of_256_prefills_and_256_decoders_stays_small():
                   "pull_ms": 1.5} for d in reported}
     obs = Observed(generation=1, pods=pods, engines=engines, reported=reported, verify=verify, observed_generation=1,
                    boot_ids={e.pod: e.boot_id for e in engines})
-    s = build_status(spec, obs, None)
+    s = build_status(spec, obs, None, at=AT)
     size = len(json.dumps(s))
     assert size < 256 * 1024, size
     assert s["links"] == {"expected": 256 * 256, "up": 256 * 256 - 16}
@@ -461,7 +463,7 @@ def test_status_of_256_prefills_and_256_decoders_stays_small():
     # messages stay the same from pass to pass: a second build with other pull times is identical but lastVerified
     verify2 = {d: {**v, "pull_ms": 9.9} for d, v in verify.items()}
     s2 = build_status(spec, Observed(generation=1, pods=pods, engines=engines, reported=reported, verify=verify2,
-                                     observed_generation=1, boot_ids=obs.boot_ids), s)
+                                     observed_generation=1, boot_ids=obs.boot_ids), s, at=AT)
     assert s2["conditions"] == s["conditions"] and s2["lastVerified"] != s["lastVerified"]
 
 
@@ -474,7 +476,7 @@ def test_build_status_reads_each_link_report_once():
             Counting.reads += 1
             return super().get(*a)
     spec, pods, engines, reported = _fleet(32, 32)
-    build_status(spec, Observed(generation=1, pods=pods, engines=engines, reported=Counting(reported)), None)
+    build_status(spec, Observed(generation=1, pods=pods, engines=engines, reported=Counting(reported)), None, at=AT)
     assert Counting.reads == 32
 
 
@@ -486,7 +488,7 @@ def test_members_that_cannot_be_read_are_problems_not_exceptions():
     assert isinstance(member_of(no_index, spec), Problem) and "pod-index" in member_of(no_index, spec).message
     assert isinstance(member_of(odd, spec), Problem) and "router" in member_of(odd, spec).message
     s = build_status(spec, Observed(generation=1, pods=[no_index, odd], engines=[],
-                                    problems=[member_of(no_index, spec), member_of(odd, spec)]), None)
+                                    problems=[member_of(no_index, spec), member_of(odd, spec)]), None, at=AT)
     assert {m["pod"]: m["lastError"][:10] for m in s["members"]} == {"x-router-0": "unknown pd",
                                                                      "x-stray": "no apps.ku"}
 
@@ -585,7 +587,7 @@ def test_status_of_128_prefills_and_128_decoders_at_tp8_with_every_link_failing_
     obs = Observed(generation=1, pods=pods, engines=engines, reported=reported, observed_generation=1,
                    boot_ids={e.pod: e.boot_id for e in engines}, agent_errors=errors,
                    rank_reports={e.pod: (8, 8, "annotation") for e in engines})
-    s = build_status(spec, obs, None)
+    s = build_status(spec, obs, None, at=AT)
     size = len(json.dumps(s))
     print(f"status of 128P+128D TP 8, every link failing: {size / 1024:.1f} KiB")
     assert size < 256 * 1024, size

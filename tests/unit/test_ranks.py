@@ -199,7 +199,7 @@ def test_rank_links_are_counted_and_a_failing_rank_is_listed():
 
     obs = Observed(generation=1, pods=[], engines=[p0, p1, d0], reported=reported)
     obs.per_decoder = per
-    st = build_status(parse_spec(tp_spec(4)), obs, None)
+    st = build_status(parse_spec(tp_spec(4)), obs, None, at="2026-12-05T00:00:00Z")
     assert st["links"] == {"expected": 8, "up": 7} and st["linksSummary"] == "7/8"
 
 
@@ -211,7 +211,7 @@ def test_member_rows_list_failing_rank_links_and_summarise_ranks():
     reported = {"d-0": [link_to(p0, ["LLM_SUCCESS", "LLM_NOT_YET_LINK", "LLM_SUCCESS", "LLM_SUCCESS"])]}
     obs = Observed(generation=1, pods=pods, engines=[p0, d0], reported=reported,
                    rank_reports={"d-0": (4, 4, "annotation"), "p-0": (4, 4, "pod-ip")})
-    st = build_status(parse_spec(tp_spec(4)), obs, None)
+    st = build_status(parse_spec(tp_spec(4)), obs, None, at="2026-12-05T00:00:00Z")
     rows = {m["pod"]: m for m in st["members"]}
     assert rows["d-0"]["failingLinks"] == [{"peer": "p-0", "clusterId": 0, "code": "LLM_NOT_YET_LINK", "rank": 1}]
     assert rows["d-0"]["ranks"] == {"tensorParallel": 4, "initialized": 4, "deviceIps": "annotation"}

@@ -69,11 +69,11 @@ def test_a_content_mismatch_names_the_pair_and_both_ranks():
 
 def test_the_condition_is_kept_only_for_reference_deployments():
     bad = {"ok": False, "code": "KV_CONTENT_MISMATCH", "prefill": "p-0", "decoder": "d-0", "message": "x"}
-    s = build_status(parse_spec(SPEC), _obs({"d-0": bad}), None)
+    s = build_status(parse_spec(SPEC), _obs({"d-0": bad}), None, at="2026-12-05T00:00:00Z")
     c = next(c for c in s["conditions"] if c["type"] == "KVContentMismatch")
     assert c["status"] == "True"
     assert next(c for c in s["conditions"] if c["type"] == "KVPathVerified")["reason"] == "KVContentMismatch"
     timing = copy.deepcopy(SPEC)
     timing["sim"]["engine"] = "timing"
-    s = build_status(parse_spec(timing), _obs({"d-0": bad}), {"conditions": s["conditions"]})
+    s = build_status(parse_spec(timing), _obs({"d-0": bad}), {"conditions": s["conditions"]}, at="2026-12-05T00:00:00Z")
     assert all(c["type"] != "KVContentMismatch" for c in s["conditions"])

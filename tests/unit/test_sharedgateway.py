@@ -13,6 +13,7 @@ from pd_operator.sharedgateway import keys_state, matches, objects, owner_refere
 from tests.conftest import REPO
 
 BASE = yaml.safe_load((REPO / "examples" / "sim-small.yaml").read_text())
+AT = "2026-12-05T00:00:00Z"
 
 
 def dep(name: str, model: str, aliases=None, labels=None) -> dict:
@@ -129,7 +130,8 @@ def test_keys_secret_state(secret, reason):
 def test_status_names_conflicts_and_readiness():
     gw = {"metadata": {"name": "shared", "namespace": "t", "generation": 3}, "status": {}}
     r = routing([dep("a", "m"), dep("b", "m"), dep("c", "n")], None)
-    st = status(gw, r, (True, "KeysSecretReady", "ok"), {"spec": {"replicas": 2}, "status": {"readyReplicas": 2}})
+    st = status(gw, r, (True, "KeysSecretReady", "ok"), {"spec": {"replicas": 2}, "status": {"readyReplicas": 2}},
+                AT)
     served = {c["type"]: c for c in st["conditions"]}
     assert served["ModelsServed"]["reason"] == "ModelConflict"
     assert "claimed by a, b: routed to a, b left out" in served["ModelsServed"]["message"]
@@ -137,7 +139,7 @@ def test_status_names_conflicts_and_readiness():
                                                           {"model": "n", "deployment": "c"}]
     assert st["url"] == "http://shared.t.svc:8000/v1"
     st = status(gw, routing([dep("c", "n")], None), (True, "KeysSecretReady", "ok"),
-                {"spec": {"replicas": 2}, "status": {}})
+                {"spec": {"replicas": 2}, "status": {}}, AT)
     assert st["phase"] == "Pending" and {c["type"]: c for c in st["conditions"]}["Ready"]["reason"] == "NoReadyReplica"
 
 
@@ -158,7 +160,7 @@ def test_a_deployment_is_routed_once_its_token_exists():
     r = routing([dep("a", "m"), dep("b", "n")], None, tokens={"a"})
     assert [s.deployment for s in r.served] == ["a"] and r.waiting == ["b"]
     gw = {"metadata": {"name": "g", "namespace": "t", "generation": 1}}
-    st = status(gw, routing([dep("b", "n")], None, tokens=set()), (True, "KeysSecretReady", "ok"), None)
+    st = status(gw, routing([dep("b", "n")], None, tokens=set()), (True, "KeysSecretReady", "ok"), None, AT)
     assert {c["type"]: c for c in st["conditions"]}["ModelsServed"]["reason"] == "WaitingForDeployments"
 
 
