@@ -32,6 +32,7 @@ from typing import Awaitable, Callable
 
 import httpx
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
 from pd_contract.agent_api import (
@@ -65,25 +66,24 @@ from pd_contract.names import BROKEN_CODES, LINKED_CODES
 
 from .core import AgentError
 from .devices import DeviceError, Devices, resolve_env
+from .http import (
+    METRICS,
+    api_app,
+    api_routes,
+    app_runner,
+    error_reply,
+    model_reply,
+    presented_token,
+    read_body,
+    same_token,
+    serve_metrics,
+    wait_event,
+)
 from .identity import Identity, cluster_id_of, proxy_environment
 from .inference import OVERLOADED_RETRY_S, no_first_token
 from .metrics import AgentMetrics
 from .mindie_hook import attach as attach_mindie
-from .server import (
-    MAX_BODY_BYTES,
-    METRICS,
-    _body,
-    _error,
-    _json,
-    _presented,
-    _same,
-    app_runner,
-    auth_middleware,
-    control_fields,
-    error_middleware,
-    read_body,
-    serve_metrics,
-)
+from .routes import AgentService
 
 log = logging.getLogger("pd_agent.front")
 FRONT = web.AppKey("front", object)
@@ -136,7 +136,11 @@ class Rank:
     seen: float = 0.0      # when its status last answered
 
 
-class Front:
+class Front(AgentService):
+    """The pod's agent over its ranks; as an AgentService it answers the agent API (routes.py)."""
+
+    where = "front"
+
     def __init__(self, identity: Identity, tp: int, http: httpx.AsyncClient, env: dict[str, str] | None = None):
         self.id = identity
         self.tp = tp
@@ -229,10 +233,7 @@ class Front:
                          ", ".join(f"rank {d.rank} {d.ip}:{d.port}" for d in self.devices.ranks))
                 return True
             log.warning("DeviceIPUnknown: %s; re-reading in %.0fs", self.device_error, DEVICE_RETRY_S)
-            try:
-                await asyncio.wait_for(stop.wait(), DEVICE_RETRY_S)
-            except asyncio.TimeoutError:
-                pass
+            await wait_event(stop, DEVICE_RETRY_S)
         return False
 
     async def spawn(self, register_url: str) -> None:
@@ -447,11 +448,11 @@ class Front:
                             prefill=req.peer.name, decoder=self.id.pod, bytes=sum(x.bytes for x in results),
                             pull_ms=max((x.pull_ms for x in results), default=0), ranks=list(results))
 
-    async def drain(self, timeout_s: float) -> DrainResult:
+    async def drain(self, req: DrainRequest) -> DrainResult:
         self.draining = True    # the instance refuses new work first; its ranks finish what it took on
         res = [DrainResult.model_validate(x) for x in await self.each(
-            "POST", "/v1/drain", {r: DrainRequest(timeout_s=timeout_s) for r in range(self.tp)},
-            timeout=timeout_s + RANK_CALL_S)]
+            "POST", "/v1/drain", {r: DrainRequest(timeout_s=req.timeout_s) for r in range(self.tp)},
+            timeout=req.timeout_s + RANK_CALL_S)]
         return DrainResult(draining=True, in_flight=sum(x.in_flight for x in res) + self.serving,
                            pending_kv=sum(x.pending_kv for x in res),
                            drained=all(x.drained for x in res) and not self.serving)
@@ -576,12 +577,9 @@ class Front:
             return max(1, self.tp // shared)
         return self.tp * step
 
-    async def decode(self, request: web.Request) -> web.StreamResponse:
+    async def decode(self, body: DecodeRequest, request: web.Request) -> web.StreamResponse:
         """Pull on every rank first, so the first token waits for the slowest rank's pull, then
         decode on rank 0 (the step time is the instance's) and pass its answer or stream on."""
-        body = await _body(request, DecodeRequest)
-        assert isinstance(body, DecodeRequest)
-        control_fields(request, body, ("admitted", "kv_pulled_ms"))
         self._admit("decoder")
         st0 = self.ranks[0].status
         if body.first_token is None and st0 is not None and st0.engine == "reference":
@@ -600,8 +598,8 @@ class Front:
         url = f"{self.ranks[0].url}/v1/decode"
         data = rank0.model_dump(mode="json", exclude_none=True)
         if not body.stream:
-            return _json(DecodeResponse.model_validate(await self.call(0, "POST", "/v1/decode", rank0,
-                                                                       timeout=SERVE_S)))
+            return model_reply(DecodeResponse.model_validate(await self.call(0, "POST", "/v1/decode", rank0,
+                                                                             timeout=SERVE_S)))
         resp = None
         try:
             async with self.http.stream("POST", url, json=data, headers=self._headers(),
@@ -674,6 +672,58 @@ class Front:
             await asyncio.gather(*(self.call(r, "POST", "/v1/notify", rel) for r in range(1, self.tp)),
                                  return_exceptions=True)
 
+    # ---- the agent API (AgentService) -----------------------------------------------------------
+    def changed(self) -> None:
+        self.refreshed_at = 0.0   # a control call changed the ranks: the next status asks them
+
+    async def current_status(self) -> AgentStatus:
+        await self.refresh()
+        return self.status()
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        # a probe never waits on a busy rank: it reads the last round and starts the next one
+        if self.refreshed_at == 0.0:
+            await self.refresh()
+        elif time.monotonic() - self.refreshed_at > HEALTH_AGE_S and not self._refreshing.locked():
+            task = asyncio.create_task(self.refresh(max_age=HEALTH_AGE_S))
+            self.background.add(task)
+            task.add_done_callback(self.background.discard)
+        st = self.status()
+        return web.json_response({"ok": st.initialized, "role": st.role, "boot_id": st.boot_id,
+                                  "last_error": st.last_error}, status=200 if st.initialized else 503)
+
+    async def livez(self, request: web.Request) -> web.Response:
+        # the front's own loop answers; the ranks' state is /healthz's (readiness)
+        return web.json_response({"ok": True})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(request.app[METRICS].registry),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def get_status(self) -> AgentStatus:
+        await self.refresh(max_age=STATUS_AGE_S)
+        return self.status()
+
+    async def register_rank(self, req: RegisterRank) -> dict:
+        self.register(req)
+        return {"ok": True}
+
+    async def init(self) -> None:
+        await self.each("POST", "/v1/init")
+
+    async def probe(self, req: ProbeRequest) -> dict:
+        return await self.call(0, "POST", "/v1/probe", req)
+
+    async def set_faults(self, req: FaultsRequest) -> None:
+        if req.switch_crash_after_ranks is not None:
+            self.faults["switch_crash_after_ranks"] = req.switch_crash_after_ranks
+        rest = req.model_dump(exclude_none=True, exclude={"switch_crash_after_ranks"})
+        if rest and rest != {"crash": False}:
+            await self.each("POST", "/v1/admin/faults", {r: FaultsRequest(**rest) for r in range(self.tp)})
+
+    async def get_faults(self) -> dict:
+        return await self.call(0, "GET", "/v1/admin/faults")
+
     def crash(self) -> None:
         """The whole pod's agent dies at once, ranks included (a container crash)."""
         for p in self.procs.values():
@@ -686,113 +736,31 @@ class Front:
         try:
             r = int(request.match_info["rank"])
         except ValueError:
-            return _error(404, "NotFound", "no such rank")
-        call, got = (request.method, request.match_info["tail"]), _presented(request)
-        if not (call == ("GET", "v1/status") or (self.id.token and _same(got, self.id.token))
-                or (call == ("POST", "v1/notify") and _same(got, self.id.peer_token))):
-            return _error(403, "AgentForbidden", "a rank's own API takes the control token (its status: either; "
+            return error_reply(404, "NotFound", "no such rank")
+        call, got = (request.method, request.match_info["tail"]), presented_token(request)
+        if not (call == ("GET", "v1/status") or (self.id.token and same_token(got, self.id.token))
+                or (call == ("POST", "v1/notify") and same_token(got, self.id.peer_token))):
+            return error_reply(403, "AgentForbidden", "a rank's own API takes the control token (its status: either; "
                                                  "its pull notices: the peer token)")
         rk = self.ranks.get(r)
         if rk is None or not rk.url:
-            return _error(503, "RANK_NOT_REGISTERED", f"rank {r} has not registered with the pod's agent")
+            return error_reply(503, "RANK_NOT_REGISTERED", f"rank {r} has not registered with the pod's agent")
         headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "x-pd-agent-token",
                                                                               "content-type")}
         try:
             resp = await self.http.request(request.method, f"{rk.url}/{request.match_info['tail']}",
                                            content=await read_body(request), headers=headers, timeout=30)
         except httpx.HTTPError as e:
-            return _error(503, "RANK_UNREACHABLE", f"rank {r}: {e!r}")
+            return error_reply(503, "RANK_UNREACHABLE", f"rank {r}: {e!r}")
         return web.Response(body=resp.content, status=resp.status_code,
                             content_type=resp.headers.get("content-type", "application/json").split(";")[0])
 
 
 def build_front_app(front: Front, token: str | None, data_token: str | None = None,
                     peer_token: str | None = None) -> web.Application:
-    app = web.Application(middlewares=[auth_middleware(token, data_token, peer_token), error_middleware],
-                          client_max_size=MAX_BODY_BYTES)
-    app[METRICS] = AgentMetrics()
+    app = api_app(token, data_token, peer_token, AgentMetrics())
     app[FRONT] = front
-
-    async def status_json() -> web.Response:
-        await front.refresh()
-        return _json(front.status())
-
-    def handler(model, fn, control: tuple[str, ...] = (), scopes: tuple[str, ...] = ("control",)):
-        async def h(request: web.Request) -> web.Response:
-            body = await _body(request, model) if model else None
-            if body is not None and control:
-                control_fields(request, body, control, scopes)
-            out = await fn(body)
-            if request.path not in ("/v1/prefill", "/v1/notify", "/v1/probe"):
-                front.refreshed_at = 0.0   # a control call changed the ranks: the next status asks them
-            if isinstance(out, dict):
-                return web.json_response(out)
-            return _json(out) if out is not None else await status_json()
-        return h
-
-    async def healthz(request: web.Request) -> web.Response:
-        # a probe never waits on a busy rank: it reads the last round and starts the next one
-        if front.refreshed_at == 0.0:
-            await front.refresh()
-        elif time.monotonic() - front.refreshed_at > HEALTH_AGE_S and not front._refreshing.locked():
-            task = asyncio.create_task(front.refresh(max_age=HEALTH_AGE_S))
-            front.background.add(task)
-            task.add_done_callback(front.background.discard)
-        st = front.status()
-        return web.json_response({"ok": st.initialized, "role": st.role, "boot_id": st.boot_id,
-                                  "last_error": st.last_error}, status=200 if st.initialized else 503)
-
-    async def livez(request: web.Request) -> web.Response:
-        # the front's own loop answers; the ranks' state is /healthz's (readiness)
-        return web.json_response({"ok": True})
-
-    async def metrics(request: web.Request) -> web.Response:
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-        return web.Response(body=generate_latest(app[METRICS].registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    async def status(request: web.Request) -> web.Response:
-        await front.refresh(max_age=STATUS_AGE_S)
-        return _json(front.status())
-
-    async def register(request: web.Request) -> web.Response:
-        body = await _body(request, RegisterRank)
-        front.register(body)  # type: ignore[arg-type]
-        return web.json_response({"ok": True})
-
-    async def fan(path: str, body: BaseModel | None) -> None:
-        await front.each("POST", path, {r: body for r in range(front.tp)} if body is not None else None)
-
-    async def faults(body: FaultsRequest) -> None:
-        if body.switch_crash_after_ranks is not None:
-            front.faults["switch_crash_after_ranks"] = body.switch_crash_after_ranks
-        rest = body.model_dump(exclude_none=True, exclude={"switch_crash_after_ranks"})
-        if rest and rest != {"crash": False}:
-            await fan("/v1/admin/faults", FaultsRequest(**rest))
-
-    async def faults_get(request: web.Request) -> web.Response:
-        return web.json_response(await front.call(0, "GET", "/v1/admin/faults"))
-
-    app.add_routes([
-        web.get("/healthz", healthz),
-        web.get("/livez", livez),
-        web.get("/metrics", metrics),
-        web.get("/v1/status", status),
-        web.post("/v1/ranks", register),
-        web.post("/v1/init", handler(None, lambda _: fan("/v1/init", None))),
-        web.post("/v1/link", handler(LinkRequest, front.link)),
-        web.post("/v1/unlink", handler(UnlinkRequest, front.unlink)),
-        web.post("/v1/switch_role", handler(SwitchRoleRequest, front.switch_role)),
-        web.post("/v1/prefill", handler(PrefillRequest, front.prefill, control=("admitted",))),
-        web.post("/v1/notify", handler(NotifyRequest, front.notify, control=("released",), scopes=("control", "peer"))),
-        web.post("/v1/probe", handler(ProbeRequest, lambda b: front.call(0, "POST", "/v1/probe", b))),
-        web.post("/v1/decode", front.decode),
-        web.post("/v1/verify", handler(VerifyRequest, front.verify)),
-        web.post("/v1/drain", handler(DrainRequest, lambda b: front.drain(b.timeout_s))),
-        web.post("/v1/undrain", handler(None, lambda _: front.undrain())),
-        web.post("/v1/admin/faults", handler(FaultsRequest, faults)),
-        web.get("/v1/admin/faults", faults_get),
-        web.route("*", "/r/{rank}/{tail:.*}", front.proxy),
-    ])
+    app.add_routes(api_routes(front))
     return app
 
 

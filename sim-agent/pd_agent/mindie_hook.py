@@ -33,6 +33,7 @@ from pd_contract.names import PODINFO_ASCEND, PODINFO_DIR
 from pd_engine.mindie import OF_ENGINE, OTHER, annotation_devices, devices, role_body, servers
 
 from .devices import DeviceError, local_path, resolve_env
+from .http import wait_event
 
 log = logging.getLogger("pd_agent.mindie")
 URL_ENV = "PD_MINDIE_ROLE_URL"
@@ -166,7 +167,7 @@ class Pusher:
     async def run(self, ready: Ready, stop: asyncio.Event) -> None:
         """Wait for the engine, push its role, then keep it current until `stop`."""
         while not stop.is_set() and not await _ready(ready):
-            await _wait(stop, 0.2)
+            await wait_event(stop, 0.2)
         delay, why = RETRY_MIN_S, "initial role"
         while not stop.is_set():
             if await self.push(why):
@@ -174,7 +175,7 @@ class Pusher:
                 self.wake.clear()
                 await _wait_any(stop, self.wake, self.watch_s)
             else:
-                await _wait(stop, delay)
+                await wait_event(stop, delay)
                 delay = min(RETRY_MAX_S, delay * 2)
 
     async def aclose(self) -> None:
@@ -188,13 +189,6 @@ async def _ready(ready: Ready) -> bool:
     except Exception as e:  # noqa: BLE001 - a status round that failed: not ready yet
         log.debug("readiness check: %s", e)
         return False
-
-
-async def _wait(ev: asyncio.Event, seconds: float) -> None:
-    try:
-        await asyncio.wait_for(ev.wait(), seconds)
-    except asyncio.TimeoutError:
-        pass
 
 
 async def _wait_any(a: asyncio.Event, b: asyncio.Event, seconds: float) -> None:

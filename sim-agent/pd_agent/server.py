@@ -1,318 +1,182 @@
-"""The agent's HTTP layer (aiohttp): a thin shell over AgentCore.
+"""The single-rank agent (aiohttp): the agent API over one AgentCore, and the process that serves it.
 
-Every /v1 call needs the bearer token; bodies are the pydantic models in models.py and a
-malformed one gets 400 naming the field. /healthz (readiness: the engine is initialised),
-/livez (liveness: the process answers) and /metrics are open."""
+The routes, their scopes and bodies are routes.py's table; `CoreAPI` answers them over the
+core; the HTTP plumbing (auth, bodies, errors, metrics port) is http.py's. With several ranks
+(PD_TENSOR_PARALLEL > 1, or PD_RANKS_EXTERNAL) the pod's agent is front.py's, over the same table."""
 from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
 import json
 import logging
 import os
 import signal
 import time
-from typing import Awaitable, Callable
 
 import httpx
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ValidationError
 
 from pd_contract.agent_api import (
+    AgentStatus,
     DecodeRequest,
     DrainRequest,
+    DrainResult,
     FaultsRequest,
     LinkRequest,
+    LinkResult,
     NotifyRequest,
     PrefillRequest,
+    PrefillResponse,
     ProbeRequest,
+    ProbeResponse,
     PullRequest,
+    PullResponse,
     SwitchRoleRequest,
     UnlinkRequest,
     VerifyRequest,
+    VerifyResult,
 )
 
 from .core import AgentCore, AgentError
 from .devices import DeviceError, resolve_env
+from .front import serve_front
+from .http import METRICS, api_app, api_routes, app_runner, error_reply, model_reply, serve_metrics, wait_event
 from .identity import ConfigError, Identity, import_backend
 from .inference import Inference
 from .metrics import AgentMetrics
 from .mindie_hook import attach as attach_mindie
 from .notify import Notifier
+from .routes import AgentService, Route
 
 log = logging.getLogger("pd_agent")
 CORE = web.AppKey("core", AgentCore)
-METRICS = web.AppKey("metrics", AgentMetrics)
 HTTP = web.AppKey("http", httpx.AsyncClient)
-BODY_TIMEOUT_S = 30.0   # a request body (at most client_max_size) must arrive within this
-MAX_BODY_BYTES = 8 << 20   # a prefill's token ids (up to 2**20 of them, as JSON)
 
 
-def _error(status: int, code: str, message: str, **extra) -> web.Response:
-    return web.json_response({"code": code, "message": message, **extra}, status=status)
+class CoreAPI(AgentService):
+    """The agent API over one AgentCore: the single-rank agent, or one rank process of a pod."""
 
+    where = "agent"
 
-# The data scope: what a router needs (read status, prefill, decode). The peer scope: the
-# other agents' pull notices, and nothing else. Everything else (init, link, unlink,
-# switch_role, drain, verify, probe, faults) is the control scope: the operator's token only.
-DATA_ROUTES = {("GET", "/v1/status"), ("POST", "/v1/prefill"), ("POST", "/v1/decode")}
-PEER_ROUTES = {("POST", "/v1/notify")}
+    def __init__(self, core: AgentCore, token: str | None, http: httpx.AsyncClient):
+        self.core, self.token, self.http = core, token, http
+        self.inf = core.inference
 
+    def offers(self, route: Route) -> bool:
+        # an agent an inference server embeds without the simulated serving: no serving routes
+        return super().offers(route) and (self.inf is not None or not route.serving)
 
-SCOPE = web.RequestKey("scope", str)   # the caller's scope (control | data | peer), set by the auth middleware
+    async def current_status(self) -> AgentStatus:
+        return self.core.status()
 
-
-def control_fields(request: web.Request, body: BaseModel, names: tuple[str, ...],
-                   scopes: tuple[str, ...] = ("control",)) -> None:
-    """Fields only the operator's own agents may set (they bypass the instance's admission, or
-    free other requests' caches): a caller of another scope setting one gets 403."""
-    if request.get(SCOPE) in scopes:
-        return
-    bad = [n for n in names if getattr(body, n, None) not in (None, False, [])]
-    if bad:
-        raise AgentError("AgentForbidden", f"{', '.join(bad)} may be set only with the control token", 403)
-
-
-def _presented(request: web.Request) -> str:
-    got = request.headers.get("Authorization", "")
-    if got.startswith("Bearer "):
-        return got[7:]
-    # through the API server's pod proxy the Authorization header is the API server's: use this one
-    return request.headers.get("X-PD-Agent-Token", "")
-
-
-def _same(a: str, b: str | None) -> bool:
-    # headers may carry any bytes (aiohttp hands them over surrogate-escaped): surrogatepass
-    # encodes every str, so a stray byte is a wrong token, never an exception
-    return bool(b) and hmac.compare_digest(a.encode("utf-8", "surrogatepass"), b.encode("utf-8", "surrogatepass"))
-
-
-def auth_middleware(token: str | None, data_token: str | None = None, peer_token: str | None = None):
-    @web.middleware
-    async def mw(request: web.Request, handler):
-        if not request.path.startswith("/v1/"):
-            return await handler(request)
-        if not token:
-            return _error(401, "AgentUnauthorized", "the agent has no token configured (PD_AGENT_TOKEN)")
-        got = _presented(request)
-        if _same(got, token):
-            request[SCOPE] = "control"
-            return await handler(request)
-        route = (request.method, request.path)
-        held = [(scope, allowed) for scope, secret, allowed in (("data", data_token, DATA_ROUTES),
-                                                                ("peer", peer_token, PEER_ROUTES))
-                if _same(got, secret)]
-        for scope, allowed in held:
-            if route in allowed:
-                request[SCOPE] = scope
-                return await handler(request)
-        if held:
-            what = "a pull notice: it takes the peer token (pulled, linked, released)" if route in PEER_ROUTES \
-                else "a data call" if route in DATA_ROUTES else "an operator (control) call"
-            return _error(403, "AgentForbidden", f"the {held[0][0]} token may not call {request.method} "
-                                                 f"{request.path}; it is {what}")
-        return _error(401, "AgentUnauthorized", "missing or wrong bearer token")
-    return mw
-
-
-@web.middleware
-async def error_middleware(request: web.Request, handler):
-    # the route's name, never the path: a label value is kept for good, and callers choose paths
-    resource = request.match_info.route.resource
-    op = resource.canonical.rsplit("/", 1)[-1] if resource is not None else "unmatched"
-    metrics: AgentMetrics = request.app[METRICS]
-    try:
-        resp = await handler(request)
-        metrics.api_calls.labels(op, str(resp.status)).inc()
-        return resp
-    except web.HTTPException as e:
-        metrics.api_calls.labels(op, str(e.status)).inc()
-        if e.status < 400 or e.content_type == "application/json":
-            raise
-        # aiohttp's own refusals (404, 405, 413 body too large) in the agent's error shape
-        resp = _error(e.status, "".join(e.reason.title().split()), e.text or e.reason)
-        if "Allow" in e.headers:
-            resp.headers["Allow"] = e.headers["Allow"]
-        return resp
-    except AgentError as e:
-        metrics.api_calls.labels(op, str(e.status)).inc()
-        resp = _error(e.status, e.code, str(e))
-        if e.retry_after is not None:
-            resp.headers["Retry-After"] = str(e.retry_after)
-        return resp
-    except RuntimeError as e:
-        # the llm_datadist API raises RuntimeError before init, LLMException (a RuntimeError) after
-        code = getattr(getattr(e, "status_code", None), "name", "ENGINE_ERROR")
-        metrics.api_calls.labels(op, "409").inc()
-        return _error(409, code, str(e))
-    except Exception as e:  # noqa: BLE001 - a bug, still answered in the agent's shape (and logged)
-        log.exception("%s %s failed", request.method, request.path)
-        metrics.api_calls.labels(op, "500").inc()
-        return _error(500, "AgentInternalError", f"{type(e).__name__}: {e}")
-
-
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not a JSON number")
-
-
-async def read_body(request: web.Request) -> bytes:
-    """The whole body: over client_max_size 413 (error_middleware), trickling past BODY_TIMEOUT_S 408."""
-    try:
-        return await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
-    except asyncio.TimeoutError:
-        raise AgentError("RequestTimeout", f"the request body did not arrive within {BODY_TIMEOUT_S:.0f}s",
-                         408) from None
-
-
-def app_runner(app: web.Application, identity: Identity) -> web.AppRunner:
-    """aiohttp keeps a connection that never sends a whole request for an hour; ours go sooner."""
-    return web.AppRunner(app, access_log=None, keepalive_timeout=identity.idle_timeout_s)
-
-
-def metrics_app(app: web.Application) -> web.Application:
-    """`app`'s GET /metrics and nothing else, for the metrics port: a NetworkPolicy admits the
-    monitoring namespaces there, never to the API. Open like /metrics on the API port: it names
-    no key, request or token (counts by phase, reason, route and status; gauges; latencies)."""
-    handler = next(r.handler for r in app.router.routes()
-                   if r.method == "GET" and r.resource is not None and r.resource.canonical == "/metrics")
-    out = web.Application()
-    out[METRICS] = app[METRICS]
-    out.router.add_get("/metrics", handler)
-    return out
-
-
-async def serve_metrics(app: web.Application, identity: Identity, host: str) -> web.AppRunner | None:
-    """Serve `app`'s /metrics on identity.metrics_port (None: not at all). A port that cannot be
-    bound stops the agent, as the API port's would: a pod that cannot be scraped is noticed."""
-    if not identity.metrics_port:
-        return None
-    runner = web.AppRunner(metrics_app(app), access_log=None, keepalive_timeout=identity.idle_timeout_s)
-    await runner.setup()
-    await web.TCPSite(runner, host, identity.metrics_port).start()
-    log.info("metrics on %s:%d/metrics", host, identity.metrics_port)
-    return runner
-
-
-async def _body(request: web.Request, model: type[BaseModel]) -> BaseModel:
-    raw = await read_body(request)
-    try:
-        # bytes: the encoding is JSON's (UTF-8), whatever charset Content-Type names
-        data = json.loads(raw, parse_constant=_no_constant) if raw.strip() else {}
-    except (ValueError, RecursionError) as e:   # RecursionError: nested too deep to parse
-        raise web.HTTPBadRequest(text=json.dumps({"code": "BadRequest", "message": f"body is not JSON: {e}"}),
-                                 content_type="application/json") from None
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        first = e.errors()[0]
-        field = ".".join(str(p) for p in first["loc"]) or "(body)"
-        raise web.HTTPBadRequest(
-            text=json.dumps({"code": "BadRequest", "field": field,
-                             "message": f"{field}: {first['msg']}", "errors": json.loads(e.json())}),
-            content_type="application/json") from None
-
-
-def _json(model: BaseModel, status: int = 200) -> web.Response:
-    return web.json_response(model.model_dump(mode="json"), status=status)
-
-
-def routes(core: AgentCore, token: str | None, http: httpx.AsyncClient) -> list[web.RouteDef]:  # noqa: C901
-    def handler(model, fn: Callable[[BaseModel], Awaitable[BaseModel | None]], control: tuple[str, ...] = (),
-                scopes: tuple[str, ...] = ("control",)):
-        async def h(request: web.Request) -> web.Response:
-            body = await _body(request, model) if model else None
-            if body is not None and control:
-                control_fields(request, body, control, scopes)
-            out = await fn(body)
-            return _json(out if out is not None else core.status())
-        return h
-
-    async def healthz(request: web.Request) -> web.Response:
+    async def healthz(self, request: web.Request) -> web.Response:
+        core = self.core
         ok = core.initialized
         return web.json_response({"ok": ok, "role": core.role, "boot_id": core.boot_id,
                                   "last_error": core.last_error}, status=200 if ok else 503)
 
-    async def livez(request: web.Request) -> web.Response:
+    async def livez(self, request: web.Request) -> web.Response:
         """The event loop answers: an engine that cannot init yet is /healthz's to report (it
         retries), and restarting the pod would not help it."""
-        return web.json_response({"ok": True, "boot_id": core.boot_id})
+        return web.json_response({"ok": True, "boot_id": self.core.boot_id})
 
-    async def metrics(request: web.Request) -> web.Response:
+    async def metrics(self, request: web.Request) -> web.Response:
         m = request.app[METRICS]
-        st = core.status()
+        st = self.core.status()
         m.kv_used.set(st.load.kv_used_bytes)
         m.links.labels("up").set(sum(1 for l in st.links if l.code == "LLM_SUCCESS"))
         m.links.labels("down").set(sum(1 for l in st.links if l.code != "LLM_SUCCESS"))
         return web.Response(body=generate_latest(m.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    async def status(request: web.Request) -> web.Response:
-        return _json(core.status())
+    async def get_status(self) -> AgentStatus:
+        return self.core.status()
 
-    async def verify(body: VerifyRequest):
-        return await core.verify(body.peer, http, token)
+    async def init(self) -> None:
+        await self.core.init()
 
-    async def faults(body: FaultsRequest):
-        if not hasattr(core.llm, "SIMULATED"):
+    async def link(self, req: LinkRequest) -> LinkResult:
+        return await self.core.link(req)
+
+    async def unlink(self, req: UnlinkRequest) -> LinkResult:
+        return await self.core.unlink(req)
+
+    async def switch_role(self, req: SwitchRoleRequest) -> None:
+        await self.core.switch_role(req.role)
+
+    async def verify(self, req: VerifyRequest) -> VerifyResult:
+        return await self.core.verify(req.peer, self.http, self.token)
+
+    async def probe(self, req: ProbeRequest) -> ProbeResponse:
+        return await self.core.probe(req.req_id, req.content)
+
+    async def drain(self, req: DrainRequest) -> DrainResult:
+        return await self.core.drain(req.timeout_s)
+
+    async def undrain(self) -> DrainResult:
+        return await self.core.undrain()
+
+    async def notify(self, req: NotifyRequest) -> None:
+        self.core.notify(req)
+
+    async def set_faults(self, req: FaultsRequest) -> None:
+        if not hasattr(self.core.llm, "SIMULATED"):
             raise AgentError("LLM_FEATURE_NOT_ENABLED", "fault injection exists only on the simulator", 400)
-        if body.crash:
+        if req.crash:
             log.warning("crash requested through the admin API")
             asyncio.get_running_loop().call_later(0.05, os._exit, 137)
-            return None
+            return
         from llm_datadist_sim import faults as f
-        f.update(**body.model_dump(exclude_none=True, exclude={"crash", "switch_crash_after_ranks"}))
-        return None
+        f.update(**req.model_dump(exclude_none=True, exclude={"crash", "switch_crash_after_ranks"}))
 
-    async def faults_get(request: web.Request) -> web.Response:
+    async def get_faults(self) -> dict:
         from llm_datadist_sim import faults as f
-        return web.json_response(f.current().as_dict())
+        return f.current().as_dict()
 
-    async def init(_):
-        await core.init()
+    # ---- serving (offered with an Inference only) ----
+    def _inf(self) -> Inference:
+        assert self.inf is not None
+        return self.inf
 
-    async def notify(body: NotifyRequest):
-        core.notify(body)
+    async def prefill(self, req: PrefillRequest) -> PrefillResponse:
+        return await self._inf().prefill(req)
 
-    async def switch(body: SwitchRoleRequest):
-        await core.switch_role(body.role)
+    async def pull(self, req: PullRequest) -> PullResponse:
+        return await self._inf().pull(req)
 
-    inf = core.inference
-
-    async def kv_held(request: web.Request) -> web.Response:
+    async def kv(self, request: web.Request) -> web.Response:
         """A rank of a multi-rank decoder: the shard it pulled for a request, once, for the rank
         that decodes (the reference engine)."""
         try:
             req_id = int(request.match_info["req_id"])
         except ValueError:
-            return _error(400, "BadRequest", "req_id must be an integer")
-        return web.Response(body=inf.take_held(req_id), content_type="application/octet-stream")
+            return error_reply(400, "BadRequest", "req_id must be an integer")
+        return web.Response(body=self._inf().take_held(req_id), content_type="application/octet-stream")
 
-    async def decode(request: web.Request) -> web.StreamResponse:
+    async def decode(self, req: DecodeRequest, request: web.Request) -> web.StreamResponse:
         """Plain: one JSON reply. `stream: true`: NDJSON, a line per token as the decode loop
         emits it ({"token": i, "ms": since the decode started}), then {"done": DecodeResponse}
         or {"error": {code, message}}. Refusals before the first token are plain HTTP errors,
         so a router can send the request elsewhere. A client that goes away cancels the decode."""
-        body = await _body(request, DecodeRequest)
-        control_fields(request, body, ("admitted", "kv_pulled_ms"))
-        if not body.stream:
-            return _json(await inf.decode(body))
+        inf = self._inf()
+        if not req.stream:
+            return model_reply(await inf.decode(req))
         inf.responding += 1
         try:
-            return await _stream(request, body)
+            return await self._stream(request, req)
         finally:
             inf.responding -= 1
 
-    async def _stream(request: web.Request, body: DecodeRequest) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, body: DecodeRequest) -> web.StreamResponse:
         tokens: asyncio.Queue = asyncio.Queue()
-        task = asyncio.create_task(inf.decode(body, tokens))
+        task = asyncio.create_task(self._inf().decode(body, tokens))
         first = asyncio.create_task(tokens.get())
         try:
             await asyncio.wait({task, first}, return_when=asyncio.FIRST_COMPLETED)
             if not first.done():
                 first.cancel()
                 await task  # finished (or failed) before any token: raises its AgentError as a plain error
-                return _json(task.result())
+                return model_reply(task.result())
             resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
             await resp.prepare(request)
             await resp.write((json.dumps(first.result()) + "\n").encode())
@@ -338,30 +202,6 @@ def routes(core: AgentCore, token: str | None, http: httpx.AsyncClient) -> list[
             if not first.done():
                 first.cancel()
 
-    r = [
-        web.get("/healthz", healthz),
-        web.get("/livez", livez),
-        web.get("/metrics", metrics),
-        web.get("/v1/status", status),
-        web.post("/v1/init", handler(None, init)),
-        web.post("/v1/link", handler(LinkRequest, core.link)),
-        web.post("/v1/unlink", handler(UnlinkRequest, core.unlink)),
-        web.post("/v1/switch_role", handler(SwitchRoleRequest, switch)),
-        web.post("/v1/verify", handler(VerifyRequest, verify)),
-        web.post("/v1/probe", handler(ProbeRequest, lambda b: core.probe(b.req_id, b.content))),
-        web.post("/v1/drain", handler(DrainRequest, lambda b: core.drain(b.timeout_s))),
-        web.post("/v1/undrain", handler(None, lambda _: core.undrain())),
-        web.post("/v1/notify", handler(NotifyRequest, notify, control=("released",), scopes=("control", "peer"))),
-        web.post("/v1/admin/faults", handler(FaultsRequest, faults)),
-        web.get("/v1/admin/faults", faults_get),
-    ]
-    if inf is not None:
-        r += [web.post("/v1/prefill", handler(PrefillRequest, inf.prefill, control=("admitted",))),
-              web.post("/v1/decode", decode),
-              web.post("/v1/pull", handler(PullRequest, inf.pull)),
-              web.get("/v1/kv/{req_id}", kv_held)]
-    return r
-
 
 def build_app(core: AgentCore, token: str | None, metrics: AgentMetrics | None = None,
               serve_inference: bool = True, data_token: str | None = None,
@@ -371,13 +211,11 @@ def build_app(core: AgentCore, token: str | None, metrics: AgentMetrics | None =
     metrics = metrics or AgentMetrics()
     if serve_inference and core.inference is None:
         Inference(core, metrics)
-    app = web.Application(middlewares=[auth_middleware(token, data_token, peer_token), error_middleware],
-                          client_max_size=MAX_BODY_BYTES)
+    app = api_app(token, data_token, peer_token, metrics)
     app[CORE] = core
-    app[METRICS] = metrics
     # agent-to-agent calls (verify) must not go through a proxy
     app[HTTP] = httpx.AsyncClient(trust_env=False, timeout=10)
-    app.add_routes(routes(core, token, app[HTTP]))
+    app.add_routes(api_routes(CoreAPI(core, token, app[HTTP])))
 
     async def lifecycle(app: web.Application):
         if core.notifier is None:
@@ -397,13 +235,6 @@ def build_app(core: AgentCore, token: str | None, metrics: AgentMetrics | None =
 
     app.cleanup_ctx.append(lifecycle)
     return app
-
-
-async def _wait(ev: asyncio.Event, seconds: float) -> None:
-    try:
-        await asyncio.wait_for(ev.wait(), seconds)
-    except asyncio.TimeoutError:
-        pass
 
 
 def _device_of(core: AgentCore) -> None:
@@ -437,7 +268,7 @@ async def _register(url: str, rank: int, my_url: str, boot_id: str, token: str |
                 log.error("registering rank %d with %s: %s %s", rank, url, r.status_code, r.text[:200])
             except httpx.HTTPError as e:
                 log.info("registering rank %d with %s: %r; retrying", rank, url, e)
-            await _wait(stop, 0.5)
+            await wait_event(stop, 0.5)
 
 
 async def _serve(identity: Identity, host: str, port: int, rank: int | None = None) -> None:
@@ -466,7 +297,7 @@ async def _serve(identity: Identity, host: str, port: int, rank: int | None = No
     if identity.engine_start_s > 0:
         # the simulator's stand-in for loading weights and building the engine
         log.info("engine start-up takes %.1fs", identity.engine_start_s)
-        await _wait(stop, identity.engine_start_s)
+        await wait_event(stop, identity.engine_start_s)
     # Keep trying to init: a bad listen address is reported in /healthz, not a crash loop.
     delay = 0.5
     while not core.initialized and not stop.is_set():
@@ -479,7 +310,7 @@ async def _serve(identity: Identity, host: str, port: int, rank: int | None = No
         except Exception as e:  # noqa: BLE001
             core.last_error = f"init: {e}"
             log.error("engine init failed: %s; retrying in %.1fs", e, delay)
-            await _wait(stop, delay)
+            await wait_event(stop, delay)
             delay = min(10, delay * 2)
     await stop.wait()
     if core.initialized:
@@ -515,7 +346,6 @@ def main(argv: list[str] | None = None) -> None:
         asyncio.run(_serve(identity, os.environ.get("PD_LOCAL_POD_IP") or "127.0.0.1", 0, rank=rank))
     elif tp > 1 or os.environ.get("PD_RANKS_EXTERNAL", "").lower() in ("1", "true", "yes"):
         # several ranks, or an inference server beside this agent starts its own: the pod's agent
-        from .front import serve_front
         asyncio.run(serve_front(identity, tp, args.host, args.port or identity.agent_port))
     else:
         asyncio.run(_serve(identity, args.host, args.port or identity.agent_port))

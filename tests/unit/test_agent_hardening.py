@@ -461,8 +461,8 @@ async def _until(cond) -> None:
 
 
 async def test_a_body_that_trickles_in_is_cut_off(agent, monkeypatch):
-    import pd_agent.server
-    monkeypatch.setattr(pd_agent.server, "BODY_TIMEOUT_S", 0.2)
+    import pd_agent.http
+    monkeypatch.setattr(pd_agent.http, "BODY_TIMEOUT_S", 0.2)
     a = await agent()
     status, _, body = await a.raw(b"POST /v1/prefill HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + DATA.encode()
                                   + b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n"

@@ -18,9 +18,10 @@ from prometheus_client.metrics import MetricWrapperBase
 import llm_datadist_sim as llm
 from pd_agent.core import AgentCore
 from pd_agent.front import Front, build_front_app
+from pd_agent.http import metrics_app, serve_metrics
 from pd_agent.identity import ConfigError, Identity
 from pd_agent.metrics import AgentMetrics
-from pd_agent.server import build_app, metrics_app, serve_metrics
+from pd_agent.server import build_app
 from pd_contract.names import AGENT_METRICS_PORT, AGENT_PORT, GATEWAY_METRICS_PORT
 from pd_gateway.metrics import GatewayMetrics
 from pd_operator import builders, sharedgateway
