@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from pd_contract.agent_api import Peer, RankEndpoint
 from pd_contract.names import LINKED_CODES
@@ -21,9 +23,16 @@ from .kube import Kube, KubeError
 from .metrics import OperatorMetrics
 from .runtime import SYSTEM_CLOCK, Clock
 from .state import Memory
-from .switch import ENGINE_ROLE, Intent
+from .switch import ENGINE_ROLE, Intent, IntentKind
 
 log = logging.getLogger("pd_operator.act")
+
+
+def url_of(e: lk.Engine) -> str:
+    """The engine's agent URL (planned calls go only to engines whose agent answered)."""
+    if not e.agent_url:
+        raise AgentCallError("AgentUnreachable", f"{e.pod}: no agent URL (the pod has no IP yet)")
+    return e.agent_url
 
 
 def peer_of(e: lk.Engine) -> Peer:
@@ -69,7 +78,7 @@ async def execute(body: dict, agents: AgentClient, events: Events, metrics: Oper
     try:
         for force, stale in ((True, plan.force_unlink), (False, plan.unlink)):
             for batch in lk.batches(stale):
-                res = await agents.unlink(d.agent_url, token, [_peer_of_link(l) for l in batch], force=force,
+                res = await agents.unlink(url_of(d), token, [_peer_of_link(l) for l in batch], force=force,
                                           limiter=mem.limiter)
                 for code in res.rets.values():
                     metrics.link_ops.labels("force_unlink" if force else "unlink", code).inc()
@@ -77,7 +86,7 @@ async def execute(body: dict, agents: AgentClient, events: Events, metrics: Oper
                 await events.post(body, "Normal", "Unlinked", f"{d.pod} unlinked {names}"
                                   + (" (broken link, local end)" if force else ""))
         for batch in plan.link_batches():
-            res = await agents.link(d.agent_url, token, [peer_of(e) for e in batch], link_timeout_ms,
+            res = await agents.link(url_of(d), token, [peer_of(e) for e in batch], link_timeout_ms,
                                     limiter=mem.limiter)
             ok, bad = [], []
             for e in batch:
@@ -116,7 +125,7 @@ async def verify(body: dict, agents: AgentClient, events: Events, mem: Memory,
     """One verification round: each decoder pulls a probe from one prefill."""
     async def one(d: lk.Engine, p: lk.Engine) -> dict:
         try:
-            return (await agents.verify(d.agent_url, token, peer_of(p), limiter=mem.limiter)).model_dump()
+            return (await agents.verify(url_of(d), token, peer_of(p), limiter=mem.limiter)).model_dump()
         except AgentCallError as err:
             return {"ok": False, "code": err.code or err.kind, "message": str(err), "prefill": p.pod,
                     "decoder": d.pod, "bytes": 0, "pull_ms": 0}
@@ -139,6 +148,60 @@ async def verify(body: dict, agents: AgentClient, events: Events, mem: Memory,
 
 # ---- role switching ---------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class _Switching:
+    """What carrying out one pod's switch intents needs."""
+    kube: Kube
+    agents: AgentClient
+    mem: Memory
+    namespace: str
+    reported: dict[str, list[dict]]
+    pairs: dict[str, list[tuple[lk.Engine, lk.Engine]]]
+    token: str
+
+
+async def _label(c: _Switching, it: Intent, e: lk.Engine | None) -> None:
+    await c.kube.patch("v1", "Pod", c.namespace, it.pod, {"metadata": {"labels": {LABEL_ROLE: it.role}}})
+
+
+async def _annotate(c: _Switching, it: Intent, e: lk.Engine | None) -> None:
+    await c.kube.patch("v1", "Pod", c.namespace, it.pod, {"metadata": {"annotations": {ANNOTATION_ROLE: it.role}}})
+
+
+async def _drain(c: _Switching, it: Intent, e: lk.Engine | None) -> None:
+    assert e is not None and e.agent_url
+    await c.agents.drain(e.agent_url, c.token, limiter=c.mem.limiter)
+
+
+async def _undrain(c: _Switching, it: Intent, e: lk.Engine | None) -> None:
+    assert e is not None and e.agent_url
+    await c.agents.undrain(e.agent_url, c.token, limiter=c.mem.limiter)
+
+
+async def _switch_role(c: _Switching, it: Intent, e: lk.Engine | None) -> None:
+    assert e is not None and e.agent_url and it.role is not None
+    await c.agents.switch_role(e.agent_url, c.token, ENGINE_ROLE[it.role], limiter=c.mem.limiter)
+
+
+async def _unlink_all(c: _Switching, it: Intent, e: lk.Engine | None) -> None:
+    assert e is not None and e.agent_url
+    for batch in lk.batches(c.reported.get(it.pod, [])):
+        await c.agents.unlink(e.agent_url, c.token, [_peer_of_link(l) for l in batch], limiter=c.mem.limiter)
+
+
+async def _verify(c: _Switching, it: Intent, e: lk.Engine | None) -> None:
+    assert e is not None
+    await _switch_verify(c.agents, c.mem, e, c.pairs.get(it.pod, []), c.token)
+
+
+# each kind of switch intent: (whether it calls the pod's agent, what carries it out); a kind
+# missing here fails the type check (the table is typed by IntentKind) and test_act_intents
+INTENTS: dict[IntentKind, tuple[bool, Callable[[_Switching, Intent, lk.Engine | None], Awaitable[None]]]] = {
+    "label": (False, _label), "annotate": (False, _annotate), "drain": (True, _drain), "undrain": (True, _undrain),
+    "switch_role": (True, _switch_role), "unlink_all": (True, _unlink_all), "verify": (True, _verify),
+}
+
+
 async def switch_intents(kube: Kube, agents: AgentClient, mem: Memory, namespace: str, intents: list[Intent],
                          engines: dict[str, lk.Engine], reported: dict[str, list[dict]],
                          pairs: dict[str, list[tuple[lk.Engine, lk.Engine]]], token: str,
@@ -146,27 +209,14 @@ async def switch_intents(kube: Kube, agents: AgentClient, mem: Memory, namespace
     """Carry out one pod's switch intents in order. Agent failures are remembered (the step
     is retried after a backoff; an engine that cannot switch is marked for the abort); an API
     error on the pod is raised, except a pod that is gone (the next pass ends its switch)."""
+    ctx = _Switching(kube, agents, mem, namespace, reported, pairs, token)
     for it in intents:
         e = engines.get(it.pod)
+        calls_agent, carry_out = INTENTS[it.kind]
         try:
-            if it.kind == "label":
-                await kube.patch("v1", "Pod", namespace, it.pod, {"metadata": {"labels": {LABEL_ROLE: it.role}}})
-            elif it.kind == "annotate":
-                await kube.patch("v1", "Pod", namespace, it.pod,
-                                 {"metadata": {"annotations": {ANNOTATION_ROLE: it.role}}})
-            elif e is None or not e.agent_url or not mem.switch_backoff.due(it.pod, clock.monotonic()):
+            if calls_agent and (e is None or not e.agent_url or not mem.switch_backoff.due(it.pod, clock.monotonic())):
                 return  # an agent call that must wait: the rest of this pod's intents follow it
-            elif it.kind == "drain":
-                await agents.drain(e.agent_url, token, limiter=mem.limiter)
-            elif it.kind == "undrain":
-                await agents.undrain(e.agent_url, token, limiter=mem.limiter)
-            elif it.kind == "switch_role":
-                await agents.switch_role(e.agent_url, token, ENGINE_ROLE[it.role], limiter=mem.limiter)
-            elif it.kind == "unlink_all":
-                for batch in lk.batches(reported.get(it.pod, [])):
-                    await agents.unlink(e.agent_url, token, [_peer_of_link(l) for l in batch], limiter=mem.limiter)
-            elif it.kind == "verify":
-                await _switch_verify(agents, mem, e, pairs.get(it.pod, []), token)
+            await carry_out(ctx, it, e)
         except KubeError as err:
             if err.status == 404:
                 return
@@ -189,7 +239,7 @@ async def _switch_verify(agents: AgentClient, mem: Memory, e: lk.Engine, pairs: 
     """Each (decoder, prefill) path through the switched engine pulls a probe, all at once."""
     ok = mem.switch_verified.setdefault((e.pod, e.boot_id or ""), set())
     todo = [(d, p) for d, p in pairs if (d.pod, p.pod) not in ok]
-    results = await asyncio.gather(*(agents.verify(d.agent_url, token, peer_of(p), limiter=mem.limiter)
+    results = await asyncio.gather(*(agents.verify(url_of(d), token, peer_of(p), limiter=mem.limiter)
                                      for d, p in todo), return_exceptions=True)
     failed = None
     for (d, p), r in zip(todo, results):

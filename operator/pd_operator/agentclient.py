@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import TypeVar
 
 import httpx
 from pydantic import BaseModel, ValidationError
@@ -32,6 +33,7 @@ from .runtime import SYSTEM_CLOCK, Clock
 __all__ = ["STATUS_TIMEOUT_S", "AgentCallError", "AgentClient"]
 
 STATUS_TIMEOUT_S = 3.0
+M = TypeVar("M", bound=BaseModel)
 
 
 class AgentClient:
@@ -44,8 +46,8 @@ class AgentClient:
     async def close(self) -> None:
         await self._http.aclose()
 
-    async def _call(self, op: str, method: str, url: str, token: str, reply: type[BaseModel], body=None,
-                    timeout: float | None = None, limiter: asyncio.Semaphore | None = None) -> BaseModel:
+    async def _call(self, op: str, method: str, url: str, token: str, reply: type[M], body=None,
+                    timeout: float | None = None, limiter: asyncio.Semaphore | None = None) -> M:
         t0 = self.clock.monotonic()
         result = "ok"
         try:
@@ -54,7 +56,7 @@ class AgentClient:
                     r = await self._http.request(
                         method, url, headers={"Authorization": f"Bearer {token}"},
                         json=body.model_dump(mode="json") if body is not None else None,
-                        **({"timeout": timeout} if timeout else {}))
+                        timeout=timeout if timeout else httpx.USE_CLIENT_DEFAULT)
                 except httpx.HTTPError as e:
                     raise AgentCallError("AgentUnreachable", f"{url}: {type(e).__name__}: {e}".rstrip(": ")) from e
             if r.status_code == 401:
@@ -108,7 +110,7 @@ class AgentClient:
 
     async def switch_role(self, base: str, token: str, role: str, limiter=None) -> AgentStatus:
         return await self._call("switch_role", "POST", f"{base}/v1/switch_role", token, AgentStatus,
-                                SwitchRoleRequest(role=role), limiter=limiter)
+                                SwitchRoleRequest.model_validate({"role": role}), limiter=limiter)
 
     async def gateway_stats(self, base: str) -> dict | None:
         """pd-gateway's /stats: recent client-side TTFT/TBT percentiles. `base` is its metrics

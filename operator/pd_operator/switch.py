@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import datetime as dt
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 STEPS = ("Drain", "Unlink", "SwitchRole", "Relink", "Verify", "Undrain")
 ABORT = "Abort"
@@ -109,9 +109,12 @@ class View:
     refused: str | None = None      # the engine cannot switch (LLM_FEATURE_NOT_ENABLED): why
 
 
+IntentKind = Literal["label", "annotate", "drain", "undrain", "unlink_all", "switch_role", "verify"]
+
+
 @dataclass(frozen=True)
 class Intent:
-    kind: str        # label | annotate | drain | undrain | unlink_all | switch_role | verify
+    kind: IntentKind
     pod: str
     role: str | None = None
 

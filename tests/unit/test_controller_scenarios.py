@@ -544,3 +544,13 @@ def test_resyncs_are_spread_over_deployments():
     assert all(0.8 * rc.RESYNC_S <= d <= rc.RESYNC_S for d in delays)
     assert len(delays) > 80 and max(delays) - min(delays) > 0.15 * rc.RESYNC_S
     assert rc.resync_s(("ns", "d-1")) == rc.resync_s(("ns", "d-1"))
+
+
+def test_every_kind_of_switch_intent_has_its_handler():
+    """Intents are dispatched from one table typed by IntentKind: none falls through."""
+    from typing import get_args
+
+    from pd_operator import act
+    from pd_operator.switch import IntentKind
+    assert set(act.INTENTS) == set(get_args(IntentKind))
+    assert {k for k, (calls_agent, _) in act.INTENTS.items() if not calls_agent} == {"label", "annotate"}
