@@ -355,22 +355,35 @@ def _resources(spec: PDDeploymentSpec, group: str, resource: str, config: Operat
 def statefulset(name: str, namespace: str, spec: PDDeploymentSpec, group: str, owner: dict,
                 decided: dict | None = None, resource: str = NPU_RESOURCE,
                 config: OperatorConfig | None = None, token_digests: dict[str, str] | None = None) -> dict:
-    config = config or OperatorConfig(npu_resource=resource)
-    g = spec.prefill if group == "prefill" else spec.decoder
     labels = {**common_labels(name), **selector_labels(name, group)}
-    pod_labels = {**labels, LABEL_ROLE: group}
-    volumes, mounts = _ascend_volumes(spec)
-    if ranked(spec, group, resource):
-        vol, mount = _podinfo_volume()
-        volumes, mounts = volumes + [vol], mounts + [mount]
-    mindie_env, mindie_volumes, mindie_mounts = mindie_pod_patch(spec, name)   # spec.mindie: ranktable.py
-    volumes, mounts = volumes + mindie_volumes, mounts + mindie_mounts
-    beside = spec.engine is not None    # the inference server runs in a container of its own
-    container: dict = {
+    return {
+        "apiVersion": "apps/v1", "kind": "StatefulSet",
+        "metadata": object_meta(sts_name(name, group), namespace, owner, labels),
+        "spec": {
+            "replicas": spec.group_sizes(decided)[group],
+            "serviceName": sts_name(name, group),
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": selector_labels(name, group)},
+            "template": {
+                "metadata": {"labels": {**labels, LABEL_ROLE: group},
+                             "annotations": {"pdoperator.io/config-hash": config_hash(spec),
+                                             ANNOTATION_ROLE: group, **ENGINE_SCRAPE_ANNOTATIONS}},
+                "spec": engine_pod_spec(name, spec, group, resource, config or OperatorConfig(npu_resource=resource),
+                                        token_digests),
+            },
+        },
+    }
+
+
+def agent_container(name: str, spec: PDDeploymentSpec, group: str, resource: str,
+                    token_digests: dict[str, str] | None, extra_env: list[dict], beside: bool) -> dict:
+    """The agent's container: the operator's identity env, ports and probes (and, with an inference
+    server beside it, no user field: it waits for that server's ranks)."""
+    return {
         "name": "agent",
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
-        "env": _env(name, spec, group, resource, token_digests, user=not beside) + mindie_env
+        "env": _env(name, spec, group, resource, token_digests, user=not beside) + extra_env
         + ([{"name": "PD_RANKS_EXTERNAL", "value": "1"}] if beside else []),
         "ports": [{"name": "http", "containerPort": AGENT_PORT, "protocol": "TCP"},
                   {"name": "datadist", "containerPort": spec.datadist.port, "protocol": "TCP"},
@@ -381,12 +394,26 @@ def statefulset(name: str, namespace: str, spec: PDDeploymentSpec, group: str, o
                            "periodSeconds": 2, "failureThreshold": 3, "timeoutSeconds": 2},
         "livenessProbe": liveness_probe(path=None),
     }
+
+
+def engine_pod_spec(name: str, spec: PDDeploymentSpec, group: str, resource: str, config: OperatorConfig,
+                    token_digests: dict[str, str] | None) -> dict:
+    g = spec.prefill if group == "prefill" else spec.decoder
+    volumes, mounts = _ascend_volumes(spec)
+    if ranked(spec, group, resource):
+        vol, mount = _podinfo_volume()
+        volumes, mounts = volumes + [vol], mounts + [mount]
+    mindie_env, mindie_volumes, mindie_mounts = mindie_pod_patch(spec, name)   # spec.mindie: ranktable.py
+    volumes, mounts = volumes + mindie_volumes, mounts + mindie_mounts
+    beside = spec.engine is not None    # the inference server runs in a container of its own
+    container = agent_container(name, spec, group, resource, token_digests, mindie_env, beside)
     resources = _resources(spec, group, resource, config)
     user_container, user_pod = user_pod_fields(g)
     volumes = volumes + user_pod.pop("volumes", [])
-    engine: dict | None = None
+    containers = [container]
     if beside:
-        engine = engine_container(name, spec, group, resource, token_digests, user_container, mounts, resources)
+        containers.append(engine_container(name, spec, group, resource, token_digests, user_container, mounts,
+                                           resources))
         container["resources"] = AGENT_BESIDE_RESOURCES
     else:
         if resources:
@@ -397,7 +424,6 @@ def statefulset(name: str, namespace: str, spec: PDDeploymentSpec, group: str, o
     if mounts:
         container["volumeMounts"] = mounts
     # engines never call the API server: no ServiceAccount token in them
-    containers = [container] + ([engine] if engine is not None else [])
     pod_spec: dict = {"containers": containers, "terminationGracePeriodSeconds": termination_grace_seconds(spec),
                       "enableServiceLinks": False, "automountServiceAccountToken": False}
     if volumes:
@@ -419,22 +445,7 @@ def statefulset(name: str, namespace: str, spec: PDDeploymentSpec, group: str, o
         pod_spec["nodeSelector"] = g.node_selector
     if g.tolerations:
         pod_spec["tolerations"] = g.tolerations
-    return {
-        "apiVersion": "apps/v1", "kind": "StatefulSet",
-        "metadata": object_meta(sts_name(name, group), namespace, owner, labels),
-        "spec": {
-            "replicas": spec.group_sizes(decided)[group],
-            "serviceName": sts_name(name, group),
-            "podManagementPolicy": "Parallel",
-            "selector": {"matchLabels": selector_labels(name, group)},
-            "template": {
-                "metadata": {"labels": pod_labels,
-                             "annotations": {"pdoperator.io/config-hash": config_hash(spec),
-                                             ANNOTATION_ROLE: group, **ENGINE_SCRAPE_ANNOTATIONS}},
-                "spec": pod_spec,
-            },
-        },
-    }
+    return pod_spec
 
 
 def headless_service(name: str, namespace: str, spec: PDDeploymentSpec, group: str, owner: dict) -> dict:

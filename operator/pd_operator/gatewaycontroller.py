@@ -24,6 +24,7 @@ from .kube import Kube, KubeError
 from .reconcile import error_policy
 from .runtime import SYSTEM_CLOCK, Clock, Runtime
 from .sharedgateway import (
+    Routing,
     keys_state,
     objects,
     owner_reference,
@@ -115,21 +116,54 @@ class GatewayController:
         gw = await self.kube.get(f"{GROUP}/{VERSION}", KIND, ns, name)
         if gw is None or gw["metadata"].get("deletionTimestamp"):
             return
-        gen = gw["metadata"].get("generation")
         try:
             spec = parse_spec(gw.get("spec") or {})
         except ValueError as e:
-            msg = f"the spec does not parse: {str(e).splitlines()[0]}"
-            conds = set_condition((gw.get("status") or {}).get("conditions"), "Ready", False, "InvalidSpec", msg, gen,
-                                  at=iso(self.clock.time()))
-            await self._write_status(gw, {**(gw.get("status") or {}), "conditions": conds, "phase": "Degraded"})
+            await self._degraded(gw, "InvalidSpec", f"the spec does not parse: {str(e).splitlines()[0]}", event=False)
             return
         deployments = await self.kube.list(f"{GROUP}/{VERSION}", DEPLOYMENT_KIND, ns)
         secret = await self.kube.get("v1", "Secret", ns, spec.api_keys_secret)
         keys = keys_state(secret, spec.api_keys_secret)
+        r = routing(deployments, spec.selector, await self._with_tokens(ns, deployments))
+        owner = owner_reference(name, gw["metadata"]["uid"])
+        image = self.config.gateway_image
+        if not image:
+            await self._degraded(gw, "NoGatewayImage", "the operator's configuration names no gateway image (chart "
+                                 "value gateway.image, env PD_OPERATOR_GATEWAY_IMAGE): a PDGateway cannot run "
+                                 "without one")
+            return
+        taken, missing = await self._names(ns, name, owner)
+        if taken:
+            await self._degraded(gw, "NameTaken", f"{', '.join(taken)} already exist and belong to something else; "
+                                 f"rename this PDGateway (a PDDeployment's own gateway is named <deployment>-gateway)")
+            return
+        objs = objects(name, ns, spec, owner, r, image, keys_allowed=keys[0], config=self.config)
+        want, now = digest({"items": objs}), self.clock.monotonic()
+        last = self.applied.get(key)
+        if missing or last is None or last[0] != want or now - last[1] >= RECHECK_S:
+            for obj in objs:
+                await self.kube.apply(obj)
+            self.applied[key] = (want, now)
+        dep = await self.kube.get("apps/v1", "Deployment", ns, name)
+        st = status(gw, r, keys, dep, iso(self.clock.time()))
+        if st != (gw.get("status") or {}):
+            await self._write_status(gw, st)
+        await self._tell(key, gw, r, keys)
+
+    async def _degraded(self, gw: dict, reason: str, msg: str, event: bool = True) -> None:
+        prev = gw.get("status") or {}
+        conds = set_condition(prev.get("conditions"), "Ready", False, reason, msg, gw["metadata"].get("generation"),
+                              at=iso(self.clock.time()))
+        await self._write_status(gw, {**prev, "conditions": conds, "phase": "Degraded"})
+        if event:
+            await self.events.post(gw, "Warning", reason, msg)
+
+    async def _with_tokens(self, ns: str, deployments: list[dict]) -> set[str]:
+        """The deployments routed: those whose data token exists (pods read it at start) and is the
+        operator's. A token once seen is read again only after RECHECK_S (Secrets are read by name)."""
         tokens = set()
         now = self.clock.monotonic()
-        for d in deployments:   # routed once its data token exists (pods read it at start) and is the operator's
+        for d in deployments:
             dname = d["metadata"]["name"]
             seen = self.token_seen.get((ns, dname))
             if seen is not None and now - seen < RECHECK_S:
@@ -142,25 +176,18 @@ class GatewayController:
         listed = {(ns, d["metadata"]["name"]) for d in deployments}
         for k in [k for k in self.token_seen if k[0] == ns and k not in listed]:
             del self.token_seen[k]   # the deployment is gone
-        r = routing(deployments, spec.selector, tokens)
-        owner = owner_reference(name, gw["metadata"]["uid"])
-        image = self.config.gateway_image
-        if not image:
-            msg = ("the operator's configuration names no gateway image (chart value gateway.image, env "
-                   "PD_OPERATOR_GATEWAY_IMAGE): a PDGateway cannot run without one")
-            conds = set_condition((gw.get("status") or {}).get("conditions"), "Ready", False, "NoGatewayImage", msg,
-                                  gen, at=iso(self.clock.time()))
-            await self._write_status(gw, {**(gw.get("status") or {}), "conditions": conds, "phase": "Degraded"})
-            await self.events.post(gw, "Warning", "NoGatewayImage", msg)
-            return
-        # names this gateway would take that another owner already controls (a deployment's own
-        # gateway is `<deployment>-gateway`): refused, not fought over
+        return tokens
+
+    async def _names(self, ns: str, name: str, owner: dict) -> tuple[list[str], bool]:
+        """(names this gateway would take that another owner controls, whether an object is missing).
+        A deployment's own gateway is `<deployment>-gateway`: a clash is refused, not fought over.
+        The usage ConfigMap is created once, never applied: the replicas own its data."""
         taken, missing = [], False
         for kind, api_version, obj_name in (("Deployment", "apps/v1", name), ("Service", "v1", name),
                                             ("ConfigMap", "v1", usage_configmap_name(name))):
             existing = await self.kube.get(api_version, kind, ns, obj_name)
             if existing is None:
-                if kind == "ConfigMap":   # created once, never applied: the replicas own its data
+                if kind == "ConfigMap":
                     await self.kube.create(usage_configmap(name, ns, owner))
                 else:
                     missing = True
@@ -168,25 +195,10 @@ class GatewayController:
             ctl = next((o for o in existing["metadata"].get("ownerReferences") or [] if o.get("controller")), None)
             if not ctl or ctl.get("uid") != owner["uid"]:
                 taken.append(f"{kind} {obj_name}")
-        if taken:
-            msg = (f"{', '.join(taken)} already exist and belong to something else; rename this PDGateway "
-                   f"(a PDDeployment's own gateway is named <deployment>-gateway)")
-            conds = set_condition((gw.get("status") or {}).get("conditions"), "Ready", False, "NameTaken", msg, gen,
-                                  at=iso(self.clock.time()))
-            await self._write_status(gw, {**(gw.get("status") or {}), "conditions": conds, "phase": "Degraded"})
-            await self.events.post(gw, "Warning", "NameTaken", msg)
-            return
-        objs = objects(name, ns, spec, owner, r, image, keys_allowed=keys[0], config=self.config)
-        want = digest({"items": objs})
-        last = self.applied.get(key)
-        if missing or last is None or last[0] != want or now - last[1] >= RECHECK_S:
-            for obj in objs:
-                await self.kube.apply(obj)
-            self.applied[key] = (want, now)
-        dep = await self.kube.get("apps/v1", "Deployment", ns, name)
-        st = status(gw, r, keys, dep, iso(self.clock.time()))
-        if st != (gw.get("status") or {}):
-            await self._write_status(gw, st)
+        return taken, missing
+
+    async def _tell(self, key: Key, gw: dict, r: Routing, keys: tuple[bool, str, str]) -> None:
+        """Events: what it routes (when that changed), model conflicts, keys not usable."""
         served = [(s.model, s.deployment, tuple(s.aliases)) for s in r.served]
         if served != self.served.get(key):
             self.served[key] = served
