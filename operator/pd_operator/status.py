@@ -343,13 +343,6 @@ def build_status(spec: PDDeploymentSpec, obs: Observed, previous: dict | None, a
     results = [obs.verify[d] for d in sorted(obs.verify)]
     ready_pods = [p for p in live if pod_ready(p)]
 
-    derived = derive(spec.kv_cache_for("prefill"))
-    cache = {"numTensors": derived.num_tensors, "shape": derived.shape, "dataType": derived.data_type,
-             "bytesPerToken": derived.bytes_per_token, "cacheBytes": derived.cache_bytes}
-    if derived.blocks_shape:
-        cache["blocksShape"] = derived.blocks_shape
-    if spec.backend == "sim":
-        cache["simMemoryScale"] = derived.sim_memory_scale()
     ready_names = {p["metadata"]["name"] for p in ready_pods}
     out = {
         "phase": phase,
@@ -359,9 +352,26 @@ def build_status(spec: PDDeploymentSpec, obs: Observed, previous: dict | None, a
         "linksSummary": f"{up}/{expected}",
         "members": members,
         "conditions": conds,
-        "cacheDesc": cache,
+        "cacheDesc": cache_desc_status(spec),
         "replicas": len(live),
     }
+    return _with_rounds(out, obs, results)
+
+
+def cache_desc_status(spec: PDDeploymentSpec) -> dict:
+    """status.cacheDesc: the CacheDesc the engines run with, and what it costs."""
+    derived = derive(spec.kv_cache_for("prefill"))
+    cache = {"numTensors": derived.num_tensors, "shape": derived.shape, "dataType": derived.data_type,
+             "bytesPerToken": derived.bytes_per_token, "cacheBytes": derived.cache_bytes}
+    if derived.blocks_shape:
+        cache["blocksShape"] = derived.blocks_shape
+    if spec.backend == "sim":
+        cache["simMemoryScale"] = derived.sim_memory_scale()
+    return cache
+
+
+def _with_rounds(out: dict, obs: Observed, results: list[dict]) -> dict:
+    """The fields of the last verification round, the switches and the rebalancing, when set."""
     good = [r for r in results if r["ok"]]
     if good:
         pairs = lambda r: f" ({len(r['ranks'])} rank pairs)" if r.get("ranks") else ""  # noqa: E731
