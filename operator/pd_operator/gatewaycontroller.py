@@ -18,10 +18,10 @@ from .api_gateway import KIND, parse_spec
 from .children import digest
 from .conditions import iso, set_condition
 from .config import OperatorConfig
+from .errors import error_policy
 from .events import Events
 from .gateway import data_token_secret_name
 from .kube import Kube, KubeError
-from .reconcile import error_policy
 from .runtime import SYSTEM_CLOCK, Clock, Runtime
 from .sharedgateway import (
     Routing,

@@ -41,7 +41,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None
     settings.peering.standalone = True
     # Watch only what carries the deployment label, filtered by the API server.
     settings.watching.label_selectors["pods"] = LABEL_DEPLOYMENT
-    for group, _, plural in WATCHED_CHILDREN:
+    for group, _version, plural in WATCHED_CHILDREN:
         settings.watching.label_selectors[f"{group}/{plural}" if group else plural] = LABEL_DEPLOYMENT
     metrics = OperatorMetrics()
     memo.kube = Kube()

@@ -363,8 +363,8 @@ async def _verify(kube: Kube, px: Proxy, obj: dict, ns: str, name: str, control:
         out("\ngateway (one completion with the key):")
         bad, late = await _gateway_check(kube, px, ns, name, spec, gw, opts, deadline, per_call, progress, out)
         failures, timed_out = failures + bad, timed_out + late
-    late = f", {timed_out} timed out (--timeout {opts.timeout:g}s)" if timed_out else ""
-    out(f"\n{'all checks passed' if not failures else f'{failures} check(s) failed{late}'}")
+    late_note = f", {timed_out} timed out (--timeout {opts.timeout:g}s)" if timed_out else ""
+    out(f"\n{'all checks passed' if not failures else f'{failures} check(s) failed{late_note}'}")
     return 1 if failures else 0
 
 

@@ -52,10 +52,11 @@ async def gather(engines: list[Engine], client: AgentClient, token: str, backoff
                and backoff.due(backoff_key(e), now)]
 
     async def one(e: Engine) -> tuple[Engine, Report]:
+        url = e.agent_url or ""   # (targets have one)
         try:
-            s = await client.status(e.agent_url, token, limiter)
+            s = await client.status(url, token, limiter)
             if not s.initialized and e.ready:
-                s = await client.init(e.agent_url, token, limiter)
+                s = await client.init(url, token, limiter)
             return e, Report(status=s)
         except AgentCallError as err:
             return e, Report(error=err)

@@ -54,7 +54,7 @@ class World:
     def controller(self, **kw) -> Controller:
         """A fresh Controller (as after an operator restart) that sees the stored objects."""
         ctl = Controller(self.kube, self.agents, self.agents.metrics, clock=self.clock, **kw)
-        ctl.stopping = True   # no worker task: the test runs the passes
+        ctl.runtime.stopping = True   # no worker task: the test runs the passes
         self.kube.controller = ctl
         ctl.on_deployment("ADDED", copy.deepcopy(self.kube.objects[("PDDeployment", "ns", "x")]))
         for (kind, _, _), obj in list(self.kube.objects.items()):
@@ -249,7 +249,7 @@ async def test_an_apply_the_api_server_rejects_is_reported_and_tried_again_with_
         await w.step()
     assert any(c[0] == "event" and c[1] == "ApplyRejected" for c in w.log)
     assert error_policy(e.value, 1) == 5.0, "tried again later, not only on a spec change"
-    await w.ctl._record_terminal(KEY, w.ctl.memory[KEY], w.ctl.memory[KEY].blocked)
+    await w.ctl.actor.record_terminal(KEY, w.ctl.memory[KEY], w.ctl.memory[KEY].blocked)
     c = w.condition("Ready")
     assert w.status["phase"] == "Degraded" and c["reason"] == "ApplyRejected"
     assert "exceeded quota" in c["message"] and "tried again in 5s" in c["message"], c
@@ -487,7 +487,7 @@ async def test_decide_is_deterministic_and_changes_none_of_its_inputs():
     w = await ready_world({**SPEC, "rebalance": MANUAL})
     w.patch_spec(manual={"prefill": 3})
     await w.step()   # a switch is in flight: the richest kind of pass
-    snap = await w.ctl.observe(KEY, w.ctl.deployments[KEY])
+    snap = await w.ctl.observer.observe(KEY, w.ctl.deployments[KEY])
     mem = snap.memory
     before = (copy.deepcopy(mem.book), dict(mem.reports), dict(mem.next_poll), dict(mem.failures),
               mem.verified_links, copy.deepcopy(snap.body))

@@ -1,0 +1,160 @@
+"""observe: what decide works from, frozen into a Snapshot: the deployment, its pods and children
+from the caches (checked against a fresh list now and then), the control token and the gateway's
+keys Secret (read now and then, never watched), what each agent asked this pass reports about its
+engine, and the gateway's latency figures where the SLO policy reads them. What it writes to memory
+is bookkeeping of its own calls (the agents' backoff, the token it read), never a decision."""
+from __future__ import annotations
+
+import logging
+import os
+
+from pd_contract.names import LABEL_KEYS
+
+from . import observe
+from . import switch as sw_
+from . import tokens as tk
+from .agentclient import AgentClient
+from .api import GROUP, KIND, VERSION, PDDeploymentSpec, parse_spec
+from .caches import Caches
+from .config import OperatorConfig
+from .decide import Snapshot
+from .errors import TerminalError
+from .kube import Kube, KubeError
+from .members import Problem, claimed_owner, foreign, member_of, pod_ready
+from .observe import ask_always, to_ask
+from .runtime import Clock
+from .state import Memory
+
+log = logging.getLogger("pd_operator.observer")
+Key = tuple[str, str]
+# caches are checked against a fresh list this often
+RELIST_S = float(os.environ.get("PD_OPERATOR_RELIST_SECONDS", "30"))
+STRAY_RELIST_S = 5.0      # a pod claiming a StatefulSet not in the cache makes a fresh list this often
+TOKEN_TTL_S = 20.0
+
+
+class Observer:
+    def __init__(self, kube: Kube, agents: AgentClient, caches: Caches, memory: dict[Key, Memory],
+                 config: OperatorConfig, clock: Clock):
+        self.kube, self.agents, self.caches, self.memory, self.config, self.clock = \
+            kube, agents, caches, memory, config, clock
+
+    async def observe(self, key: Key, body: dict) -> Snapshot:
+        """The Snapshot decide works from. What it writes to memory is bookkeeping of its own
+        calls (the agents' backoff, the token it read), never a decision."""
+        ns, name = key
+        mem = self.memory.setdefault(key, Memory())
+        now, wall = self.clock.monotonic(), self.clock.time()
+        try:
+            spec = parse_spec(body["spec"])
+        except ValueError as e:
+            raise TerminalError("InvalidSpec", f"spec is invalid (admission should have refused it): {e}") from e
+        c = self.caches
+        if now - c.relisted_at.get(key, 0.0) > RELIST_S:
+            await c.relist(self.kube, key)
+        uid = body["metadata"].get("uid", "")
+        own = c.own_statefulsets(key, uid)
+        cached = c.cached_pods(key)
+        if any(claimed_owner(p) not in own | {None} for p in cached) \
+                and now - c.relisted_at.get(key, 0.0) > STRAY_RELIST_S:
+            # a StatefulSet's watch event may trail its pods': look before calling a pod foreign
+            await c.relist(self.kube, key)
+            own = c.own_statefulsets(key, uid)
+            cached = c.cached_pods(key)
+        strays = [pr for p in cached if (pr := foreign(p, own))]
+        all_pods = [p for p in cached if claimed_owner(p) in own]
+        stray_pods = tuple(p for p in cached if claimed_owner(p) not in own)
+        members = [member_of(p, spec) for p in all_pods]
+        problems = tuple(strays) + tuple(m for m in members if isinstance(m, Problem))
+        engines = [m for m in members if not isinstance(m, Problem)]
+        token = await self._token(key, mem, uid, body.get("status"))
+        keys = await self._keys_secret(key, mem, spec)
+        book = mem.book or sw_.Book.from_status(body.get("status"))
+        reports: dict = {}
+        ask: set[str] = set()
+        if token:
+            dirty = c.dirty.setdefault(key, set())
+            ask = to_ask(mem, engines, now, dirty, ask_always(spec, book, engines, wall))
+            dirty -= ask   # (given back if this pass's record fails: its reports are then lost)
+            reports = await observe.gather(engines, self.agents, token, mem.agent_backoff, now, mem.limiter,
+                                           only=ask)
+            if any(r.error is not None and r.error.kind == "AgentUnauthorized" for r in reports.values()):
+                mem.token_read_at = 0.0  # the Secret may have been rotated: read it again next pass
+        stats, read = None, False
+        rbs = spec.rebalance
+        if rbs is not None and rbs.policy == "SLO" and spec.gateway and spec.gateway.enabled \
+                and wall >= book.next_evaluation:
+            stats, read = await self._gateway_stats(ns, name), True
+        alive = {e.pod: e for e in engines}
+        mem.agent_backoff.prune(lambda k: k[0] in alive and k == observe.backoff_key(alive[k[0]]))
+        return Snapshot(key=key, body=body, spec=spec, now=now, wall=wall, pods=tuple(all_pods),
+                        children=c.child_objects(key),
+                        engines=tuple(engines), problems=problems, token=token, reports=reports,
+                        gateway_stats=stats, gateway_read=read, asked=frozenset(ask), memory=mem,
+                        npu_resource=self.config.npu_resource, config=self.config, token_problem=mem.token_problem,
+                        token_digests=tuple(sorted(mem.token_digests.items())),
+                        keys=keys, strays=stray_pods)
+
+    async def _gateway_stats(self, ns: str, name: str) -> tuple[dict, float] | None:
+        """The gateway's recent client-side TTFT/TBT percentiles (what the SLO policy reads where
+        a gateway is deployed); None if no gateway pod answers."""
+        from .gateway import GATEWAY_METRICS_PORT, LABEL_GATEWAY
+        try:
+            pods = await self.kube.list("v1", "Pod", ns, f"{LABEL_GATEWAY}={name}")
+        except KubeError:
+            return None
+        for p in pods:
+            ip = (p.get("status") or {}).get("podIP")
+            if ip and pod_ready(p) and not p["metadata"].get("deletionTimestamp"):
+                stats = await self.agents.gateway_stats(f"http://{ip}:{GATEWAY_METRICS_PORT}")
+                if stats is not None:
+                    return stats, self.clock.monotonic()
+        return None
+
+    async def _token(self, key: Key, mem: Memory, uid: str, status: dict | None) -> str | None:
+        """The control token, from the Secret the operator made (tokens.judge: its digest is in
+        status). Re-read now and then: a Secret deleted to rotate it must show up (a new one is made;
+        the running pods answer AgentUnauthorized until they restart with it), and RBAC allows `get`
+        on the Secret, not a watch."""
+        if (mem.token or mem.token_problem) and not mem.token_create \
+                and self.clock.monotonic() - mem.token_read_at < TOKEN_TTL_S:
+            return mem.token
+        ns, name = key
+        found = {role: await self.kube.get("v1", "Secret", ns, secret_name(name))
+                 for role, secret_name in tk.SECRETS.items()}
+        # what this operator wrote last is newer than the cached object's status
+        v = tk.judge(name, ns, uid, found, mem.last_status or status, mem.token_create)
+        if v.foreign and mem.last_status is None:
+            # no write of its own yet (a restart, a takeover): the cache may trail the status the
+            # operator wrote before; a Secret is called foreign only against the status as stored
+            fresh = await self.kube.get(f"{GROUP}/{VERSION}", KIND, ns, name)
+            if fresh is not None:
+                v = tk.judge(name, ns, uid, found, fresh.get("status"), mem.token_create)
+        mem.token, mem.token_problem, mem.token_digests = v.token, v.problem, v.digests
+        mem.token_create = v.create
+        mem.token_read_at = self.clock.monotonic()
+        return mem.token
+
+    async def _keys_secret(self, key: Key, mem: Memory, spec: PDDeploymentSpec) -> tuple[bool, str, str] | None:
+        """Whether the gateway may be given its keys Secret: only one that opted in with the label
+        pdoperator.io/keys: "true". Re-read every pass until it is allowed, then now and then."""
+        gw = spec.gateway
+        if gw is None or not gw.enabled or not gw.api_keys_secret:
+            mem.keys_verdict = None
+            return None
+        v = mem.keys_verdict
+        if v is not None and v[0] and self.clock.monotonic() - mem.keys_read_at < TOKEN_TTL_S:
+            return v
+        sec = await self.kube.get("v1", "Secret", key[0], gw.api_keys_secret)
+        n = gw.api_keys_secret
+        if sec is None:
+            v = (False, "KeysSecretNotFound", f"Secret {n} (spec.gateway.apiKeysSecret) does not exist in {key[0]}; "
+                                              f"the gateway runs once it exists with the label {LABEL_KEYS}=true")
+        elif (sec["metadata"].get("labels") or {}).get(LABEL_KEYS) != "true":
+            v = (False, "KeysSecretNotOptedIn", f"Secret {n} (spec.gateway.apiKeysSecret) does not carry the label "
+                                                f"{LABEL_KEYS}: \"true\", so the gateway is not given it (no gateway "
+                                                f"pod runs); `kubectl label secret {n} {LABEL_KEYS}=true` opts it in")
+        else:
+            v = (True, "KeysSecretOptedIn", f"Secret {n} opted in as the gateway's API keys")
+        mem.keys_verdict, mem.keys_read_at = v, self.clock.monotonic()
+        return v
