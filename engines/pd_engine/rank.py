@@ -53,6 +53,7 @@ from .adapter import (
 log = logging.getLogger("pd_engine")
 DEFAULT_AGENT_URL = "http://127.0.0.1:8080"
 HELD_TTL_S = 60.0   # a pulled shard whose decode never came is freed after this
+HELD_MAX = 256      # and never more held than this
 
 
 class AgentClient:
@@ -119,9 +120,27 @@ class _AdapterServing:
         self.held.clear()
 
     def _admit(self, role: str, admitted: bool) -> None:
-        if self.core.draining and not admitted:
-            raise AgentError("DRAINING", f"{self.core.id.pod} is draining; send the request elsewhere", 503)
-        self.core._require(role, "prefill" if role == "prompt" else "decode")
+        """Refusals before any work, as the simulator's serving answers them, so a router can send
+        the request elsewhere (DRAINING, ROLE_CHANGED: 503, retryable)."""
+        core = self.core
+        if core.initialized and core.draining and not admitted:
+            raise AgentError("DRAINING", f"{core.id.pod} is draining; send the request elsewhere", 503)
+        if core.initialized and core.role != role:
+            raise AgentError("ROLE_CHANGED", f"{core.id.pod} now serves as {core.role}; send the "
+                             f"{'prefill' if role == 'prompt' else 'decode'} elsewhere", 503)
+        core._require(role, "prefill" if role == "prompt" else "decode")
+
+    def _hold(self, req_id: int, handle: CacheHandle, target: PullTarget) -> None:
+        """Keep a pulled shard for its decode; expired, over the bound or replaced ones are freed."""
+        now = time.monotonic()
+        old = self.held.pop(req_id, None)   # a retried pull: the first one's target goes
+        if old is not None:
+            self._free(old[2])
+        for k, (at, _, t) in list(self.held.items()):   # in the order they were pulled
+            if now - at > HELD_TTL_S or len(self.held) >= HELD_MAX:
+                self._free(t)
+                del self.held[k]
+        self.held[req_id] = (now, handle, target)
 
     def _free(self, target: PullTarget) -> None:
         if target.owned:
@@ -157,29 +176,33 @@ class _AdapterServing:
         """The handle's KV pulled over the operator's link into a target of the adapter's."""
         handle = self._handle(req)
         t0 = time.monotonic()
-        try:
-            target = await asyncio.to_thread(self.adapter.pull_target, handle)
-        except ValueError as e:
-            raise AgentError("LLM_PARAM_INVALID", f"the engine refused the decode: {e}", 400) from e
         llm = self.core.llm
         try:
-            await asyncio.to_thread(pull, self.rank, handle, target)
+            # one thread call, shielded: a cancelled request (the client went away, a shutdown)
+            # never frees a target the pull is still writing into, nor leaks one just allocated
+            target = await asyncio.shield(asyncio.to_thread(self._target_and_pull, handle))
+        except ValueError as e:
+            raise AgentError("LLM_PARAM_INVALID", f"the engine refused the decode: {e}", 400) from e
         except NotLinked as e:
-            self._free(target)
             raise AgentError("NOT_LINKED", f"{e}; nothing was pulled", 503) from e
         except llm.LLMException as e:
-            self._free(target)
             code = getattr(e.status_code, "name", str(e.status_code))
             self.core.note_link(req.prompt_cluster_id, code)
             raise AgentError(code, str(e), 502) from e
-        except BaseException:
-            self._free(target)
-            raise
         self.core.note_link(req.prompt_cluster_id, "LLM_SUCCESS")
         peer = self.core.peers.get(req.prompt_cluster_id)
         if self.core.notifier and peer is not None and peer.agent_url:
             self.core.notifier.pulled(peer.agent_url, req.req_id)
         return handle, target, (time.monotonic() - t0) * 1000
+
+    def _target_and_pull(self, handle: CacheHandle) -> PullTarget:
+        target = self.adapter.pull_target(handle)
+        try:
+            pull(self.rank, handle, target)
+        except BaseException:
+            self._free(target)
+            raise
+        return target
 
     async def pull(self, req: api.PullRequest) -> api.PullResponse:
         """A rank of a multi-rank decoder: pull this rank's shard; the decode (rank 0) follows."""
@@ -192,35 +215,37 @@ class _AdapterServing:
                 # which is what the first token waits for; nothing here reads it again
                 await asyncio.to_thread(self._free, target)
                 return api.PullResponse(pull_ms=ms)
-            now = time.monotonic()
-            for k, (at, _, old) in list(self.held.items()):
-                if now - at > HELD_TTL_S:
-                    self._free(old)
-                    del self.held[k]
-            self.held[req.req_id] = (now, handle, target)
+            self._hold(req.req_id, handle, target)
             return api.PullResponse(pull_ms=ms)
         finally:
             self.in_flight -= 1
 
     async def decode(self, req: api.DecodeRequest, out: asyncio.Queue | None = None) -> api.DecodeResponse:
-        self._admit("decoder", req.admitted)
-        if req.first_token is None:
-            raise AgentError("LLM_PARAM_INVALID", "the decode continues from the prefill's first token: send "
-                             "first_token (the prefill's answer has it)", 400)
+        """Tokens are queued for a stream once the adapter's decode returned them all (the adapter
+        interface decodes a request whole)."""
+        got = self.held.pop(req.req_id, None) if req.kv_pulled_ms is not None else None
+        try:
+            self._admit("decoder", req.admitted)
+            if req.first_token is None:
+                raise AgentError("LLM_PARAM_INVALID", "the decode continues from the prefill's first token: send "
+                                 "first_token (the prefill's answer has it)", 400)
+        except AgentError:
+            if got is not None:   # refused: what the pod's agent had this rank pull goes now
+                self._free(got[2])
+            raise
         self.in_flight += 1
         t0 = time.monotonic()
         try:
             if req.kv_pulled_ms is not None:   # the pod's agent had every rank pull already
-                got = self.held.pop(req.req_id, None)
                 if got is None:
                     raise AgentError("KV_NOT_HELD", f"rank {self.core.id.rank} holds no pulled KV for req_id "
                                      f"{req.req_id}", 502)
                 handle, target, pull_ms = got[1], got[2], req.kv_pulled_ms
             else:
                 handle, target, pull_ms = await self._pull(req)
-            try:
-                tokens = await asyncio.to_thread(self.adapter.decode, handle, target, DecodeRequest(
-                    req.first_token, req.output_tokens, self._sampling(req.sampling)))
+            try:   # the adapter's decode frees the target (PullTarget.owned), whatever happens
+                tokens = await asyncio.shield(asyncio.to_thread(self.adapter.decode, handle, target, DecodeRequest(
+                    req.first_token, req.output_tokens, self._sampling(req.sampling))))
             except ValueError as e:
                 raise AgentError("LLM_PARAM_INVALID", f"the engine refused the decode: {e}", 400) from e
             ms = (time.monotonic() - t0) * 1000

@@ -533,7 +533,11 @@ class EngineContainer(Model):
         default="EngineAdapter",
         description="EngineAdapter: each rank process calls pd_engine.rank.serve_rank; vLLM: vLLM(-Ascend) with "
                     "pd_engine's KV connector, the operator adds --tensor-parallel-size, --kv-transfer-config and "
-                    "the Ascend env unless the args already have them")
+                    "the Ascend env unless the args (or the group's env) already have them")
+    port: int | None = Field(default=None, ge=1, le=65535,
+                             description="the server's own API port (vLLM: its OpenAI port): declared on the "
+                                         "container and admitted by the engines' NetworkPolicy from the pods of the "
+                                         "namespace (a P-D router of the server's own)")
 
 
 class PDDeploymentSpec(Model):
@@ -572,6 +576,18 @@ class PDDeploymentSpec(Model):
          "spec.model.kvCache.numKvHeads, or be a multiple of it (GQA heads are split across ranks)", ".prefill"),
         ("!has(self.sim) || self.backend == 'sim'",
          "spec.sim applies only to backend sim", ".sim"),
+        ("!has(self.engine) || !has(self.mindie) || !self.mindie.enabled",
+         "spec.engine and spec.mindie.enabled cannot be combined: a MindIE server takes its role from the agent's "
+         "role pushes, not as ranks registered with the agent", ".engine"),
+        ("!has(self.engine) || self.engine.adapter != 'vLLM' || !has(self.gateway) || !self.gateway.enabled",
+         "spec.gateway.enabled with spec.engine.adapter vLLM: pd-gateway speaks the agent API, a vLLM engine serves "
+         "vLLM's own; route with a vLLM P-D router to spec.engine.port", ".engine"),
+        ("!has(self.engine) || self.engine.adapter != 'vLLM' || has(self.model.kvCache.paged)",
+         "spec.model.kvCache.paged is required with spec.engine.adapter vLLM (vLLM's KV cache is paged: blockSize "
+         "and numBlocks as vLLM runs)", ".engine"),
+        ("!has(self.engine) || !has(self.engine.port) || (self.engine.port != 8080 && self.engine.port != 9091 && "
+         "self.engine.port != (has(self.datadist.port) ? self.datadist.port : 26000))",
+         "spec.engine.port must not be the agent's ports (8080, 9091) nor spec.datadist.port", ".engine"),
         ("!(" + _REF + ") || " + _KV + ".numLayers <= " + str(REFERENCE_MAX_LAYERS),
          f"spec.model.kvCache.numLayers must be at most {REFERENCE_MAX_LAYERS} with spec.sim.engine reference "
          "(a CPU model; use engine timing to model a large one)", ".sim"),

@@ -187,7 +187,16 @@ def _env(name: str, spec: PDDeploymentSpec, group: str, resource: str = NPU_RESO
         env.append({"name": "PD_SIM_MEMORY_SCALE", "value": str(scale)})
         env += sim_env(spec)
     g = spec.prefill if group == "prefill" else spec.decoder
-    return env + (user_env(g) if user else [])
+    return with_user_env(env, g) if user else env
+
+
+def with_user_env(env: list[dict], g: Group) -> list[dict]:
+    """The operator's env and then the group's: a name the group sets itself (a setting the operator
+    only defaults, such as OPENBLAS_NUM_THREADS or vLLM's HCCL_IF_IP) is the group's, never twice (a
+    name twice breaks the StatefulSet's apply). What the operator owns is refused at admission."""
+    mine = user_env(g)
+    names = {u["name"] for u in mine}
+    return [x for x in env if x["name"] not in names] + mine
 
 
 def user_env(g: Group) -> list[dict]:
@@ -257,6 +266,8 @@ def reference_profile(spec: PDDeploymentSpec) -> dict:
     return out
 
 
+VLLM_SHORT_FLAGS = {"--tensor-parallel-size": "-tp"}   # what vLLM also accepts for a flag the operator adds
+
 # the agent beside an inference server only relays: the engine container gets the group's resources
 AGENT_BESIDE_RESOURCES = {"requests": {"cpu": "100m", "memory": "128Mi", "ephemeral-storage": "64Mi"},
                           "limits": {"cpu": "1", "memory": "512Mi", "ephemeral-storage": "256Mi"}}
@@ -271,6 +282,7 @@ def engine_container(name: str, spec: PDDeploymentSpec, group: str, resource: st
     adapter vLLM, the arguments and env that load pd_engine's KV connector (pd_contract.vllm)."""
     assert spec.engine is not None
     e = spec.engine
+    g = spec.prefill if group == "prefill" else spec.decoder
     env = _env(name, spec, group, resource, token_digests, user=False)
     # $(LLM_DATADIST_IP) is the pod IP (defined above it): the agent listens there
     env.append({"name": "PD_AGENT_URL", "value": f"http://$(LLM_DATADIST_IP):{AGENT_PORT}"})
@@ -279,13 +291,15 @@ def engine_container(name: str, spec: PDDeploymentSpec, group: str, resource: st
         given = list(user.get("command") or []) + args
         vargs, venv = render_vllm_args(tensor_parallel=spec.tp(group), host_ip="$(LLM_DATADIST_IP)")
         for flag, value in zip(vargs[::2], vargs[1::2]):
-            if not any(a == flag or a.startswith(flag + "=") for a in given):
+            short = VLLM_SHORT_FLAGS.get(flag, flag)
+            if not any(a in (flag, short) or a.startswith((flag + "=", short + "=")) for a in given):
                 args += [flag, value]
         env += [{"name": k, "value": v} for k, v in venv.items() if k != "PD_RANKS_EXTERNAL"]
-    g = spec.prefill if group == "prefill" else spec.decoder
-    env += user_env(g)
+    env = with_user_env(env, g)
     c: dict = {"name": "engine", "image": e.image, "imagePullPolicy": e.image_pull_policy or spec.image_pull_policy,
                "env": env}
+    if e.port:
+        c["ports"] = [{"name": "serving", "containerPort": e.port, "protocol": "TCP"}]
     if user.get("command"):
         c["command"] = list(user["command"])
     if args:

@@ -203,6 +203,9 @@ def network_policy(name: str, namespace: str, spec: PDDeploymentSpec, owner: dic
     ports = [{"protocol": "TCP", "port": AGENT_PORT}, {"protocol": "TCP", "port": spec.datadist.port}]
     ingress = [{"from": agent_from, "ports": [{"protocol": "TCP", "port": AGENT_PORT}]},
                {"from": [own], "ports": [{"protocol": "TCP", "port": spec.datadist.port}]}]
+    if spec.engine is not None and spec.engine.port:
+        # the server's own API (spec.engine.port): a router of its own, in this namespace
+        ingress.append({"from": [{"podSelector": {}}], "ports": [{"protocol": "TCP", "port": spec.engine.port}]})
     scrapers = metrics_scrapers(operator_namespace, metrics_namespaces)
     if scrapers:
         ingress.append({"from": scrapers, "ports": [{"protocol": "TCP", "port": AGENT_METRICS_PORT}]})

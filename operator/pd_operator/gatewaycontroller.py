@@ -88,10 +88,13 @@ class GatewayController:
         self.runtime.poke(key)
 
     async def lead(self) -> None:
+        self.leading.set()
         self.runtime.poke_all()
 
     async def follow(self) -> None:
-        """Leadership lost: passes in flight are cancelled, as the deployments' are."""
+        """Leadership lost: passes in flight are cancelled, as the deployments' are (the event is
+        shared with the PDDeployment controller: clearing it twice is harmless)."""
+        self.leading.clear()
         await self.runtime.restart()
 
     async def stop(self) -> None:

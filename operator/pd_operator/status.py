@@ -25,7 +25,7 @@ POD_PROBLEMS = {
     "CreateContainerError": "ConfigError", "RunContainerError": "CrashLoopBackOff",
 }
 MAX_LISTED = 5   # failures named in one condition message; the rest are counted
-# a member's failing links named in status (the rest counted per code in failingLinkCounts): with
+# a member's failing links named in status (beyond these, failingLinkCounts counts them all per code): with
 # every link down at 128P+128D TP 8 the list alone was 10 MiB, over what etcd stores, so the status
 # write failed exactly when it mattered
 MAX_FAILING_NAMED = 5

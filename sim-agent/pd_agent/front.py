@@ -582,8 +582,11 @@ class Front(AgentService):
         decode on rank 0 (the step time is the instance's) and pass its answer or stream on."""
         self._admit("decoder")
         st0 = self.ranks[0].status
-        if body.first_token is None and st0 is not None and st0.engine == "reference":
-            raise no_first_token()   # before any rank pulls: a pulled shard is gone from the prefill
+        # an engine that computes (the reference engine; an inference server's ranks, which the
+        # adapter interface decodes from the first token) continues from the prefill's first token:
+        # refused before any rank pulls, a pulled shard being gone from the prefill
+        if body.first_token is None and (self.external or (st0 is not None and st0.engine == "reference")):
+            raise no_first_token()
         self.serving += 1
         try:
             return await self._decode(request, body)

@@ -145,3 +145,56 @@ def test_rank_env_for_gives_each_rank_its_identity():
     assert r3["PD_RANK_REGISTER_URL"] == "http://10.0.0.5:8080/v1/ranks"
     with pytest.raises(ValueError, match="rank 4"):
         rank_env_for(pod, 4)
+
+
+def test_what_an_adapter_rank_pulls_is_freed_however_the_decode_ends(ranks):
+    """/v1/pull then /v1/decode with kv_pulled_ms (the pod's agent's path): the tokens are one
+    engine's and the decoder's cache memory is back where it was; a pull retried for the same request
+    holds one target; a decode refused after the pull frees it; a decode for the wrong role is
+    ROLE_CHANGED (503, a router sends it elsewhere)."""
+    import httpx
+    port = free_port()
+    p = ranks(env("prompt", 21, port))
+    d = ranks(env("decoder", 1021, free_port()))
+    d.run(d.core.link(LinkRequest(peers=[Peer(name="prompt-0", cluster_id=21, ip="127.0.0.1", port=port,
+                                                agent_url=p.url)])))
+    mgr = d.rank.kv_cache_manager
+    idle = mgr.used_bytes
+    prompt = [791, 3938, 1917, 315, 3526, 374]
+    with httpx.Client(trust_env=False, timeout=30, headers={"Authorization": "Bearer t"}) as http:
+        def prefill(req_id):
+            r = http.post(f"{p.url}/v1/prefill", json={"req_id": req_id, "prompt_tokens": 6, "token_ids": prompt})
+            assert r.status_code == 200, r.text
+            return r.json()["first_token"]
+
+        def pull(req_id):
+            return http.post(f"{d.url}/v1/pull", json={"req_id": req_id, "prompt_cluster_id": 21,
+                                                       "prompt_tokens": 6, "admitted": True})
+        first = prefill(1)
+        assert pull(1).status_code == 200 and mgr.used_bytes > idle
+        r = http.post(f"{d.url}/v1/decode", json={"req_id": 1, "prompt_cluster_id": 21, "prompt_tokens": 6,
+                                                  "output_tokens": 5, "first_token": first, "kv_pulled_ms": 1.0,
+                                                  "admitted": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["token_ids"] == Model.get(Profile.from_json(PROFILE)).generate(prompt, 5, 0.0, 1.0, 0)
+        assert mgr.used_bytes == idle and not d.core.inference.held
+
+        prefill(2)
+        assert pull(2).status_code == 200
+        assert list(d.core.inference.held) == [2]
+        r = http.post(f"{d.url}/v1/decode", json={"req_id": 2, "prompt_cluster_id": 21, "prompt_tokens": 6,
+                                                  "output_tokens": 5, "kv_pulled_ms": 1.0, "admitted": True})
+        assert r.status_code == 400 and "first_token" in r.text      # refused: the pulled target goes
+        assert mgr.used_bytes == idle and not d.core.inference.held
+
+        r = http.post(f"{p.url}/v1/decode", json={"req_id": 3, "prompt_cluster_id": 1021, "prompt_tokens": 6,
+                                                  "output_tokens": 5, "first_token": first})
+        assert r.status_code == 503 and r.json()["code"] == "ROLE_CHANGED", r.text
+
+    # a retried pull (the pod's agent timed out on the first): the first target is freed, one is held
+    serving, handle = d.core.inference, CacheHandle(21, 9, 0, 6)
+    for _ in range(2):
+        serving._hold(9, handle, d.adapter.pull_target(handle))
+    assert list(serving.held) == [9]
+    d.run(serving.stop())
+    assert mgr.used_bytes == idle

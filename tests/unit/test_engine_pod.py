@@ -285,3 +285,36 @@ def test_a_vllm_engine_gets_the_connector_arguments_unless_it_has_them():
 
 def test_without_spec_engine_the_pod_has_one_container():
     assert [c["name"] for c in pod_of(spec_with(prefill={"replicas": 1, **ENGINE}))["containers"]] == ["agent"]
+
+
+def test_a_name_the_group_sets_itself_is_the_groups_never_twice():
+    """vLLM's HCCL_IF_IP or the reference engine's OPENBLAS_NUM_THREADS, set by the group too: the
+    group's value, one entry (a name twice breaks the StatefulSet's apply)."""
+    vllm = {"replicas": 1, "command": ["vllm", "serve", "/m"], "args": ["-tp", "2"], "tensorParallel": 2,
+            "env": [{"name": "HCCL_IF_IP", "value": "10.9.9.9"}, {"name": "GLOO_SOCKET_IFNAME", "value": "ib0"}]}
+    spec = spec_with(engine={"image": "vllm-ascend:0.9", "adapter": "vLLM", "port": 8000},
+                     model={**SPEC["model"], "kvCache": {**SPEC["model"]["kvCache"], "numKvHeads": 8,
+                                                         "paged": {"blockSize": 16, "numBlocks": 64}}},
+                     prefill=vllm, decoder=vllm)
+    pod = pod_of(spec)
+    engine = pod["containers"][1]
+    names = [e["name"] for e in engine["env"]]
+    assert len(names) == len(set(names)), names
+    env = {e["name"]: e.get("value") for e in engine["env"]}
+    assert env["HCCL_IF_IP"] == "10.9.9.9" and env["GLOO_SOCKET_IFNAME"] == "ib0"
+    assert "--tensor-parallel-size" not in engine["args"]      # -tp is the same flag
+    assert engine["ports"] == [{"name": "serving", "containerPort": 8000, "protocol": "TCP"}]
+    ref = spec_with(sim={"engine": "reference"}, prefill={"replicas": 1, "env": [
+        {"name": "OPENBLAS_NUM_THREADS", "value": "4"}]})
+    agent = pod_of(ref)["containers"][0]
+    threads = [e for e in agent["env"] if e["name"] == "OPENBLAS_NUM_THREADS"]
+    assert threads == [{"name": "OPENBLAS_NUM_THREADS", "value": "4"}]
+
+
+def test_the_servers_own_port_is_admitted_from_the_namespace_only_when_set():
+    from pd_operator.gateway import network_policy
+    with_port = spec_with(engine={"image": "e:1", "port": 8000})
+    rules = network_policy("llm", "ns", with_port, {})["spec"]["ingress"]
+    assert {"from": [{"podSelector": {}}], "ports": [{"protocol": "TCP", "port": 8000}]} in rules
+    plain = network_policy("llm", "ns", spec_with(engine={"image": "e:1"}), {})["spec"]["ingress"]
+    assert not any(r["from"] == [{"podSelector": {}}] for r in plain)
