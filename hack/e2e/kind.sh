@@ -28,7 +28,7 @@ if ! "$KIND" create cluster --name "$NAME" --kubeconfig "$KUBECONFIG_E2E" ${NODE
   tail -15 /tmp/kind-create.log >&2
   exit 1
 fi
-for n in pd-operator pd-sim-agent pd-gateway; do
+for n in pd-operator pd-sim-agent pd-gateway pd-reference-engine; do
   echo "[e2e-kind] kind load docker-image $REGISTRY/$n:$VERSION"
   "$KIND" load docker-image --name "$NAME" "$REGISTRY/$n:$VERSION"
 done

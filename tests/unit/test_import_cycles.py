@@ -193,3 +193,20 @@ def test_no_import_cycles():
     assert not stale, f"allowed cycles that no longer exist (drop them from ALLOWED): {stale}"
     bad = [c for c in found if c not in ALLOWED]
     assert not bad, "import cycles:\n" + "\n".join(describe(c, edges) for c in sorted(bad, key=sorted))
+
+
+def test_the_agent_apis_scopes_are_pinned():
+    """Who may call what: a change to a route's scope or control-only fields is a change to the
+    trust model (docs/security.md), so it is made here on purpose, not by a refactor."""
+    from pd_agent.routes import ROUTES
+    scopes = {(r.method, r.path): (r.scope, r.control_fields, r.control_scopes) for r in ROUTES}
+    assert {k for k, v in scopes.items() if v[0] == "open"} == {
+        ("GET", "/healthz"), ("GET", "/livez"), ("GET", "/metrics"), ("*", "/r/{rank}/{tail:.*}")}
+    assert {k for k, v in scopes.items() if v[0] == "data"} == {
+        ("GET", "/v1/status"), ("POST", "/v1/prefill"), ("POST", "/v1/decode")}
+    assert {k for k, v in scopes.items() if v[0] == "peer"} == {("POST", "/v1/notify")}
+    assert scopes[("POST", "/v1/prefill")][1] == ("admitted",)
+    assert scopes[("POST", "/v1/decode")][1] == ("admitted", "kv_pulled_ms")
+    assert scopes[("POST", "/v1/notify")][1:] == (("released",), ("control", "peer"))
+    assert all(v[0] == "control" for k, v in scopes.items() if k[1].startswith(("/v1/admin", "/v1/link",
+                                                                               "/v1/switch_role", "/v1/pull")))
