@@ -28,9 +28,9 @@ $(LINT_STAMP): $(STAMP)
 	@touch $@
 
 # the decide side (pure modules) and the contract package are type-checked
-TYPED := operator/pd_operator contract/pd_contract engines/pd_engine
+TYPED := operator/pd_operator gateway/pd_gateway contract/pd_contract engines/pd_engine
 
-lint: $(LINT_STAMP) ## ruff over everything, mypy over the operator, the contract package and pd_engine
+lint: $(LINT_STAMP) ## ruff over everything, mypy over the operator, the gateway, the contract package and pd_engine
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy $(TYPED)
 	@echo "[lint] clean"

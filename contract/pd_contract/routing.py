@@ -16,7 +16,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
+from typing import AsyncGenerator, AsyncIterator, Callable
 
 import httpx
 from pydantic import ValidationError
@@ -268,7 +268,7 @@ def _first_token(pod: str, answer: bytes) -> int | None:
 
 async def generate(fleet: Fleet, req_id: int, prompt_tokens: int, output_tokens: int, attempt: Attempt,
                    retry_window: float = 10.0, token_ids: list[int] | None = None,
-                   sampling: dict | None = None) -> AsyncIterator[dict]:
+                   sampling: dict | None = None) -> AsyncGenerator[dict, None]:
     """Yield {"token": i, "ms": ..., "id": token id} per token, then {"done": {...}}. Raises
     Unavailable when no pair took the request (refusals are retried for `retry_window` seconds
     from the start for the prefill, and from the prefill's end for the decode), EngineError when

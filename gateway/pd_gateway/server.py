@@ -366,8 +366,8 @@ class Gateway:
     async def usage_report(self, request: web.Request) -> web.Response:
         """A key sees its own usage; an admin key (policy `admin: true`) everyone's."""
         name, err = self.authenticate(request, "openai", "usage")
-        if err:
-            return err
+        if err or name is None:
+            return err or web.Response(status=401)
         p = self.policies.get(name)
         admin = bool(p and p.admin)
         self.m.requests.labels(name, "usage", "200").inc()
@@ -383,8 +383,8 @@ class Gateway:
         """DELETE /v1/usage/{key}[?day=YYYY-MM-DD]: an admin key forgives a key's usage of a UTC day
         (today by default), on every replica: the one way counts go down."""
         name, err = self.authenticate(request, "openai", "usage_reset")
-        if err:
-            return err
+        if err or name is None:
+            return err or web.Response(status=401)
         p = self.policies.get(name)
         if not (p and p.admin):
             self.m.requests.labels(name, "usage_reset", "403").inc()
@@ -424,8 +424,8 @@ class Gateway:
     async def complete(self, request: web.Request, api: str, endpoint: str,
                        model: type[wire.ApiRequest]) -> web.StreamResponse:
         name, err = self.authenticate(request, api, endpoint)
-        if err:
-            return err
+        if err or name is None:
+            return err or web.Response(status=401)
         p = self.policies.get(name)
         if p is not None:   # quotas count completions only (reading models or usage is free)
             now = self.clock()

@@ -441,8 +441,10 @@ class Usage:
             check(merged)   # never write what the other replicas would reject
         except Invalid as e:
             raise ValueError(f"the usage document would be out of bounds ({e}): not written") from None
+        store = self.store
+        assert store is not None   # sync() makes no attempt without one
         try:
-            await asyncio.to_thread(self.store.save, merged, version)
+            await asyncio.to_thread(store.save, merged, version)
         except Conflict:
             return False   # another replica wrote first: read again, add again
         if not tampered:
@@ -525,7 +527,7 @@ class ConfigMapStore:
     def load(self) -> tuple[Any, str | None]:
         """The document as parsed (Usage checks it), or Invalid if it is not JSON within bounds."""
         cm = self.api.read_namespaced_config_map(self.name, self.namespace, _request_timeout=5)
-        raw, version = (cm.data or {}).get(DATA_KEY), cm.metadata.resource_version
+        raw, version = (cm.data or {}).get(DATA_KEY), cm.metadata.resource_version if cm.metadata else None
         if not raw:
             return empty(), version
         size = len(raw.encode("utf-8", "surrogatepass"))
