@@ -140,9 +140,9 @@ def rank_links(decoder: Engine) -> int:
     return max(1, decoder.tp)
 
 
-def ranks_up(link: dict, decoder: Engine, target: Engine) -> int:
-    """Rank links up within a reported pod link."""
-    if _stale(link, target):
+def ranks_up(link: dict, decoder: Engine, target: Engine, stale: bool | None = None) -> int:
+    """Rank links up within a reported pod link (`stale`: _stale's answer, if the caller has it)."""
+    if _stale(link, target) if stale is None else stale:
         return 0
     if link.get("ranks"):
         return sum(1 for r in link["ranks"] if r.get("healthy", True) and r.get("code") not in BROKEN_CODES)
@@ -228,9 +228,10 @@ def per_decoder(engines: list[Engine], reported: dict[str, list[dict]],
             link = have.get(e.cluster_id)
             if link is None:
                 continue
-            if broken(link, e):
+            stale = _stale(link, e)   # once per link: it walks every rank of the link
+            if stale or _engine_says_broken(link):
                 down.append(link)
-            up += ranks_up(link, d, e)
+            up += ranks_up(link, d, e, stale)
         out[dpod] = (rank_links(d) * len(peers), up, down)
     return out
 
