@@ -7,9 +7,11 @@ Over-long requests are refused before any engine works on them."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import random
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -118,6 +120,25 @@ class Checker:
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             return list(pool.map(self.one, texts))
 
+    @contextlib.contextmanager
+    def running(self, seed: int, batch: int = 4) -> Iterator[None]:
+        """Completions checked in a loop (batches of `batch` prompts, seeds from `seed`) for as long as
+        the block runs: what a change is measured against. The loop ends with the block."""
+        stop = threading.Event()
+
+        def loop() -> None:
+            i = 0
+            while not stop.is_set():
+                self.run(prompts(batch, seed=seed + i), workers=batch)
+                i += 1
+        checker = threading.Thread(target=loop, daemon=True)
+        checker.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            checker.join(timeout=180)
+
     def summary(self) -> dict:
         bad = [r for r in self.results if not r["match"]]
         return {"requests": len(self.results), "failed": sum(not r["ok"] for r in self.results),
@@ -167,26 +188,16 @@ def test_gqa_tp2_completions_equal_one_engine_and_stay_equal_across_live_switche
 
     # live switches 2 -> 3 -> 2 with traffic running, content checked throughout
     load = Load(cluster, ns, duration=300, rate=4, gateway=url, api_key=KEY, max_prompt=256, max_output=24)
-    stop = threading.Event()
-
-    def keep_checking() -> None:
-        i = 0
-        while not stop.is_set():
-            check.run(prompts(4, seed=1000 + i), workers=4)
-            i += 1
-    checker = threading.Thread(target=keep_checking, daemon=True)
-    checker.start()
-    time.sleep(3)
-    with load.change("decoder -> prefill"):
-        set_prefill(cluster, ns, 3)
-        last = switched(cluster, ns, "prefill", None, "6/6", timeout=150)["status"]["lastSwitch"]
-    time.sleep(3)
-    with load.change("prefill -> decoder"):
-        set_prefill(cluster, ns, 2)
-        switched(cluster, ns, "decoder", last["at"], "8/8", timeout=150)
-    time.sleep(3)
-    stop.set()
-    checker.join(timeout=180)
+    with check.running(seed=1000):
+        time.sleep(3)
+        with load.change("decoder -> prefill"):
+            set_prefill(cluster, ns, 3)
+            last = switched(cluster, ns, "prefill", None, "6/6", timeout=150)["status"]["lastSwitch"]
+        time.sleep(3)
+        with load.change("prefill -> decoder"):
+            set_prefill(cluster, ns, 2)
+            switched(cluster, ns, "decoder", last["at"], "8/8", timeout=150)
+        time.sleep(3)
     s = load.stop()
     c = check.summary()
     print(f"through the switches: loadgen {s['completed']}/{s['requests']} completed; content checks {c}")

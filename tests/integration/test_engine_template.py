@@ -5,7 +5,6 @@ claim that is not bound keeps the pods from being scheduled, and the deployment 
 from __future__ import annotations
 
 import json
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -166,24 +165,14 @@ def test_an_inference_server_image_beside_the_agent_links_verifies_serves_and_sw
     assert_all_match(check.run(prompts(12, seed=7), workers=4))
 
     # a live switch, completions checked all along
-    stop = threading.Event()
     window: list[float] = []
-
-    def keep_checking() -> None:
-        i = 0
-        while not stop.is_set():
-            check.run(prompts(4, seed=2000 + i), workers=4)
-            i += 1
-    checker = threading.Thread(target=keep_checking, daemon=True)
-    checker.start()
-    time.sleep(2)
-    window.append(time.time())
-    set_prefill(cluster, ns, 1)
-    switched(cluster, ns, "decoder", None, "4/4", timeout=150)   # two decoders x one prefill x two ranks
-    window.append(time.time())
-    time.sleep(2)
-    stop.set()
-    checker.join(timeout=180)
+    with check.running(seed=2000):
+        time.sleep(2)
+        window.append(time.time())
+        set_prefill(cluster, ns, 1)
+        switched(cluster, ns, "decoder", None, "4/4", timeout=150)   # two decoders x one prefill x two ranks
+        window.append(time.time())
+        time.sleep(2)
     c = check.summary()
     print(f"\nthrough the switch of an engine beside the agent: {c['requests']} content checks, {c}")
     assert c["failed"] == 0 and c["mismatched"] == 0, c
