@@ -9,6 +9,7 @@ the memory to keep. `decide` changes none of its inputs (it works on a fork of t
 reads no clock but the Snapshot's, so the same Snapshot gives the same Plan."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from pd_contract.names import LABEL_DEPLOYMENT, NPU_RESOURCE
@@ -96,90 +97,155 @@ class Plan:
 
 
 def decide(snap: Snapshot) -> Plan:
-    spec, body, now, wall = snap.spec, snap.body, snap.now, snap.wall
     ns, name = snap.key
-    meta = body["metadata"]
-    gen = snap.generation
     mem = snap.memory.fork()
     if mem.book is None:  # after a restart: the switches in flight, as recorded before their steps
-        mem.book = sw_.Book.from_status(body.get("status"))
-    book = mem.book
-    all_pods = list(snap.pods)
-    live = [p for p in all_pods if not p["metadata"].get("deletionTimestamp")]
+        mem.book = sw_.Book.from_status(snap.body.get("status"))
+    live = [p for p in snap.pods if not p["metadata"].get("deletionTimestamp")]
     events: list[Event] = []
-    obs = Observed(generation=gen, pods=live, engines=list(snap.engines), problems=list(snap.problems),
-                   strays=list(snap.strays),
-                   model_id=spec.model.model_id, topology=spec.datadist.topology,
-                   selector=f"{LABEL_DEPLOYMENT}={name}")
-    engines = take_reports(mem, list(snap.engines), snap.reports, obs, now, events)
+    obs = Observed(generation=snap.generation, pods=live, engines=list(snap.engines), problems=list(snap.problems),
+                   strays=list(snap.strays), model_id=snap.spec.model.model_id,
+                   topology=snap.spec.datadist.topology, selector=f"{LABEL_DEPLOYMENT}={name}")
+    engines = _take(snap, mem, obs, events)
+    alive = {e.pod for e in engines}
+    sw = _rebalance(snap, mem, engines, obs, events)
+    engines, book = sw.mesh, mem.book
+    assert book is not None
+    blocked, retry = _blocked(snap, mem)
+    desired, to_apply = _children(snap, mem, book, engines, live, blocked, retry)
+    obs.desired_pods = sum(snap.spec.group_sizes(book.sizes).values())
+    plans, pairs, complete_after = _links(snap, mem, engines, obs, sw, alive)
+    obs.blocked = blocked
+    obs.gateway_keys = snap.keys
+    # observedGeneration moves only once the children of this generation were applied
+    obs.observed_generation = snap.generation if not to_apply and not blocked else \
+        (snap.body.get("status") or {}).get("observedGeneration")
+    status = build_status(snap.spec, obs, snap.body.get("status"), at=sw_.iso(snap.wall)[:19] + "Z")
+    if snap.token_digests:   # before any token Secret is created: what proves it is the operator's
+        status["tokenDigests"] = dict(snap.token_digests)
+    if mismatched := lk.mismatches(engines):
+        pods = sorted({e.pod for pair in mismatched for e in pair})
+        events.append(Event("Warning", "CacheDescMismatch", ", ".join(pods) + " run different CacheDescs; pairs "
+                            "across them are not linked", key=",".join(pods)))
+    by_pod = {e.pod: e for e in engines}
+    probes = {s.pod: [(by_pod[d], by_pod[p]) for d, p in rb.switch_pairs(s, engines, sw.want)
+                      if d in by_pod and p in by_pod] for s in book.switches if s.step == "Verify"}
+    return Plan(memory=mem, status=status, engines=engines, reported=obs.reported, want=sw.want, desired=desired,
+                to_apply=to_apply, links=plans, verify=pairs, verify_after_links=complete_after,
+                switch_intents=sw.intents if snap.token else [], switch_probes=probes, started=sw.started,
+                outcomes=sw.outcomes, events=events, decisions=sw.decisions, clear_abort=sw.clear_abort)
+
+
+def _take(snap: Snapshot, mem: Memory, obs: Observed, events: list[Event]) -> list[lk.Engine]:
+    """This pass's reports merged into the engines; what is remembered of pods gone, forgotten."""
+    engines = take_reports(mem, list(snap.engines), snap.reports, obs, snap.now, events)
     obs.engines = engines
     if snap.gateway_read:
         mem.gateway_stats = snap.gateway_stats
-    alive = {e.pod: e for e in engines}
+    alive = {e.pod for e in engines}
     for pod in [p for p in set(mem.reports) | set(mem.next_poll) if p not in alive]:
         mem.reports.pop(pod, None)
         mem.reported_at.pop(pod, None)
         mem.next_poll.pop(pod, None)
         mem.agent_errors.pop(pod, None)
+    return engines
 
-    # rebalance: switches in flight advance on what this pass observed; maybe one starts
+
+@dataclass
+class _Switching:
+    """What the rebalance part of a pass decided: the mesh as the link planner sees it, and the switches."""
+    mesh: list[lk.Engine]
+    want: dict[str, list[lk.Engine]]
+    per: dict
+    intents: list[sw_.Intent]
+    started: list[sw_.Switch]
+    outcomes: list[sw_.Outcome]
+    decisions: list[tuple[str, str]]
+    clear_abort: bool
+
+
+def _rebalance(snap: Snapshot, mem: Memory, engines: list[lk.Engine], obs: Observed,
+               events: list[Event]) -> _Switching:
+    """Switches in flight advance on what this pass observed; maybe one starts."""
+    book = mem.book
+    assert book is not None
+    wall = snap.wall
     steps = [(s.pod, s.step) for s in book.switches]
-    mesh, want_map, per = _mesh(engines, book, obs, spec)
-    abort_pod = (meta.get("annotations") or {}).get(sw_.ANNOTATION_ABORT)
-    switch_intents, started, outcomes, decisions = advance_switches(
-        spec, mem, book, all_pods, engines, obs, snap.reports, wall, now, mesh, want_map, per, events, abort_pod)
+    mesh, want_map, per = _mesh(engines, book, obs, snap.spec)
+    abort_pod = (snap.body["metadata"].get("annotations") or {}).get(sw_.ANNOTATION_ABORT)
+    intents, started, outcomes, decisions = advance_switches(
+        snap.spec, mem, book, list(snap.pods), engines, obs, snap.reports, wall, snap.now, mesh, want_map, per,
+        events, abort_pod)
     book = mem.book   # the policy's evaluation recorded its target and decision in a new Book
     assert book is not None
-    stuck_after = spec.rebalance.stuck_after_seconds if spec.rebalance is not None else 300
+    stuck_after = snap.spec.rebalance.stuck_after_seconds if snap.spec.rebalance is not None else 300
     obs.stuck = sw_.stuck(book.switches, wall, stuck_after)
     for s in book.switches:
         if wall - s.step_started > stuck_after:
             events.append(Event("Warning", "SwitchStuck", f"{s.pod}: in step {s.step} for more than {stuck_after}s: "
                                 f"{sw_.STUCK_HINTS.get(s.step, '')}", key=f"stuck {s.pod} {s.step} {s.started}"))
-    # the abort asked for is done (or there was nothing to abort): the annotation goes
-    clear_abort = abort_pod is not None and all(s.pod != abort_pod for s in book.switches)
     # the link planner sees switching pods by their engine's role and step: the mesh is
     # worked out again only if a switch moved (most passes have none)
     if [(s.pod, s.step) for s in book.switches] != steps:
-        mesh, want_map, per = _mesh(engines, book, obs, spec)
-    engines = mesh
+        mesh, want_map, per = _mesh(engines, book, obs, snap.spec)
     obs.per_decoder = per
     obs.switches, obs.last_switch, obs.last_decision = list(book.switches), book.last, book.decision
     obs.cooldown_until = sw_.iso(book.cooldown_until) if book.cooldown_until else None
     obs.retry_after = sw_.iso(book.retry_after) if book.retry_after > wall else None
-    obs.group_sizes = book.sizes if spec.rebalance is not None and spec.rebalance.method == "Replace" else None
-    for e in engines:
+    replacing = snap.spec.rebalance is not None and snap.spec.rebalance.method == "Replace"
+    obs.group_sizes = book.sizes if replacing else None
+    for e in mesh:
         if e.pod in snap.reports and snap.reports[e.pod].error is None:
             settled = e.agent_ok and not e.leaving and (e.pod not in per or per[e.pod][0] == per[e.pod][1])
-            mem.next_poll[e.pod] = now + SETTLED_POLL_S if settled else 0.0
+            mem.next_poll[e.pod] = snap.now + SETTLED_POLL_S if settled else 0.0
+    # the abort asked for is done (or there was nothing to abort): the annotation goes
+    clear_abort = abort_pod is not None and all(s.pod != abort_pod for s in book.switches)
+    return _Switching(mesh, want_map, per, intents, started, outcomes, decisions, clear_abort)
 
-    # children, links, verification
-    # what refuses this generation whatever else happened; then what the last pass ran into
+
+def _blocked(snap: Snapshot, mem: Memory) -> tuple[Diagnosis | None, bool]:
+    """What refuses this generation whatever else happened, else what the last pass ran into;
+    and whether a refused apply is due to be tried again."""
     blocked: Diagnosis | None = None
-    if mismatch := npu_mismatch(spec, snap.npu_resource):
+    if mismatch := npu_mismatch(snap.spec, snap.npu_resource):
         blocked = Diagnosis("NPURequestMismatch", mismatch)   # admission cannot see which resource means NPUs
-    elif refused := not_allowed(spec, snap.config):
+    elif refused := not_allowed(snap.spec, snap.config):
         # the admission policy refuses these; an install without it is refused here
         blocked = Diagnosis("NotAllowed", f"{refused}; nothing of this generation is applied")
     elif snap.token_problem:
         blocked = Diagnosis("TokenSecretNotOwned", snap.token_problem)
-    elif mem.blocked_generation == gen:
+    elif mem.blocked_generation == snap.generation:
         blocked = mem.blocked
     # a refused apply is tried again when due (and nothing above refuses), still reported until taken
     retry = blocked is not None and blocked is mem.blocked and blocked.reason == "ApplyRejected" \
-        and mem.blocked_retry_at is not None and now >= mem.blocked_retry_at
+        and mem.blocked_retry_at is not None and snap.now >= mem.blocked_retry_at
+    return blocked, retry
+
+
+def _children(snap: Snapshot, mem: Memory, book: sw_.Book, engines: list[lk.Engine], live: list[dict],
+              blocked: Diagnosis | None, retry: bool) -> tuple[list[dict], list[dict]]:
+    """The desired children, and those that differ from what was applied (none while blocked)."""
+    ns, name = snap.key
+    uid = snap.body["metadata"]["uid"]
     serving = {role: sum(1 for e in engines if e.label == role and not e.terminating)
                for role in ("prefill", "decoder")}
-    desired = desired_children(name, ns, meta["uid"], spec, book.sizes, snap.npu_resource, snap.config,
+    desired = desired_children(name, ns, uid, snap.spec, book.sizes, snap.npu_resource, snap.config,
                                keys_allowed=snap.keys is None or snap.keys[0], serving=serving,
                                token_digests=dict(snap.token_digests))
     # MindIE's rank table follows the pods (their roles and devices): rendered from what was observed
-    desired += ranktable.desired(name, ns, meta["uid"], spec, live)
-    obs.desired_pods = sum(spec.group_sizes(book.sizes).values())
+    desired += ranktable.desired(name, ns, uid, snap.spec, live)
     to_apply = [] if blocked and not retry else ch.to_apply(desired, snap.children, mem.applied)
-    plans = lk.plan(engines, obs.reported, spec.datadist.topology,
-                    due=lambda d, c: mem.link_backoff.due((d, c), now)) if snap.token else []
-    want = {(d, e.cluster_id) for d, es in want_map.items() for e in es}
+    return desired, to_apply
+
+
+def _links(snap: Snapshot, mem: Memory, engines: list[lk.Engine], obs: Observed, sw: _Switching,
+           alive: set[str]) -> tuple[list[lk.DecoderPlan], list[tuple[lk.Engine, lk.Engine]], frozenset | None]:
+    """Links to make and break, pairs to verify, and the link set once the links succeed if
+    that completes the mesh (verified in the same pass)."""
+    now, topo = snap.now, snap.spec.datadist.topology
+    plans = lk.plan(engines, obs.reported, topo, due=lambda d, c: mem.link_backoff.due((d, c), now)) \
+        if snap.token else []
+    want = {(d, e.cluster_id) for d, es in sw.want.items() for e in es}
     # failures are reported for wanted links only; backoff also covers links still to unlink
     reported_keys = {(d, link["cluster_id"]) for d, ls in obs.reported.items() for link in ls}
     mem.failures = {k: v for k, v in mem.failures.items() if k in want}
@@ -187,34 +253,13 @@ def decide(snap: Snapshot) -> Plan:
     obs.link_failures = dict(mem.failures)
     pairs: list[tuple[lk.Engine, lk.Engine]] = []
     if snap.token:
-        pairs, mem.verified_links = verify_due(engines, obs.reported, per, mem, now)
-    # linking that completes the mesh is followed by verification in the same pass
-    complete_after = lk.completes(engines, obs.reported, plans, spec.datadist.topology) if plans else None
+        pairs, mem.verified_links = verify_due(engines, obs.reported, sw.per, mem, now)
+    complete_after = lk.completes(engines, obs.reported, plans, topo) if plans else None
     if not want:
         mem.verify = {}
     obs.verify = {d: r for d, r in mem.verify.items() if d in alive}
     obs.verified_at = mem.verified_at
-    obs.blocked = blocked
-    obs.gateway_keys = snap.keys
-    # observedGeneration moves only once the children of this generation were applied
-    obs.observed_generation = gen if not to_apply and not blocked else \
-        (body.get("status") or {}).get("observedGeneration")
-    status = build_status(spec, obs, body.get("status"), at=sw_.iso(wall)[:19] + "Z")
-    if snap.token_digests:   # before any token Secret is created: what proves it is the operator's
-        status["tokenDigests"] = dict(snap.token_digests)
-
-    mismatched = lk.mismatches(engines)
-    if mismatched:
-        pods = sorted({e.pod for pair in mismatched for e in pair})
-        events.append(Event("Warning", "CacheDescMismatch", ", ".join(pods) + " run different CacheDescs; pairs "
-                            "across them are not linked", key=",".join(pods)))
-    by_pod = {e.pod: e for e in engines}
-    probes = {s.pod: [(by_pod[d], by_pod[p]) for d, p in rb.switch_pairs(s, engines, want_map)
-                      if d in by_pod and p in by_pod] for s in book.switches if s.step == "Verify"}
-    return Plan(memory=mem, status=status, engines=engines, reported=obs.reported, want=want_map, desired=desired,
-                to_apply=to_apply, links=plans, verify=pairs, verify_after_links=complete_after,
-                switch_intents=switch_intents if snap.token else [], switch_probes=probes, started=started,
-                outcomes=outcomes, events=events, decisions=decisions, clear_abort=clear_abort)
+    return plans, pairs, complete_after
 
 
 def take_reports(mem: Memory, engines: list[lk.Engine], reports: dict[str, Report], obs: Observed, now: float,
@@ -300,13 +345,31 @@ def advance_switches(spec: PDDeploymentSpec, mem: Memory, book: sw_.Book, pods: 
         return rb.view(s, pods_by_name.get(s.pod), e, mesh, obs.reported, want, per, verified,
                        mem.switch_refused.get(s.pod), asked)
 
-    intents: list[sw_.Intent] = []
+    paused = spec.rebalance is not None and spec.rebalance.paused
+    kept, intents, outcomes = _in_flight(spec, mem, book, view, obs, wall, abort_pod, paused)
+    book.switches = kept
+    obs.decision = None
     started: list[sw_.Switch] = []
+    decisions: list[tuple[str, str]] = []
+    if spec.rebalance is not None:
+        more, started, decisions = _policy(spec, mem, book, view, engines, mesh, obs, per, wall, now, events, paused)
+        intents += more
+    for s in started:
+        events.append(Event("Normal", "SwitchStarted", f"{s.pod}: {s.from_} -> {s.to} ({s.reason})",
+                            key=f"start {s.pod} {s.started}"))
+    assert mem.book is not None
+    intents += rb.repairs(engines, mem.book.switches)
+    return intents, started, outcomes, decisions
+
+
+def _in_flight(spec: PDDeploymentSpec, mem: Memory, book: sw_.Book, view: Callable[[sw_.Switch], sw_.View],
+               obs: Observed, wall: float, abort_pod: str | None, paused: bool
+               ) -> tuple[list[sw_.Switch], list[sw_.Intent], list[sw_.Outcome]]:
+    """Each switch in flight one step further (or ended): those kept, their intents, the ends."""
+    intents: list[sw_.Intent] = []
     outcomes: list[sw_.Outcome] = []
     kept: list[sw_.Switch] = []
-    decisions: list[tuple[str, str]] = []
     timeout = rb.drain_timeout(spec)
-    paused = spec.rebalance is not None and spec.rebalance.paused
     for s in book.switches:
         if s.step != sw_.ABORT:
             s = replace(s, attempts=mem.switch_fails.get(s.pod, 0), message=mem.switch_errors.get(s.pod, ""))
@@ -317,11 +380,7 @@ def advance_switches(spec: PDDeploymentSpec, mem: Memory, book: sw_.Book, pods: 
         new, its, out = sw_.advance(s, view(s), wall, timeout)
         if out is not None:
             outcomes.append(out)
-            mem.switch_errors = {k: v for k, v in mem.switch_errors.items() if k != s.pod}
-            mem.switch_fails = {k: v for k, v in mem.switch_fails.items() if k != s.pod}
-            if out.result == "Interrupted":
-                mem.switch_refused = {k: v for k, v in mem.switch_refused.items() if k != s.pod}
-            mem.switch_verified = {k: v for k, v in mem.switch_verified.items() if k[0] != s.pod}
+            _forget_switch(mem, s.pod, interrupted=out.result == "Interrupted")
             book.last = out.record()
             if out.result == "Aborted" and not out.switch.message.startswith((sw_.RETARGETED, sw_.PAUSED)):
                 # the drain gave up, the engine cannot switch, or someone aborted it: no switch starts
@@ -333,62 +392,82 @@ def advance_switches(spec: PDDeploymentSpec, mem: Memory, book: sw_.Book, pods: 
         elif new is not None:
             kept.append(new)
             intents += its
-    book.switches = kept
-    obs.decision = None
-    if spec.rebalance is not None:
-        decision_event = None
-        cands = rb.candidates(engines, kept, set(mem.switch_refused))
-        current = sw_.prefill_count(cands)
-        sig = rb.signals(mesh, mem.reports, mem.reported_at, now, mem.gateway_stats) \
-            if spec.rebalance.policy in rb.PERIODIC else policies.Signals()
-        verdict, changed, evaluated = rb.decide_target(spec, book, sig, current, wall)
-        mem.book = book = evaluated
-        if verdict is not None:
-            decisions.append((spec.rebalance.policy, verdict.reason))
-            if changed and book.target != current:
-                decision_event = f"{spec.rebalance.policy}: prefill {current} -> {book.target}: {verdict.message}"
-        last = book.decision or {}
-        lim = rb.limits(spec, book.retry_after)
-        total = spec.total
-        target = sw_.clamp_target(book.target, total, lim) if book.target is not None else None
-        if spec.rebalance.method == "Switch":
-            # a move in progress follows the new target: switches still draining that overshoot it stop
-            moved = sw_.retarget(kept, cands, target, wall)
-            for s in (s for s, old in zip(moved, kept) if s is not old):
-                intents += sw_.intents(s, view(s))
-            if moved != kept:
-                book.switches = kept = moved
-                cands = rb.candidates(engines, kept, set(mem.switch_refused))
-        why = f"{spec.rebalance.policy}: {last.get('message', '')}"
-        unsettled = _unsettled(spec, engines, obs, per, mem, book.sizes)
-        if spec.rebalance.method == "Replace":
-            sizes = spec.group_sizes(book.sizes)
-            if book.sizes and book.sizes.get("growing") and sizes == {g: book.sizes[g] for g in sizes}:
-                sizes = {**sizes, "growing": book.sizes["growing"], "moving": book.sizes.get("moving") or 1}
-            new_sizes, decision = rp.plan(sizes, target, lim, wall, unsettled, why, total)
-            if new_sizes is not None and not paused:
-                book.sizes = new_sizes
-                decision_event = (decision_event + "; " if decision_event else "") + \
-                    f"Replace: prefill {new_sizes['prefill']}, decoder {new_sizes['decoder']}: {decision.message}"
-        else:
-            decision = sw_.choose(cands, kept, target, lim, wall, why, unsettled=unsettled)
-        decision = rb.condition_for(decision, last.get("reason"), last.get("message"))
-        if paused:
-            decision = replace(decision, starts=(), reason="Paused", message=(
-                f"spec.rebalance.paused: no switch starts; unpaused, {decision.message[:1].lower()}"
-                f"{decision.message[1:]}"))
-        for s in decision.starts:
-            book.switches = kept = kept + [s]
+    return kept, intents, outcomes
+
+
+def _forget_switch(mem: Memory, pod: str, interrupted: bool) -> None:
+    """A switch ended: what its steps remembered goes (new dicts: the memory read is not decide's)."""
+    mem.switch_errors = {k: v for k, v in mem.switch_errors.items() if k != pod}
+    mem.switch_fails = {k: v for k, v in mem.switch_fails.items() if k != pod}
+    if interrupted:
+        mem.switch_refused = {k: v for k, v in mem.switch_refused.items() if k != pod}
+    mem.switch_verified = {k: v for k, v in mem.switch_verified.items() if k[0] != pod}
+
+
+def _policy(spec: PDDeploymentSpec, mem: Memory, book: sw_.Book, view: Callable[[sw_.Switch], sw_.View],
+            engines: list[lk.Engine], mesh: list[lk.Engine], obs: Observed, per: dict, wall: float, now: float,
+            events: list[Event], paused: bool) -> tuple[list[sw_.Intent], list[sw_.Switch], list[tuple[str, str]]]:
+    """The policy's target, switches retargeted to it, and the switch (or resize) it starts."""
+    assert spec.rebalance is not None
+    policy = spec.rebalance.policy
+    intents: list[sw_.Intent] = []
+    decisions: list[tuple[str, str]] = []
+    decision_event = None
+    kept = book.switches
+    cands = rb.candidates(engines, kept, set(mem.switch_refused))
+    current = sw_.prefill_count(cands)
+    sig = rb.signals(mesh, mem.reports, mem.reported_at, now, mem.gateway_stats) \
+        if policy in rb.PERIODIC else policies.Signals()
+    verdict, changed, evaluated = rb.decide_target(spec, book, sig, current, wall)
+    mem.book = book = evaluated
+    if verdict is not None:
+        decisions.append((policy, verdict.reason))
+        if changed and book.target != current:
+            decision_event = f"{policy}: prefill {current} -> {book.target}: {verdict.message}"
+    last = book.decision or {}
+    lim = rb.limits(spec, book.retry_after)
+    target = sw_.clamp_target(book.target, spec.total, lim) if book.target is not None else None
+    if spec.rebalance.method == "Switch":
+        # a move in progress follows the new target: switches still draining that overshoot it stop
+        moved = sw_.retarget(kept, cands, target, wall)
+        for s in (s for s, old in zip(moved, kept) if s is not old):
             intents += sw_.intents(s, view(s))
-            started.append(s)
-        obs.decision = decision
-        if decision_event:
-            events.append(Event("Normal", "RebalanceDecision", decision_event))
-    for s in started:
-        events.append(Event("Normal", "SwitchStarted", f"{s.pod}: {s.from_} -> {s.to} ({s.reason})",
-                            key=f"start {s.pod} {s.started}"))
-    intents += rb.repairs(engines, kept)
-    return intents, started, outcomes, decisions
+        if moved != kept:
+            book.switches = kept = moved
+            cands = rb.candidates(engines, kept, set(mem.switch_refused))
+    why = f"{policy}: {last.get('message', '')}"
+    unsettled = _unsettled(spec, engines, obs, per, mem, book.sizes)
+    if spec.rebalance.method == "Replace":
+        decision, resized = _replace(spec, book, target, lim, wall, unsettled, why, paused)
+        if resized:
+            decision_event = (decision_event + "; " if decision_event else "") + resized
+    else:
+        decision = sw_.choose(cands, kept, target, lim, wall, why, unsettled=unsettled)
+    decision = rb.condition_for(decision, last.get("reason"), last.get("message"))
+    if paused:
+        decision = replace(decision, starts=(), reason="Paused", message=(
+            f"spec.rebalance.paused: no switch starts; unpaused, {decision.message[:1].lower()}"
+            f"{decision.message[1:]}"))
+    for s in decision.starts:
+        book.switches = kept = kept + [s]
+        intents += sw_.intents(s, view(s))
+    obs.decision = decision
+    if decision_event:
+        events.append(Event("Normal", "RebalanceDecision", decision_event))
+    return intents, list(decision.starts), decisions
+
+
+def _replace(spec: PDDeploymentSpec, book: sw_.Book, target: int | None, lim: sw_.Limits, wall: float,
+             unsettled: str | None, why: str, paused: bool) -> tuple[sw_.Decision, str | None]:
+    """Replace resizes the groups instead of switching: the decision, and the Event's words if it resized."""
+    sizes = spec.group_sizes(book.sizes)
+    if book.sizes and book.sizes.get("growing") and sizes == {g: book.sizes[g] for g in sizes}:
+        sizes = {**sizes, "growing": book.sizes["growing"], "moving": book.sizes.get("moving") or 1}
+    new_sizes, decision = rp.plan(sizes, target, lim, wall, unsettled, why, spec.total)
+    if new_sizes is None or paused:
+        return decision, None
+    book.sizes = new_sizes
+    return decision, f"Replace: prefill {new_sizes['prefill']}, decoder {new_sizes['decoder']}: {decision.message}"
 
 
 def _unsettled(spec: PDDeploymentSpec, engines: list[lk.Engine], obs: Observed, per: dict, mem: Memory,

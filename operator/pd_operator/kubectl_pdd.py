@@ -276,17 +276,49 @@ def _counter(progress: Progress, verb: str, noun: str) -> Callable[[int, int], N
     return lambda done, total: progress(f"{verb} {done}/{total} {noun}...")
 
 
+@dataclass
+class _Tally:
+    """Checks failed, and how many of them timed out."""
+    failed: int = 0
+    timed_out: int = 0
+
+    def miss(self, res: object) -> None:
+        self.failed += 1
+        self.timed_out += isinstance(res, TimedOut)
+
+
 async def _verify(kube: Kube, px: Proxy, obj: dict, ns: str, name: str, control: str | None, opts: VerifyOptions,
                   deadline: float, progress: Progress, out) -> int:
     spec, status = obj["spec"], obj.get("status") or {}
     per_call = call_timeout(opts.timeout)
-    failures = timed_out = 0
+    tally = _Tally()
     out(f"PDDeployment {ns}/{name}: phase {status.get('phase')}, links {status.get('linksSummary')}")
     members = _members(obj)
-    decoders = [m for m in members if m["role"] == "decoder"]
     hdr = {"X-PD-Agent-Token": control or ""}
-    timeout_ms = spec.get("datadist", {}).get("linkTimeoutMs", 3000)
+    statuses = await _verify_links(px, spec, members, hdr, deadline, per_call, progress, out, tally)
+    await _verify_kv(px, spec, members, statuses, hdr, deadline, per_call, progress, out, tally)
+    gw = spec.get("gateway") or {}
+    if not gw.get("enabled"):
+        out("\ngateway:")
+        out("  -   spec.gateway is not enabled")
+    elif not opts.completion:
+        out("\ngateway (--no-completion: nothing sent):")
+        bad, late, lines = gateway_ready(await _gateway_pods(kube, ns, name, deadline), name)
+        for line in lines:
+            out(line)
+        tally.failed, tally.timed_out = tally.failed + bad, tally.timed_out + late
+    else:
+        out("\ngateway (one completion with the key):")
+        bad, late = await _gateway_check(kube, px, ns, name, spec, gw, opts, deadline, per_call, progress, out)
+        tally.failed, tally.timed_out = tally.failed + bad, tally.timed_out + late
+    late_note = f", {tally.timed_out} timed out (--timeout {opts.timeout:g}s)" if tally.timed_out else ""
+    out(f"\n{'all checks passed' if not tally.failed else f'{tally.failed} check(s) failed{late_note}'}")
+    return 1 if tally.failed else 0
 
+
+async def _verify_links(px: Proxy, spec: dict, members: list[dict], hdr: dict, deadline: float, per_call: float,
+                        progress: Progress, out, tally: _Tally) -> dict[str, dict]:
+    """Every member's agent asked; each decoder's links as its engine reports them. The statuses."""
     def agent_status(pod: str) -> Call:
         # httpx's own timeout a second later: the deadline is the one that fires, as "timed out"
         return lambda t: px.call("GET", pod, AGENT_PORT, "/v1/status", hdr, timeout=t + 1)
@@ -297,29 +329,33 @@ async def _verify(kube: Kube, px: Proxy, obj: dict, ns: str, name: str, control:
     for m in members:
         res = got[m["pod"]]
         if isinstance(res, (TimedOut, Failed)):
-            failures += 1
-            timed_out += isinstance(res, TimedOut)
+            tally.miss(res)
             out(f"  {BAD} {m['pod']}: agent status {res}" if isinstance(res, TimedOut) else
                 f"  {BAD} {m['pod']}: agent not reachable: {res}")
             continue
         code, st = res
         if code != 200 or not isinstance(st, dict):
-            failures += 1
+            tally.failed += 1
             out(f"  {BAD} {m['pod']}: agent not reachable through the API server ({code}): {str(st)[:160]}")
             continue
         statuses[m["pod"]] = st
         if st.get("proxy_env"):
             out(f"  {BAD} {m['pod']}: proxy variables set ({', '.join(sorted(st['proxy_env']))}): unset them or "
                 f"list the peers in no_proxy")
-            failures += 1
-    for d in decoders:
-        if d["pod"] not in statuses:
-            continue
+            tally.failed += 1
+    timeout_ms = spec.get("datadist", {}).get("linkTimeoutMs", 3000)
+    for d in (m for m in members if m["role"] == "decoder" and m["pod"] in statuses):
         bad, lines = format_links(d["pod"], statuses, timeout_ms)
-        failures += bad
+        tally.failed += bad
         for line in lines:
             out(line)
+    return statuses
 
+
+async def _verify_kv(px: Proxy, spec: dict, members: list[dict], statuses: dict[str, dict], hdr: dict,
+                     deadline: float, per_call: float, progress: Progress, out, tally: _Tally) -> None:
+    """Each answering decoder pulls a probe cache from one prefill, round robin."""
+    decoders = [m for m in members if m["role"] == "decoder"]
     prefills = [m for m in members if statuses.get(m["pod"], {}).get("role") == "prompt"]
     pairs = {d["pod"]: prefills[i % len(prefills)] for i, d in enumerate(decoders)
              if prefills and d["pod"] in statuses}
@@ -339,33 +375,14 @@ async def _verify(kube: Kube, px: Proxy, obj: dict, ns: str, name: str, control:
             continue
         p, res = pairs[d["pod"]], got[d["pod"]]
         if isinstance(res, (TimedOut, Failed)):
-            failures += 1
-            timed_out += isinstance(res, TimedOut)
+            tally.miss(res)
             out(f"  {BAD} {d['pod']} <- {p['pod']}: {res}")
             continue
         code, r = res
         ok, lines = format_probe(d["pod"], p["pod"], code, r, spec.get("model", {}).get("modelId", 0))
-        failures += not ok
+        tally.failed += not ok
         for line in lines:
             out(line)
-
-    gw = spec.get("gateway") or {}
-    if not gw.get("enabled"):
-        out("\ngateway:")
-        out("  -   spec.gateway is not enabled")
-    elif not opts.completion:
-        out("\ngateway (--no-completion: nothing sent):")
-        bad, late, lines = gateway_ready(await _gateway_pods(kube, ns, name, deadline), name)
-        for line in lines:
-            out(line)
-        failures, timed_out = failures + bad, timed_out + late
-    else:
-        out("\ngateway (one completion with the key):")
-        bad, late = await _gateway_check(kube, px, ns, name, spec, gw, opts, deadline, per_call, progress, out)
-        failures, timed_out = failures + bad, timed_out + late
-    late_note = f", {timed_out} timed out (--timeout {opts.timeout:g}s)" if timed_out else ""
-    out(f"\n{'all checks passed' if not failures else f'{failures} check(s) failed{late_note}'}")
-    return 1 if failures else 0
 
 
 async def _gateway_pods(kube: Kube, ns: str, name: str, deadline: float) -> list[dict] | None:
@@ -790,6 +807,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="pod proxy, direct, or auto (proxy with a direct fallback; the default)")
     cmds = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    _verify_parser(cmds, ns, via)
+    _status_parser(cmds, ns, via)
+    _connect_parser(cmds, ns)
+    _switch_parser(cmds, ns)
+    return ap
+
+
+def _verify_parser(cmds, ns: argparse.ArgumentParser, via: argparse.ArgumentParser) -> None:
     v = cmds.add_parser("verify", parents=[ns, via], help="check links, a probe KV pull per decoder and the gateway",
                         description="Check every decoder's links, pull a probe KV cache on every decoder and send one "
                                     "completion through the gateway; calls run in parallel, progress on stderr. "
@@ -804,11 +829,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which key of the gateway's Secret the completion is billed to (default: the first)")
     v.add_argument("--api-key", default=None, help="a gateway key to use instead of one from its Secret")
 
+
+def _status_parser(cmds, ns: argparse.ArgumentParser, via: argparse.ArgumentParser) -> None:
     s = cmds.add_parser("status", parents=[ns, via], help="members, roles, links, load and switches on one screen",
                         description="Members, roles, assigned roles, links, load, draining, the switches in flight, "
                                     "the last switch and the Rebalancing condition.")
     s.add_argument("name", metavar="NAME", help="the PDDeployment")
 
+
+def _connect_parser(cmds, ns: argparse.ArgumentParser) -> None:
     c = cmds.add_parser("connect", parents=[ns], help="print a client's configuration for the gateway",
                         description="The Base URL, key and model a client needs, in its own configuration format.")
     c.add_argument("name", metavar="NAME", help="the PDDeployment")
@@ -819,6 +848,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--base-url", default=None, help="the Base URL clients reach the gateway at")
     c.add_argument("--check", action="store_true", help="send one request as the client would")
 
+
+def _switch_parser(cmds, ns: argparse.ArgumentParser) -> None:
     w = cmds.add_parser("switch", help="live role switches: list them, abort one",
                         formatter_class=argparse.RawDescriptionHelpFormatter,
                         description="The role switches in flight, and aborting one:\n\n"
@@ -847,7 +878,6 @@ def build_parser() -> argparse.ArgumentParser:
                                    f"switch of POD to abort (both exit 1).")
     wa.add_argument("name", metavar="NAME", help="the PDDeployment")
     wa.add_argument("pod", metavar="POD", help="the pod whose switch to abort")
-    return ap
 
 
 def main(argv: list[str] | None = None) -> None:
