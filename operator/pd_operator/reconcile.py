@@ -58,7 +58,7 @@ class Controller:
 
     def __init__(self, kube: Kube, agents: AgentClient, metrics: OperatorMetrics | None = None,
                  after_record: Callable[[list[sw_.Switch]], None] | None = None, npu_resource: str | None = None,
-                 config: OperatorConfig | None = None, clock: Clock = SYSTEM_CLOCK):
+                 config: OperatorConfig | None = None, clock: Clock = SYSTEM_CLOCK, workers: bool = True):
         # what the cluster admin allows (chart values): NPU resource, host paths, gateway image
         self.config = config or OperatorConfig.from_env()
         if npu_resource:
@@ -76,7 +76,7 @@ class Controller:
         self.leading = asyncio.Event()
         self.leading.set()
         self.runtime = Runtime("pdd", self._pass, self._failed, self.leading,
-                               timed=self.metrics.reconcile_seconds.observe, clock=clock)
+                               timed=self.metrics.reconcile_seconds.observe, clock=clock, workers=workers)
 
     # ---- fed by Kopf's watch events ------------------------------------------------------
     def on_deployment(self, etype: str | None, body: dict) -> None:
@@ -117,6 +117,10 @@ class Controller:
 
     async def stop(self) -> None:
         await self.runtime.stop()
+
+    async def pass_once(self, key: Key) -> float | None:
+        """One pass of `key` as its worker runs it (failures through the error policy)."""
+        return await self.runtime.once(key)
 
     async def _pass(self, key: Key) -> float | None:
         delay = await self.reconcile(key)

@@ -39,16 +39,17 @@ class Runtime:
 
     def __init__(self, name: str, run: Callable[[Key], Awaitable[float | None]],
                  on_error: Callable[[Key, Exception], Awaitable[float | None]], leading: asyncio.Event,
-                 timed: Callable[[float], None] | None = None, clock: Clock = SYSTEM_CLOCK):
+                 timed: Callable[[float], None] | None = None, clock: Clock = SYSTEM_CLOCK, workers: bool = True):
         self.name, self.run, self.on_error, self.leading, self.timed = name, run, on_error, leading, timed
-        self.clock = clock
+        # workers=False: no worker tasks; whoever holds the runtime runs the passes with once()
+        self.clock, self.workers = clock, workers
         self.wake: dict[Key, asyncio.Event] = {}
         self.tasks: dict[Key, asyncio.Task] = {}
         self.stopping = False
 
     def ensure(self, key: Key) -> None:
         """A worker for `key`, if it has none (and the runtime is not stopping)."""
-        if key not in self.tasks and not self.stopping:
+        if key not in self.tasks and not self.stopping and self.workers:
             self.wake[key] = asyncio.Event()
             self.tasks[key] = asyncio.create_task(self._worker(key), name=f"{self.name}/{key[0]}/{key[1]}")
 
@@ -62,6 +63,11 @@ class Runtime:
         ev = self.wake.get(key)
         if ev:
             ev.set()
+
+    def woken(self, key: Key) -> bool:
+        """Whether `key` has a wake-up its worker has not taken yet."""
+        ev = self.wake.get(key)
+        return ev is not None and ev.is_set()
 
     def poke_all(self) -> None:
         for key in list(self.wake):
@@ -85,27 +91,33 @@ class Runtime:
             t.cancel()
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
 
+    async def once(self, key: Key) -> float | None:
+        """One pass as a worker runs it: the wake-ups so far taken, the error policy's delay if it raised."""
+        if key in self.wake:
+            self.wake[key].clear()
+        t0 = self.clock.monotonic()
+        delay: float | None
+        try:
+            delay = await self.run(key)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - never let one object stop the operator
+            try:
+                delay = await self.on_error(key, e)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - reporting the error failed too (the API away)
+                log.exception("%s %s/%s: handling a failed pass", self.name, *key)
+                delay = ERROR_FALLBACK_S
+        if self.timed is not None:
+            self.timed(self.clock.monotonic() - t0)
+        return delay
+
     async def _worker(self, key: Key) -> None:
         while not self.stopping:
             await self.leading.wait()
             wake = self.wake[key]
-            wake.clear()
-            t0 = self.clock.monotonic()
-            delay: float | None
-            try:
-                delay = await self.run(key)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # noqa: BLE001 - never let one object stop the operator
-                try:
-                    delay = await self.on_error(key, e)
-                except asyncio.CancelledError:
-                    raise
-                except Exception:  # noqa: BLE001 - reporting the error failed too (the API away)
-                    log.exception("%s %s/%s: handling a failed pass", self.name, *key)
-                    delay = ERROR_FALLBACK_S
-            if self.timed is not None:
-                self.timed(self.clock.monotonic() - t0)
+            delay = await self.once(key)
             try:
                 await asyncio.wait_for(wake.wait(), delay)
                 await asyncio.sleep(COALESCE_S)

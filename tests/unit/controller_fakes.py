@@ -37,7 +37,7 @@ class FakeKube:
         self.reject: dict[str, tuple[int, str]] = {}           # kind -> (status, message) for applies
         self._rv = itertools.count(1)
 
-    def _store(self, obj: dict) -> dict:
+    def store(self, obj: dict) -> dict:
         obj = copy.deepcopy(obj)
         meta = obj["metadata"]
         meta["resourceVersion"] = str(next(self._rv))
@@ -45,7 +45,7 @@ class FakeKube:
         self.objects[(obj["kind"], meta.get("namespace", ""), meta["name"])] = obj
         return obj
 
-    def _feed(self, obj: dict) -> None:
+    def feed(self, obj: dict) -> None:
         if self.controller is None:
             return
         if obj["kind"] in CHILD_KINDS:
@@ -64,15 +64,15 @@ class FakeKube:
             if cur is None:
                 raise KubeError(404, '{"message": "not found"}', "apply status")
             cur = {**cur, "status": copy.deepcopy(obj["status"])}
-            stored = self._store(cur)
-            self._feed(stored)
+            stored = self.store(cur)
+            self.feed(stored)
             return stored
         self.log.append(("apply", obj["kind"], meta["name"]))
         if obj["kind"] in self.reject:
             status, message = self.reject[obj["kind"]]
             raise KubeError(status, '{"message": "%s"}' % message, f"apply {obj['kind']} {meta['name']}")
-        stored = self._store(obj)
-        self._feed(stored)
+        stored = self.store(obj)
+        self.feed(stored)
         return stored
 
     async def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> dict | None:
@@ -96,7 +96,7 @@ class FakeKube:
         obj = copy.deepcopy(obj)
         if "stringData" in obj:   # as the API server stores a Secret
             obj["data"] = {k: base64.b64encode(v.encode()).decode() for k, v in obj.pop("stringData").items()}
-        return self._store(obj)
+        return self.store(obj)
 
     async def patch(self, api_version: str, kind: str, namespace: str, name: str, body, subresource: str = "",
                     json_patch: bool = False) -> dict:
@@ -114,8 +114,8 @@ class FakeKube:
                     raise KubeError(422, '{"message": "test failed"}', f"patch {kind} {name}")
                 if op["op"] == "remove":
                     ann.pop(k, None)
-            stored = self._store(cur)
-            self._feed(stored)
+            stored = self.store(cur)
+            self.feed(stored)
             return stored
         for part in ("labels", "annotations"):   # a merge patch: null removes the key
             into = cur["metadata"].setdefault(part, {})
@@ -124,8 +124,8 @@ class FakeKube:
                     into.pop(k, None)
                 else:
                     into[k] = v
-        stored = self._store(cur)
-        self._feed(stored)
+        stored = self.store(cur)
+        self.feed(stored)
         return stored
 
     async def close(self) -> None:

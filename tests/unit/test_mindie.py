@@ -240,7 +240,7 @@ def annotate(w: World) -> None:
             host = "192.168.0.1" if group == "prefill" else "192.168.0.2"
             p["metadata"]["annotations"][ANN] = annotated(name, group, index, p["status"]["podIP"], host,
                                                           [2 * index, 2 * index + 1])["metadata"]["annotations"][ANN]
-            w.kube._feed(w.kube._store(p))
+            w.kube.feed(w.kube.store(p))
 
 
 def table_of(w: World) -> dict:

@@ -195,10 +195,10 @@ async def test_a_pass_reads_and_applies_what_changed_only():
     for d in (dep("a", "llama-8b"), dep("b", "qwen-7b")):
         d["apiVersion"], d["kind"] = "pdoperator.io/v1alpha1", "PDDeployment"
         d["status"] = {"tokenDigests": {"data": digest("x")}}   # the operator made the data token "x"
-        kube._store(d)
-        kube._store({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": f"{d['metadata']['name']}"
+        kube.store(d)
+        kube.store({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": f"{d['metadata']['name']}"
                      "-agent-data-token", "namespace": "t"}, "data": {"token": "eA=="}})
-    kube._store({"apiVersion": "pdoperator.io/v1alpha1", "kind": "PDGateway",
+    kube.store({"apiVersion": "pdoperator.io/v1alpha1", "kind": "PDGateway",
                  "metadata": {"name": "shared", "namespace": "t", "generation": 1},
                  "spec": {"apiKeysSecret": "keys"}})
     ctl = gc.GatewayController(kube, Events(kube), OperatorConfig(gateway_image="img/pd-gateway:1"),  # type: ignore[arg-type]
