@@ -1,11 +1,10 @@
 """Act: the thin I/O the reconcile decided on. Server-side apply under the one field
-manager, link/unlink/verify through the agents, Events. Agent failures come back as
-results (recorded in the deployment's memory); API errors are raised for the error policy."""
+manager, link/unlink/verify through the agents, Events. What each call did comes back in a
+`Results` (results.fold records it in the memory); API errors are raised for the error policy."""
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -17,10 +16,12 @@ from . import links as lk
 from . import tokens as tk
 from .agentclient import AgentCallError, AgentClient
 from .builders import ANNOTATION_ROLE, LABEL_ROLE, token_secret
+from .conditions import iso
 from .diagnosis import Diagnosis, link_failure
 from .events import Events
 from .kube import Kube, KubeError
 from .metrics import OperatorMetrics
+from .results import LinkAttempt, Results, StepResult
 from .runtime import SYSTEM_CLOCK, Clock
 from .state import Memory
 from .switch import ENGINE_ROLE, Intent, IntentKind
@@ -49,8 +50,7 @@ def _peer_of_link(link: dict) -> Peer:
                 port=link.get("port") or 1, ranks=ranks)
 
 
-async def create_tokens(kube: Kube, mem: Memory, name: str, namespace: str, owner: dict,
-                        clock: Clock = SYSTEM_CLOCK) -> None:
+async def create_tokens(kube: Kube, mem: Memory, name: str, namespace: str, owner: dict, res: Results) -> None:
     """The agents' bearer tokens, control (the operator's), data (routers') and peer (pull notices
     between the deployment's agents), whose digests the status now records: created once, never
     re-generated (running pods hold them). One that exists already (409) was made by someone
@@ -58,28 +58,29 @@ async def create_tokens(kube: Kube, mem: Memory, name: str, namespace: str, owne
     for role, token in list(mem.token_create.items()):
         made = await kube.create(token_secret(name, namespace, token, owner, tk.SECRETS[role](name)))
         if made is None:
-            mem.token_read_at = 0.0
-            continue
-        del mem.token_create[role]
-        if role == "control":
-            mem.token, mem.token_read_at = token, clock.monotonic()
+            res.tokens_taken.append(role)
+        else:
+            res.tokens_created[role] = token
 
 
-async def apply_children(kube: Kube, metrics: OperatorMetrics, mem: Memory, objs: list[dict]) -> None:
+async def apply_children(kube: Kube, metrics: OperatorMetrics, objs: list[dict], res: Results) -> None:
     for obj in objs:
         got = await kube.apply(obj)
-        mem.applied[ch.child_key(obj)] = (ch.digest(obj), ch.marker(got))
+        res.applied[ch.child_key(obj)] = (ch.digest(obj), ch.marker(got))
         metrics.applies.labels(obj["kind"]).inc()
 
 
-async def execute(body: dict, agents: AgentClient, events: Events, metrics: OperatorMetrics, mem: Memory,
-                  plan: lk.DecoderPlan, token: str, link_timeout_ms: int, clock: Clock = SYSTEM_CLOCK) -> None:
+async def execute(body: dict, agents: AgentClient, events: Events, metrics: OperatorMetrics,
+                  limiter: asyncio.Semaphore, plan: lk.DecoderPlan, token: str, link_timeout_ms: int
+                  ) -> list[LinkAttempt]:
+    """One decoder's unlinks and links; what became of each link."""
     d = plan.decoder
+    out: list[LinkAttempt] = []
     try:
         for force, stale in ((True, plan.force_unlink), (False, plan.unlink)):
             for batch in lk.batches(stale):
                 res = await agents.unlink(url_of(d), token, [_peer_of_link(l) for l in batch], force=force,
-                                          limiter=mem.limiter)
+                                          limiter=limiter)
                 for code in res.rets.values():
                     metrics.link_ops.labels("force_unlink" if force else "unlink", code).inc()
                 names = ", ".join(l["name"] for l in batch)
@@ -87,17 +88,17 @@ async def execute(body: dict, agents: AgentClient, events: Events, metrics: Oper
                                   + (" (broken link, local end)" if force else ""))
         for batch in plan.link_batches():
             res = await agents.link(url_of(d), token, [peer_of(e) for e in batch], link_timeout_ms,
-                                    limiter=mem.limiter)
+                                    limiter=limiter)
             ok, bad = [], []
             for e in batch:
                 code = res.rets.get(e.pod, "LLM_FAILED")
                 metrics.link_ops.labels("link", code).inc()
                 if code in LINKED_CODES:
-                    mem.succeed(d.pod, e.cluster_id)
+                    out.append(LinkAttempt(d.pod, e.cluster_id, code))
                     ok.append(e.pod)
                 else:
                     diag = _link_failure(code, d, e, (res.rank_rets or {}).get(e.pod), link_timeout_ms)
-                    mem.fail(d.pod, e.cluster_id, code, diag, clock.monotonic())
+                    out.append(LinkAttempt(d.pod, e.cluster_id, code, diag))
                     bad.append((code, diag))
             if ok:
                 await events.post(body, "Normal", "Linked", f"{d.pod} linked {', '.join(ok)} (LLM_SUCCESS) "
@@ -108,7 +109,8 @@ async def execute(body: dict, agents: AgentClient, events: Events, metrics: Oper
         log.info("agent call to %s failed: %s", d.pod, err)
         diag = Diagnosis(err.kind, f"{d.pod}: {err}")
         for cid in {e.cluster_id for e in plan.link} | {l["cluster_id"] for l in plan.unlink + plan.force_unlink}:
-            mem.fail(d.pod, cid, err.code or err.kind, diag, clock.monotonic())
+            out.append(LinkAttempt(d.pod, cid, err.code or err.kind, diag))
+    return out
 
 
 def _link_failure(code: str, d: lk.Engine, e: lk.Engine, rank_codes: list[str] | None, timeout_ms: int) -> Diagnosis:
@@ -120,12 +122,13 @@ def _link_failure(code: str, d: lk.Engine, e: lk.Engine, rank_codes: list[str] |
     return link_failure(code, f"{d.pod} rank {bad}", f"{e.pod} rank {bad}", ip, port, timeout_ms)
 
 
-async def verify(body: dict, agents: AgentClient, events: Events, mem: Memory,
-                 pairs: list[tuple[lk.Engine, lk.Engine]], token: str, clock: Clock = SYSTEM_CLOCK) -> None:
-    """One verification round: each decoder pulls a probe from one prefill."""
+async def verify(body: dict, agents: AgentClient, events: Events, mem: Memory, limiter: asyncio.Semaphore,
+                 pairs: list[tuple[lk.Engine, lk.Engine]], token: str, res: Results, wall: float) -> None:
+    """One verification round: each decoder pulls a probe from one prefill. `mem` is read only
+    (what the last round found, for the Events of a change)."""
     async def one(d: lk.Engine, p: lk.Engine) -> dict:
         try:
-            return (await agents.verify(url_of(d), token, peer_of(p), limiter=mem.limiter)).model_dump()
+            return (await agents.verify(url_of(d), token, peer_of(p), limiter=limiter)).model_dump()
         except AgentCallError as err:
             return {"ok": False, "code": err.code or err.kind, "message": str(err), "prefill": p.pod,
                     "decoder": d.pod, "bytes": 0, "pull_ms": 0}
@@ -134,7 +137,6 @@ async def verify(body: dict, agents: AgentClient, events: Events, mem: Memory,
     for r in results:
         agents.metrics.verified(body["metadata"].get("namespace", ""), body["metadata"]["name"], r["ok"], r["code"])
         before = mem.verify.get(r["decoder"])
-        mem.verify[r["decoder"]] = r
         if not r["ok"] and (before is None or before.get("ok")):
             reason = "KVContentMismatch" if r["code"] == "KV_CONTENT_MISMATCH" else "KVPathVerifyFailed"
             await events.post(body, "Warning", reason,
@@ -143,7 +145,8 @@ async def verify(body: dict, agents: AgentClient, events: Events, mem: Memory,
         await events.post(body, "Normal", "KVPathVerified", "; ".join(
             f"{r['decoder']} <- {r['prefill']}: {r['bytes']} B in {r['pull_ms']:.2f} ms" for r in results),
             key="first verification")
-    mem.verified_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(clock.time()))
+    res.verified = results
+    res.verified_at = iso(wall)
 
 
 # ---- role switching ---------------------------------------------------------------------------
@@ -153,7 +156,9 @@ class _Switching:
     """What carrying out one pod's switch intents needs."""
     kube: Kube
     agents: AgentClient
-    mem: Memory
+    mem: Memory                  # read only
+    limiter: asyncio.Semaphore
+    res: Results
     namespace: str
     reported: dict[str, list[dict]]
     pairs: dict[str, list[tuple[lk.Engine, lk.Engine]]]
@@ -170,28 +175,28 @@ async def _annotate(c: _Switching, it: Intent, e: lk.Engine | None) -> None:
 
 async def _drain(c: _Switching, it: Intent, e: lk.Engine | None) -> None:
     assert e is not None and e.agent_url
-    await c.agents.drain(e.agent_url, c.token, limiter=c.mem.limiter)
+    await c.agents.drain(e.agent_url, c.token, limiter=c.limiter)
 
 
 async def _undrain(c: _Switching, it: Intent, e: lk.Engine | None) -> None:
     assert e is not None and e.agent_url
-    await c.agents.undrain(e.agent_url, c.token, limiter=c.mem.limiter)
+    await c.agents.undrain(e.agent_url, c.token, limiter=c.limiter)
 
 
 async def _switch_role(c: _Switching, it: Intent, e: lk.Engine | None) -> None:
     assert e is not None and e.agent_url and it.role is not None
-    await c.agents.switch_role(e.agent_url, c.token, ENGINE_ROLE[it.role], limiter=c.mem.limiter)
+    await c.agents.switch_role(e.agent_url, c.token, ENGINE_ROLE[it.role], limiter=c.limiter)
 
 
 async def _unlink_all(c: _Switching, it: Intent, e: lk.Engine | None) -> None:
     assert e is not None and e.agent_url
     for batch in lk.batches(c.reported.get(it.pod, [])):
-        await c.agents.unlink(e.agent_url, c.token, [_peer_of_link(l) for l in batch], limiter=c.mem.limiter)
+        await c.agents.unlink(e.agent_url, c.token, [_peer_of_link(l) for l in batch], limiter=c.limiter)
 
 
 async def _verify(c: _Switching, it: Intent, e: lk.Engine | None) -> None:
     assert e is not None
-    await _switch_verify(c.agents, c.mem, e, c.pairs.get(it.pod, []), c.token)
+    await _switch_verify(c, e, c.pairs.get(it.pod, []))
 
 
 # each kind of switch intent: (whether it calls the pod's agent, what carries it out); a kind
@@ -202,14 +207,14 @@ INTENTS: dict[IntentKind, tuple[bool, Callable[[_Switching, Intent, lk.Engine | 
 }
 
 
-async def switch_intents(kube: Kube, agents: AgentClient, mem: Memory, namespace: str, intents: list[Intent],
-                         engines: dict[str, lk.Engine], reported: dict[str, list[dict]],
-                         pairs: dict[str, list[tuple[lk.Engine, lk.Engine]]], token: str,
-                         clock: Clock = SYSTEM_CLOCK) -> None:
-    """Carry out one pod's switch intents in order. Agent failures are remembered (the step
-    is retried after a backoff; an engine that cannot switch is marked for the abort); an API
+async def switch_intents(kube: Kube, agents: AgentClient, mem: Memory, limiter: asyncio.Semaphore, res: Results,
+                         namespace: str, intents: list[Intent], engines: dict[str, lk.Engine],
+                         reported: dict[str, list[dict]], pairs: dict[str, list[tuple[lk.Engine, lk.Engine]]],
+                         token: str, clock: Clock = SYSTEM_CLOCK) -> None:
+    """Carry out one pod's switch intents in order. An agent failure is a result (the step is
+    retried after a backoff; an engine that cannot switch is marked for the abort); an API
     error on the pod is raised, except a pod that is gone (the next pass ends its switch)."""
-    ctx = _Switching(kube, agents, mem, namespace, reported, pairs, token)
+    ctx = _Switching(kube, agents, mem, limiter, res, namespace, reported, pairs, token)
     for it in intents:
         e = engines.get(it.pod)
         calls_agent, carry_out = INTENTS[it.kind]
@@ -223,23 +228,20 @@ async def switch_intents(kube: Kube, agents: AgentClient, mem: Memory, namespace
             raise
         except AgentCallError as err:
             log.info("switch of %s: %s failed: %s", it.pod, it.kind, err)
-            mem.switch_backoff.fail(it.pod, clock.monotonic())
-            mem.switch_errors[it.pod] = f"{it.kind}: {err.code or err.kind}: {err}"[:300]
-            mem.switch_fails[it.pod] = mem.switch_fails.get(it.pod, 0) + 1
-            if err.code == "LLM_FEATURE_NOT_ENABLED":
-                mem.switch_refused[it.pod] = str(err)[:300]
+            res.steps.append(StepResult(it.pod, f"{it.kind}: {err.code or err.kind}: {err}",
+                                        str(err) if err.code == "LLM_FEATURE_NOT_ENABLED" else None))
             return
     if intents:
-        mem.switch_backoff.succeed(intents[0].pod)
-        mem.switch_errors.pop(intents[0].pod, None)
+        res.steps.append(StepResult(intents[0].pod))
 
 
-async def _switch_verify(agents: AgentClient, mem: Memory, e: lk.Engine, pairs: list[tuple[lk.Engine, lk.Engine]],
-                         token: str) -> None:
-    """Each (decoder, prefill) path through the switched engine pulls a probe, all at once."""
-    ok = mem.switch_verified.setdefault((e.pod, e.boot_id or ""), set())
-    todo = [(d, p) for d, p in pairs if (d.pod, p.pod) not in ok]
-    results = await asyncio.gather(*(agents.verify(url_of(d), token, peer_of(p), limiter=mem.limiter)
+async def _switch_verify(c: _Switching, e: lk.Engine, pairs: list[tuple[lk.Engine, lk.Engine]]) -> None:
+    """Each (decoder, prefill) path through the switched engine pulls a probe, all at once; those
+    that pulled are results even if another failed (they are not asked again)."""
+    at = (e.pod, e.boot_id or "")
+    done = c.mem.switch_verified.get(at, set())
+    todo = [(d, p) for d, p in pairs if (d.pod, p.pod) not in done]
+    results = await asyncio.gather(*(c.agents.verify(url_of(d), c.token, peer_of(p), limiter=c.limiter)
                                      for d, p in todo), return_exceptions=True)
     failed = None
     for (d, p), r in zip(todo, results):
@@ -248,7 +250,7 @@ async def _switch_verify(agents: AgentClient, mem: Memory, e: lk.Engine, pairs: 
                 raise r
             failed = failed or r
         elif r.ok:
-            ok.add((d.pod, p.pod))
+            c.res.switch_verified.append((at, (d.pod, p.pod)))
         else:
             failed = failed or AgentCallError("AgentError", f"{d.pod} <- {p.pod}: {r.message}", r.code)
     if failed is not None:

@@ -1,7 +1,8 @@
 """record and act, the PDDeployment pass's writes: the status first, once per pass and before
 acting (whatever the pass is about to do is recorded first), then the plan carried out: Events,
 the ends of switches, server-side apply under one field manager, links, unlinks, verifications
-and switch intents (act.py). Their results land in memory for the next pass to observe."""
+and switch intents (act.py). What they did comes back as Results, folded into the memory the
+next pass decides from (results.fold), also when acting stops half way on an API error."""
 from __future__ import annotations
 
 import asyncio
@@ -24,7 +25,8 @@ from .events import Events
 from .kube import Kube, KubeError
 from .metrics import OperatorMetrics
 from .objmeta import owner_reference
-from .runtime import Clock
+from .results import Results, fold
+from .runtime import Clock, Limiters
 from .state import Memory
 
 log = logging.getLogger("pd_operator.actor")
@@ -43,10 +45,11 @@ def spec_changes(old: Any, new: Any, prefix: str = "spec") -> list[str]:
 
 class Actor:
     def __init__(self, kube: Kube, agents: AgentClient, events: Events, metrics: OperatorMetrics, caches: Caches,
-                 memory: dict[Key, Memory], clock: Clock,
+                 memory: dict[Key, Memory], clock: Clock, limiters: Limiters,
                  after_record: Callable[[list[sw_.Switch]], None] | None = None):
         self.kube, self.agents, self.events, self.metrics = kube, agents, events, metrics
         self.caches, self.memory, self.clock, self.after_record = caches, memory, clock, after_record
+        self.limiters = limiters
 
     # ---- record ------------------------------------------------------------------------------
     async def record(self, snap: Snapshot, plan: Plan) -> None:
@@ -73,9 +76,17 @@ class Actor:
 
     # ---- act ---------------------------------------------------------------------------------
     async def act(self, snap: Snapshot, plan: Plan) -> bool:
-        """Carry out the plan; results land in memory for the next pass. True if it acted."""
-        (ns, name), body, spec, token = snap.key, snap.body, snap.spec, snap.token
+        """Carry out the plan; what it did is folded into the memory. True if it acted."""
         mem = self.memory[snap.key]
+        res = Results()
+        try:
+            return await self._act(snap, plan, mem, res)
+        finally:
+            fold(mem, res, self.clock.monotonic())
+
+    async def _act(self, snap: Snapshot, plan: Plan, mem: Memory, res: Results) -> bool:
+        (ns, name), body, spec, token = snap.key, snap.body, snap.spec, snap.token
+        limiter = self.limiters(snap.key)
         dirty = self.caches.dirty.setdefault(snap.key, set())
         for ev in plan.events:
             await self.events.post(body, ev.type, ev.reason, ev.message, key=ev.key)
@@ -83,49 +94,54 @@ class Actor:
             await self._switch_ended(body, o)
         acted = False
         if plan.clear_abort:
-            # only if it still names that pod: an abort of another pod asked for meanwhile stays
-            key = "/metadata/annotations/" + sw_.ANNOTATION_ABORT.replace("~", "~0").replace("/", "~1")
-            asked = (body["metadata"].get("annotations") or {}).get(sw_.ANNOTATION_ABORT)
-            try:
-                await self.kube.patch(f"{GROUP}/{VERSION}", KIND, ns, name, [
-                    {"op": "test", "path": key, "value": asked}, {"op": "remove", "path": key}], json_patch=True)
-            except KubeError as e:   # changed meanwhile (422), or not allowed: the next pass looks again
-                log.info("%s/%s: the %s annotation not removed: %s", ns, name, sw_.ANNOTATION_ABORT, e)
+            await self._clear_abort(ns, name, body)
         if plan.switch_intents and token:
             by_pod = {e.pod: e for e in plan.engines}
             grouped: dict[str, list[sw_.Intent]] = {}
             for it in plan.switch_intents:
                 grouped.setdefault(it.pod, []).append(it)
-            await asyncio.gather(*(act.switch_intents(self.kube, self.agents, mem, ns, its, by_pod, plan.reported,
-                                                      plan.switch_probes, token, self.clock)
+            await asyncio.gather(*(act.switch_intents(self.kube, self.agents, mem, limiter, res, ns, its, by_pod,
+                                                      plan.reported, plan.switch_probes, token, self.clock)
                                    for its in grouped.values()))
             dirty.update(grouped)
             acted = True
         if mem.token_create and not snap.token_problem:   # their digests are in the status just written
-            await act.create_tokens(self.kube, mem, name, ns, owner_reference(name, body["metadata"]["uid"]),
-                                    self.clock)
+            await act.create_tokens(self.kube, mem, name, ns, owner_reference(name, body["metadata"]["uid"]), res)
             acted = True
         if plan.to_apply:
-            await self._apply(body, spec, mem, snap.generation, plan.to_apply, created=not snap.children,
+            await self._apply(body, spec, mem, res, snap.generation, plan.to_apply, created=not snap.children,
                               everything=len(plan.to_apply) == len(plan.desired),
                               keys_ok=snap.keys is None or bool(snap.keys[0]))
             acted = True
         pairs = plan.verify
         if plan.links and token:
             dirty.update(p.decoder.pod for p in plan.links)  # ask them again next pass
-            await asyncio.gather(*(act.execute(body, self.agents, self.events, self.metrics, mem, p, token,
-                                               spec.datadist.link_timeout_ms, self.clock) for p in plan.links))
+            for attempts in await asyncio.gather(*(
+                    act.execute(body, self.agents, self.events, self.metrics, limiter, p, token,
+                                spec.datadist.link_timeout_ms) for p in plan.links)):
+                res.links += attempts
             acted = True
-            if plan.verify_after_links is not None and not mem.failures and not pairs:
-                mem.verified_links = plan.verify_after_links
+            if plan.verify_after_links is not None and not res.links_failing(mem.failures) and not pairs:
+                res.verified_links = plan.verify_after_links
                 pairs = lk.verify_pairs(plan.engines, mem.verify_round)
         if pairs and token:
-            await act.verify(body, self.agents, self.events, mem, pairs, token, self.clock)
-            mem.verify_round += 1
+            await act.verify(body, self.agents, self.events, mem, limiter, pairs, token, res, self.clock.time())
             interval = spec.datadist.verify_interval_seconds
-            mem.next_verify = snap.now + (interval if all(r["ok"] for r in mem.verify.values()) else min(interval, 5))
+            res.next_verify = snap.now + (interval if all(r["ok"] for r in {**mem.verify, **{
+                r["decoder"]: r for r in res.verified}}.values()) else min(interval, 5))
             acted = True
         return acted
+
+    async def _clear_abort(self, ns: str, name: str, body: dict) -> None:
+        """The switch-abort annotation goes, only if it still names that pod: an abort of another
+        pod asked for meanwhile stays."""
+        key = "/metadata/annotations/" + sw_.ANNOTATION_ABORT.replace("~", "~0").replace("/", "~1")
+        asked = (body["metadata"].get("annotations") or {}).get(sw_.ANNOTATION_ABORT)
+        try:
+            await self.kube.patch(f"{GROUP}/{VERSION}", KIND, ns, name, [
+                {"op": "test", "path": key, "value": asked}, {"op": "remove", "path": key}], json_patch=True)
+        except KubeError as e:   # changed meanwhile (422), or not allowed: the next pass looks again
+            log.info("%s/%s: the %s annotation not removed: %s", ns, name, sw_.ANNOTATION_ABORT, e)
 
     async def _switch_ended(self, body: dict, o: sw_.Outcome) -> None:
         s = o.switch
@@ -149,13 +165,13 @@ class Actor:
             await self.events.post(body, "Warning", f"Switch{o.result}", f"{s.pod}: {s.from_} -> {s.to} "
                                    f"{o.result.lower()}: {o.message}", key=f"{o.result} {s.pod} {s.started}")
 
-    async def _apply(self, body: dict, spec: PDDeploymentSpec, mem: Memory, gen: int, objs: list[dict],
-                     created: bool, everything: bool, keys_ok: bool = True) -> None:
+    async def _apply(self, body: dict, spec: PDDeploymentSpec, mem: Memory, res: Results, gen: int,
+                     objs: list[dict], created: bool, everything: bool, keys_ok: bool = True) -> None:
         # drift: what the operator wanted did not change, the object did (a role count moving a
         # disruption budget, or a Replace resizing a group, is the operator's own change)
         drifted = [o for o in objs if (a := mem.applied.get(ch.child_key(o))) is not None and a[0] == ch.digest(o)]
         try:
-            await act.apply_children(self.kube, self.metrics, mem, objs)
+            await act.apply_children(self.kube, self.metrics, objs, res)
         except KubeError as e:
             if 400 <= e.status < 500 and e.status not in (409, 429):
                 # a quota, a webhook or a policy may be fixed without a spec change: tried again

@@ -22,7 +22,7 @@ from .errors import TerminalError
 from .kube import Kube, KubeError
 from .members import Problem, claimed_owner, foreign, member_of, pod_ready
 from .observe import ask_always, to_ask
-from .runtime import Clock
+from .runtime import Clock, Limiters
 from .state import Memory
 
 log = logging.getLogger("pd_operator.observer")
@@ -35,9 +35,10 @@ TOKEN_TTL_S = 20.0
 
 class Observer:
     def __init__(self, kube: Kube, agents: AgentClient, caches: Caches, memory: dict[Key, Memory],
-                 config: OperatorConfig, clock: Clock):
+                 config: OperatorConfig, clock: Clock, limiters: Limiters):
         self.kube, self.agents, self.caches, self.memory, self.config, self.clock = \
             kube, agents, caches, memory, config, clock
+        self.limiters = limiters
 
     async def observe(self, key: Key, body: dict) -> Snapshot:
         """The Snapshot decide works from. What it writes to memory is bookkeeping of its own
@@ -76,7 +77,7 @@ class Observer:
             dirty = c.dirty.setdefault(key, set())
             ask = to_ask(mem, engines, now, dirty, ask_always(spec, book, engines, wall))
             dirty -= ask   # (given back if this pass's record fails: its reports are then lost)
-            reports = await observe.gather(engines, self.agents, token, mem.agent_backoff, now, mem.limiter,
+            reports = await observe.gather(engines, self.agents, token, mem.agent_backoff, now, self.limiters(key),
                                            only=ask)
             if any(r.error is not None and r.error.kind == "AgentUnauthorized" for r in reports.values()):
                 mem.token_read_at = 0.0  # the Secret may have been rotated: read it again next pass

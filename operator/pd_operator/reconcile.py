@@ -35,8 +35,8 @@ from .events import Events
 from .kube import Kube, KubeError
 from .metrics import OperatorMetrics
 from .observer import Observer
-from .runtime import SYSTEM_CLOCK, Clock, Runtime
-from .state import Memory
+from .runtime import SYSTEM_CLOCK, Clock, Limiters, Runtime
+from .state import AGENT_CONCURRENCY, Memory
 
 log = logging.getLogger("pd_operator.reconcile")
 Key = tuple[str, str]
@@ -69,8 +69,10 @@ class Controller:
         self.caches = Caches(clock)
         self.deployments, self.dirty = self.caches.deployments, self.caches.dirty
         self.memory: dict[Key, Memory] = {}
-        self.observer = Observer(kube, agents, self.caches, self.memory, self.config, clock)
-        self.actor = Actor(kube, agents, self.events, self.metrics, self.caches, self.memory, clock, after_record)
+        self.limiters = Limiters(AGENT_CONCURRENCY)
+        self.observer = Observer(kube, agents, self.caches, self.memory, self.config, clock, self.limiters)
+        self.actor = Actor(kube, agents, self.events, self.metrics, self.caches, self.memory, clock, self.limiters,
+                           after_record)
         # set while this process may act: always without leader election, only while it holds
         # the Lease with it (a standby keeps its caches warm and runs no pass)
         self.leading = asyncio.Event()
@@ -84,6 +86,7 @@ class Controller:
         if etype == "DELETED" or body["metadata"].get("deletionTimestamp"):
             self.caches.forget(key)
             self.runtime.forget(key)
+            self.limiters.forget(key)
             self.memory.pop(key, None)
             self.metrics.forget(*key)
             return

@@ -32,6 +32,24 @@ class SystemClock:
 SYSTEM_CLOCK = SystemClock()
 
 
+class Limiters:
+    """Agent calls in flight, bounded per key: one deployment with many slow agents cannot take
+    every connection (a runtime object, kept out of the memory decide forks)."""
+
+    def __init__(self, per_key: int):
+        self.per_key = per_key
+        self._sems: dict[Key, asyncio.Semaphore] = {}
+
+    def __call__(self, key: Key) -> asyncio.Semaphore:
+        sem = self._sems.get(key)
+        if sem is None:
+            sem = self._sems[key] = asyncio.Semaphore(self.per_key)
+        return sem
+
+    def forget(self, key: Key) -> None:
+        self._sems.pop(key, None)
+
+
 class Runtime:
     """`run(key)` is one pass: it returns the seconds until the next (None: only on a wake-up).
     `on_error(key, error)` decides the delay after a pass that raised (None: only on a wake-up, e.g.

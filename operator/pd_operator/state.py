@@ -5,7 +5,6 @@ correctness after a restart: each pass re-observes; memory only avoids hot retri
 repeated Events."""
 from __future__ import annotations
 
-import asyncio
 import copy
 from dataclasses import dataclass, field, fields
 
@@ -62,11 +61,9 @@ class Memory:
     switch_verified: dict[tuple[str, str], set] = field(default_factory=dict)  # (pod, boot id) -> pairs ok
     reported_at: dict[str, float] = field(default_factory=dict)   # pod -> when its agent last answered
     gateway_stats: tuple[dict, float] | None = None   # the gateway's /stats and when it was read
-    limiter: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(AGENT_CONCURRENCY))
 
     def fork(self) -> "Memory":
-        """A copy decide may change without touching this one: containers and backoffs copied,
-        the per-deployment limiter shared (it is a runtime object, not memory)."""
+        """A copy decide may change without touching this one: containers and backoffs copied."""
         new = copy.copy(self)
         for f in fields(self):
             v = getattr(self, f.name)
