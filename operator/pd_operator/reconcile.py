@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import zlib
 from dataclasses import replace
 from typing import Callable
 
 from . import links as lk
-from . import policies
+from . import policies, snapshots
 from . import switch as sw_
 from .actor import Actor, spec_changes  # noqa: F401 (spec_changes: re-exported)
 from .agentclient import AgentClient
@@ -70,6 +71,7 @@ class Controller:
         self.deployments, self.dirty = self.caches.deployments, self.caches.dirty
         self.memory: dict[Key, Memory] = {}
         self.limiters = Limiters(AGENT_CONCURRENCY)
+        self.record_dir = os.environ.get("PD_OPERATOR_RECORD_DIR", "")
         self.observer = Observer(kube, agents, self.caches, self.memory, self.config, clock, self.limiters)
         self.actor = Actor(kube, agents, self.events, self.metrics, self.caches, self.memory, clock, self.limiters,
                            after_record)
@@ -153,6 +155,8 @@ class Controller:
         if body is None:
             return None
         snap = await self.observer.observe(key, body)
+        if self.record_dir:   # on call: the pass as decide saw it, to replay (python -m pd_operator.snapshots)
+            snapshots.record(self.record_dir, snap)
         plan = decide(snap)
         await self.actor.record(snap, plan)
         acted = await self.actor.act(snap, plan)
