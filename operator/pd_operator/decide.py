@@ -146,6 +146,7 @@ def _take(snap: Snapshot, mem: Memory, obs: Observed, events: list[Event]) -> li
     for pod in [p for p in set(mem.reports) | set(mem.next_poll) if p not in alive]:
         mem.reports.pop(pod, None)
         mem.reported_at.pop(pod, None)
+        mem.links_dumped.pop(pod, None)
         mem.next_poll.pop(pod, None)
         mem.agent_errors.pop(pod, None)
     return engines
@@ -297,8 +298,11 @@ def take_reports(mem: Memory, engines: list[lk.Engine], reports: dict[str, Repor
         if st is not None:
             e = with_report(e, st)
             obs.boot_ids[e.pod] = st.boot_id
-            if st.role == "decoder":
-                obs.reported[e.pod] = [link.model_dump() for link in st.links]
+            if st.role == "decoder":   # dumped once per report, not once per pass (read only after)
+                dumped = mem.links_dumped.get(e.pod)
+                if dumped is None or dumped[0] is not st:
+                    dumped = mem.links_dumped[e.pod] = (st, [link.model_dump() for link in st.links])
+                obs.reported[e.pod] = dumped[1]
             if st.proxy_env:
                 obs.proxy[e.pod] = st.proxy_env
             obs.rank_reports[e.pod] = (max(1, st.tensor_parallel), sum(1 for r in st.ranks if r.initialized)

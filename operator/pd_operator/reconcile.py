@@ -28,7 +28,7 @@ from . import policies, snapshots
 from . import switch as sw_
 from .actor import Actor, spec_changes  # noqa: F401 (spec_changes: re-exported)
 from .agentclient import AgentClient
-from .caches import Caches
+from .caches import Caches, lean
 from .config import OperatorConfig
 from .decide import Plan, Snapshot, decide
 from .errors import TerminalError, apply_retry_s, error_policy  # noqa: F401 (re-exported)
@@ -93,7 +93,7 @@ class Controller:
             self.metrics.forget(*key)
             return
         before = self.deployments.get(key)
-        self.deployments[key] = body
+        self.deployments[key] = body = lean(body)
         self.runtime.ensure(key)
         # Our own status writes come back as events; only a spec change needs a pass.
         if before is None or before["metadata"].get("generation") != body["metadata"].get("generation"):
@@ -112,7 +112,7 @@ class Controller:
         self.memory.clear()
         self.caches.relisted_at.clear()
         self.leading.set()
-        self.runtime.poke_all()
+        self.runtime.poke_all(fresh=True)
 
     async def follow(self) -> None:
         """Leadership lost: stop acting now (passes in flight are cancelled; what they recorded

@@ -16,6 +16,7 @@ log = logging.getLogger("pd_operator.runtime")
 Key = tuple[str, str]
 COALESCE_S = 0.02   # after a wake-up: let a burst of watch events land before the pass
 ERROR_FALLBACK_S = 5.0
+FIRST_PASSES = 8     # first passes run at once, at most (a start or a takeover of many deployments)
 
 
 class Clock(Protocol):
@@ -64,14 +65,20 @@ class Runtime:
         self.wake: dict[Key, asyncio.Event] = {}
         self.tasks: dict[Key, asyncio.Task] = {}
         self.stopping = False
+        # first passes (after a start or a takeover) ask every agent and re-verify: a few at a
+        # time, so a fleet's takeover is a queue that moves, not every pass slow at once
+        self.fresh: set[Key] = set()
+        self.first_passes = asyncio.Semaphore(FIRST_PASSES)
 
     def ensure(self, key: Key) -> None:
         """A worker for `key`, if it has none (and the runtime is not stopping)."""
         if key not in self.tasks and not self.stopping and self.workers:
+            self.fresh.add(key)
             self.wake[key] = asyncio.Event()
             self.tasks[key] = asyncio.create_task(self._worker(key), name=f"{self.name}/{key[0]}/{key[1]}")
 
     def forget(self, key: Key) -> None:
+        self.fresh.discard(key)
         task = self.tasks.pop(key, None)
         if task:
             task.cancel()
@@ -87,7 +94,10 @@ class Runtime:
         ev = self.wake.get(key)
         return ev is not None and ev.is_set()
 
-    def poke_all(self) -> None:
+    def poke_all(self, fresh: bool = False) -> None:
+        """Wake every worker; `fresh`: their next pass is a first pass (a takeover)."""
+        if fresh:
+            self.fresh.update(self.wake)
         for key in list(self.wake):
             self.poke(key)
 
@@ -113,6 +123,13 @@ class Runtime:
         """One pass as a worker runs it: the wake-ups so far taken, the error policy's delay if it raised."""
         if key in self.wake:
             self.wake[key].clear()
+        if key in self.fresh:
+            async with self.first_passes:
+                self.fresh.discard(key)
+                return await self._once(key)
+        return await self._once(key)
+
+    async def _once(self, key: Key) -> float | None:
         t0 = self.clock.monotonic()
         delay: float | None
         try:

@@ -107,6 +107,12 @@ def decode(x: Any) -> Any:
         obj: Any = object.__new__(cls)
         for k, v in decode(x.get("f") or x["d"]).items():
             object.__setattr__(obj, k, v)   # frozen dataclasses too: this is their construction
+        for f in dataclasses.fields(cls) if dataclasses.is_dataclass(cls) else ():
+            if not hasattr(obj, f.name):    # a field newer than the recording: its default
+                if f.default_factory is not dataclasses.MISSING:
+                    object.__setattr__(obj, f.name, f.default_factory())
+                elif f.default is not dataclasses.MISSING:
+                    object.__setattr__(obj, f.name, f.default)
         return obj
     return {k: decode(v) for k, v in x.items()}
 

@@ -27,6 +27,7 @@ class Memory:
     failures: dict[tuple[str, int], tuple[str, Diagnosis]] = field(default_factory=dict)
     boot_ids: dict[str, str] = field(default_factory=dict)
     reports: dict = field(default_factory=dict)          # pod -> last AgentStatus
+    links_dumped: dict[str, tuple] = field(default_factory=dict)   # pod -> (that AgentStatus, its links as dicts)
     next_poll: dict[str, float] = field(default_factory=dict)  # pod -> when a settled member is asked again
     verify_round: int = 0
     next_verify: float = 0.0

@@ -114,3 +114,48 @@ async def test_leadership_loss_cancels_the_pass_in_flight_and_the_worker_waits_t
     await rt.stop()
     rt.ensure(("ns", "b"))             # a stopped runtime starts no worker
     assert ("ns", "b") not in rt.tasks
+
+
+async def test_first_passes_run_a_few_at_a_time_and_later_passes_are_not_held(leading):
+    from pd_operator.runtime import FIRST_PASSES
+    running, most, gate = 0, 0, asyncio.Event()
+    passes: dict = {}
+
+    async def run(key):
+        nonlocal running, most
+        passes[key] = passes.get(key, 0) + 1
+        running += 1
+        most = max(most, running)
+        try:
+            if passes[key] == 1:
+                await gate.wait()
+            return 3600
+        finally:
+            running -= 1
+
+    async def on_error(key, e):
+        return None
+    rt = Runtime("t", run, on_error, leading)
+    keys = [("ns", f"d{i}") for i in range(3 * FIRST_PASSES)]
+    for k in keys:
+        rt.ensure(k)
+    for _ in range(20):
+        await asyncio.sleep(0.01)
+    assert most == FIRST_PASSES, "first passes bounded"
+    gate.set()
+    for _ in range(100):
+        if len(passes) == len(keys):
+            break
+        await asyncio.sleep(0.01)
+    assert len(passes) == len(keys), "every deployment had its first pass"
+    assert not rt.fresh
+    gate.clear()
+    rt.poke_all()                # not a takeover: the next passes are not first passes
+    for _ in range(50):
+        if all(n >= 2 for n in passes.values()):
+            break
+        await asyncio.sleep(0.01)
+    assert all(n == 2 for n in passes.values())
+    rt.poke_all(fresh=True)      # a takeover: every next pass is a first pass again
+    assert rt.fresh == set(keys)
+    await rt.stop()
