@@ -27,10 +27,10 @@ $(LINT_STAMP): $(STAMP)
 	$(VENV)/bin/pip install -q -e '.[test,lint]'
 	@touch $@
 
-# the decide side (pure modules) and the contract package are type-checked
-TYPED := operator/pd_operator gateway/pd_gateway contract/pd_contract engines/pd_engine
+# every Python package the images run is type-checked
+TYPED := operator/pd_operator gateway/pd_gateway contract/pd_contract engines/pd_engine sim-agent/pd_agent sim-agent/llm_datadist_sim
 
-lint: $(LINT_STAMP) ## ruff over everything, mypy over the operator, the gateway, the contract package and pd_engine
+lint: $(LINT_STAMP) ## ruff over everything, mypy over the operator, the gateway, the agent and simulator, the contract package and pd_engine
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy $(TYPED)
 	@echo "[lint] clean"

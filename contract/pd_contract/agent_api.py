@@ -1,5 +1,5 @@
-"""JSON bodies of the agent API (HTTP on port 8080 under /v1/), shared by the agent, the
-operator's client and kubectl pdd."""
+"""The agent API (HTTP on port 8080 under /v1/): its paths and JSON bodies, shared by the agent,
+the operator's client, kubectl pdd, the routers and pd_engine's rank processes."""
 from __future__ import annotations
 
 from typing import Annotated, Literal
@@ -7,6 +7,41 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 Role = Literal["prompt", "decoder"]
+
+
+class AgentPath:
+    """The agent API's paths: sim-agent's routes.py serves them; the operator, the pod's agent,
+    the rank processes, pd_engine and the routers call them."""
+    HEALTHZ = "/healthz"       # readiness: the engine is initialised
+    LIVEZ = "/livez"           # liveness: the process answers
+    METRICS = "/metrics"
+    API = "/v1/"               # the token-checked API; the paths above are open
+    STATUS = "/v1/status"
+    RANKS = "/v1/ranks"        # a rank process registers with its pod's agent
+    INIT = "/v1/init"
+    LINK = "/v1/link"
+    UNLINK = "/v1/unlink"
+    SWITCH_ROLE = "/v1/switch_role"
+    VERIFY = "/v1/verify"
+    PROBE = "/v1/probe"
+    DRAIN = "/v1/drain"
+    UNDRAIN = "/v1/undrain"
+    NOTIFY = "/v1/notify"
+    FAULTS = "/v1/admin/faults"
+    PREFILL = "/v1/prefill"
+    DECODE = "/v1/decode"
+    PULL = "/v1/pull"
+    KV = "/v1/kv/{req_id}"     # a multi-rank decoder's rank: the shard it pulled, once
+    RANK_PROXY = "/r/{rank}/{tail:.*}"   # the pod's agent: that rank's own API
+
+    @staticmethod
+    def kv(req_id: int) -> str:
+        return AgentPath.KV.format(req_id=req_id)
+
+    @staticmethod
+    def rank_prefix(rank: int) -> str:
+        """The prefix under which the pod's agent relays to rank `rank`'s own API."""
+        return f"/r/{rank}"
 
 
 class _Body(BaseModel):

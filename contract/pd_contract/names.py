@@ -17,6 +17,12 @@ ANNOTATION_ROLE = f"{GROUP}/assigned-role"
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 SWITCHING = "switching"      # the role label while a pod is out of both role Services
 
+# the engine roles (LLM-DataDist's names), and the one each of the operator's groups starts in
+PROMPT = "prompt"
+DECODER = "decoder"
+ENGINE_ROLES = (PROMPT, DECODER)
+ENGINE_ROLE = {"prefill": PROMPT, "decoder": DECODER}
+
 AGENT_PORT = 8080            # the agent's HTTP API
 GATEWAY_PORT = 8000          # pd-gateway
 # pd-gateway's /metrics and /stats: per-key names and usage, so not on the public API port

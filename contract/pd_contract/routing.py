@@ -21,7 +21,7 @@ from typing import AsyncGenerator, AsyncIterator, Callable
 import httpx
 from pydantic import ValidationError
 
-from .agent_api import AgentStatus
+from .agent_api import AgentPath, AgentStatus
 from .names import AGENT_PORT, LABEL_DEPLOYMENT, LABEL_ROLE, SWITCHING
 
 log = logging.getLogger("pd_routing")
@@ -88,7 +88,8 @@ class Fleet:
     async def status(self, url: str) -> dict:
         """A pod's /v1/status checked against the contract (AgentStatus), so what routing reads
         has the right shape and types. Raises BadReport, or httpx.HTTPError when it does not answer."""
-        async with self.http.stream("GET", f"{url}/v1/status", headers=self.headers, timeout=STATUS_TIMEOUT_S) as r:
+        async with self.http.stream("GET", f"{url}{AgentPath.STATUS}", headers=self.headers,
+                                    timeout=STATUS_TIMEOUT_S) as r:
             if r.status_code != 200:
                 raise BadReport(f"/v1/status answered HTTP {r.status_code}")
             body = await read_capped(r, MAX_STATUS_BYTES, "/v1/status answer")
@@ -315,7 +316,7 @@ async def generate(fleet: Fleet, req_id: int, prompt_tokens: int, output_tokens:
             continue
         t0 = time.monotonic()
         try:
-            async with fleet.http.stream("POST", f"{p['url']}/v1/prefill", headers=fleet.headers,
+            async with fleet.http.stream("POST", f"{p['url']}{AgentPath.PREFILL}", headers=fleet.headers,
                                          json=prefill_body if p.get("engine") != "timing" else timing_body) as r:
                 if r.status_code != 200:
                     await refused(r, p)
@@ -351,7 +352,7 @@ async def generate(fleet: Fleet, req_id: int, prompt_tokens: int, output_tokens:
             continue
         started = False
         try:
-            async with fleet.http.stream("POST", f"{d['url']}/v1/decode", headers=fleet.headers, json=body,
+            async with fleet.http.stream("POST", f"{d['url']}{AgentPath.DECODE}", headers=fleet.headers, json=body,
                                          timeout=httpx.Timeout(None, connect=2, read=fleet.token_gap_timeout)) as r:
                 if r.status_code != 200:
                     await refused(r, d)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
+from .engine_env import PD_RANKS_EXTERNAL
+
 CONNECTOR = "PDOperatorConnector"
 CONNECTOR_MODULE = "pd_engine.vllm_connector"
 
@@ -38,5 +40,5 @@ def render_vllm_args(*, tensor_parallel: int, host_ip: str, devices: Sequence[in
     args = ["--tensor-parallel-size", str(tensor_parallel), "--kv-transfer-config", cfg]
     env = {"ASCEND_RT_VISIBLE_DEVICES": ",".join(map(str, devs)), "HCCL_IF_IP": host_ip,
            "GLOO_SOCKET_IFNAME": socket_ifname, "TP_SOCKET_IFNAME": socket_ifname,
-           "HCCL_SOCKET_IFNAME": socket_ifname, "PD_RANKS_EXTERNAL": "1"}
+           "HCCL_SOCKET_IFNAME": socket_ifname, PD_RANKS_EXTERNAL: "1"}
     return args, env

@@ -54,7 +54,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-ROLES = ("prompt", "decoder")
+from pd_contract.names import ENGINE_ROLES as ROLES  # noqa: F401 (the roles an adapter's engine takes)
 
 
 class SwitchRefused(Exception):

@@ -28,6 +28,8 @@ from typing import Any
 
 from aiohttp import web
 
+from pd_contract.engine_env import PD_LOCAL_POD_IP
+
 from .mindie import ROLES, is_ipv4
 
 log = logging.getLogger("pd_engine.mindie_standin")
@@ -160,7 +162,7 @@ async def serve(host: str, port: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="pd_engine.mindie_standin", description="A stand-in for MindIE's role API")
-    ap.add_argument("--host", default=os.environ.get("PD_LOCAL_POD_IP") or "127.0.0.1")
+    ap.add_argument("--host", default=os.environ.get(PD_LOCAL_POD_IP) or "127.0.0.1")
     ap.add_argument("--port", type=int, default=DEFAULT_PORT)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -32,7 +32,8 @@ import httpx
 from pd_agent.core import AgentCore, AgentError
 from pd_agent.identity import Identity, import_backend
 from pd_contract import agent_api as api
-from pd_contract.agent_api import Load
+from pd_contract.agent_api import AgentPath, Load
+from pd_contract.engine_env import PD_AGENT_URL, PD_RANK, PD_RANK_REGISTER_URL, PD_TENSOR_PARALLEL
 
 from .adapter import (
     CacheHandle,
@@ -65,8 +66,8 @@ class AgentClient:
 
     def __init__(self, env: Mapping[str, str] | None = None, token: str | None = None, timeout_s: float = 60.0):
         env = os.environ if env is None else env
-        base = (env.get("PD_AGENT_URL") or DEFAULT_AGENT_URL).rstrip("/")
-        self.register_url = env.get("PD_RANK_REGISTER_URL") or f"{base}/v1/ranks"
+        base = (env.get(PD_AGENT_URL) or DEFAULT_AGENT_URL).rstrip("/")
+        self.register_url = env.get(PD_RANK_REGISTER_URL) or f"{base}{AgentPath.RANKS}"
         self.token = token
         self.timeout_s = timeout_s
 
@@ -269,14 +270,14 @@ def rank_env_for(env: Mapping[str, str], rank: int, tensor_parallel: int | None 
     its cluster id, device IP and port from the device plugin's annotation (re-read until it names
     every rank, at most `wait_s`: the annotation may come after the container starts) or the pod IP,
     and where it registers. An env that already names its rank (PD_RANK) is returned as it is."""
-    if env.get("PD_RANK"):
+    if env.get(PD_RANK):
         return dict(env)
     from pd_agent.devices import DeviceError, resolve_env
     from pd_agent.front import rank_env
-    tp = tensor_parallel or int(env.get("PD_TENSOR_PARALLEL") or 1)
+    tp = tensor_parallel or int(env.get(PD_TENSOR_PARALLEL) or 1)
     if not 0 <= rank < tp:
         raise ValueError(f"rank {rank} of a pod with tensor parallel {tp}")
-    pod = {**env, "PD_TENSOR_PARALLEL": str(tp)}
+    pod = {**env, PD_TENSOR_PARALLEL: str(tp)}
     deadline = time.monotonic() + wait_s
     while True:
         try:
@@ -403,7 +404,7 @@ def serve_rank(adapter: EngineAdapter, identity_env: Mapping[str, str] | None = 
         check_layout(layout, identity.cache_desc)
         core.before_switch.append(_hook(adapter.before_switch))
         core.after_switch.append(_hook(adapter.after_switch))
-        core.inference = _AdapterServing(core, adapter, rank)  # type: ignore[assignment]  # duck-typed: the agent API's serving calls
+        core.inference = _AdapterServing(core, adapter, rank)
         url = server.start_api(host, port)
         (agent or AgentClient(identity_env, identity.token)).register(identity.rank, url, core.boot_id)
     except BaseException:

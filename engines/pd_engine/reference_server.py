@@ -21,6 +21,8 @@ import signal
 import sys
 import time
 
+from pd_contract.engine_env import PD_TENSOR_PARALLEL
+
 log = logging.getLogger("pd_engine.reference_server")
 
 
@@ -39,7 +41,7 @@ def run_rank(rank: int, tensor_parallel: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pd_engine.reference_server", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tensor-parallel", type=int, default=int(os.environ.get("PD_TENSOR_PARALLEL") or 1),
+    ap.add_argument("--tensor-parallel", type=int, default=int(os.environ.get(PD_TENSOR_PARALLEL) or 1),
                     help="rank processes to start (default PD_TENSOR_PARALLEL, else 1)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

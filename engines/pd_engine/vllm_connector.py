@@ -48,6 +48,20 @@ from typing import Any
 
 import numpy as np
 
+from pd_contract.engine_env import (
+    LLM_DATADIST_CACHE_DESC,
+    LLM_DATADIST_CLUSTER_ID,
+    LLM_DATADIST_CLUSTER_ID_BASE,
+    LLM_DATADIST_MODEL_ID,
+    LLM_DATADIST_POD_INDEX,
+    LLM_DATADIST_PORT,
+    PD_RANK,
+    PD_TENSOR_PARALLEL,
+    cluster_id,
+    engine_ip,
+)
+from pd_contract.names import DATADIST_PORT
+
 from .adapter import BlockInfo, KVLayout, NotLinked, Rank, check_layout
 from .rank import AgentClient, RankServer, open_rank, rank_env_for
 
@@ -144,7 +158,7 @@ class PDOperatorConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         self.env = dict(os.environ if env is None else env)
         extra = getattr(self._kv_transfer_config, "kv_connector_extra_config", None) or {}
-        self.tp = int(self.env.get("PD_TENSOR_PARALLEL") or extra.get("tensor_parallel") or 1)
+        self.tp = int(self.env.get(PD_TENSOR_PARALLEL) or extra.get("tensor_parallel") or 1)
         self._agent, self._llm, self._tp_rank, self._api_host = agent, llm, tp_rank, api_host
         # scheduler side
         self._recv: dict[str, RecvSpec] = {}
@@ -166,9 +180,9 @@ class PDOperatorConnector(KVConnectorBase_V1):
     # ================================ scheduler side ================================
     def _base_cluster_id(self) -> int:
         e = self.env
-        if e.get("LLM_DATADIST_CLUSTER_ID_BASE") and e.get("LLM_DATADIST_POD_INDEX"):
-            return int(e["LLM_DATADIST_CLUSTER_ID_BASE"]) + int(e["LLM_DATADIST_POD_INDEX"]) * self.tp
-        return int(e.get("LLM_DATADIST_CLUSTER_ID") or 0) - int(e.get("PD_RANK") or 0)
+        if e.get(LLM_DATADIST_CLUSTER_ID_BASE) and e.get(LLM_DATADIST_POD_INDEX):
+            return cluster_id(int(e[LLM_DATADIST_CLUSTER_ID_BASE]), int(e[LLM_DATADIST_POD_INDEX]), self.tp)
+        return int(e.get(LLM_DATADIST_CLUSTER_ID) or 0) - int(e.get(PD_RANK) or 0)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         p = _params(request)
@@ -218,15 +232,15 @@ class PDOperatorConnector(KVConnectorBase_V1):
         return True, {
             "do_remote_prefill": True, "do_remote_decode": False,
             "remote_cluster_id": self._base_cluster_id(), "remote_tp_size": self.tp,
-            "remote_host": e.get("LLM_DATADIST_IP") or e.get("PD_LOCAL_POD_IP") or "",
-            "remote_port": int(e.get("LLM_DATADIST_PORT") or 26000),
+            "remote_host": engine_ip(e, default=""),
+            "remote_port": int(e.get(LLM_DATADIST_PORT) or DATADIST_PORT),
             "remote_block_ids": list(block_ids), "remote_request_id": request.request_id,
-            "remote_model_id": int(e.get("LLM_DATADIST_MODEL_ID") or 0),
+            "remote_model_id": int(e.get(LLM_DATADIST_MODEL_ID) or 0),
         }
 
     # ================================ worker side ================================
     def _rank_env(self) -> dict[str, str]:
-        if self.env.get("PD_RANK"):
+        if self.env.get(PD_RANK):
             return self.env
         r = self._tp_rank
         if r is None:
@@ -258,7 +272,7 @@ class PDOperatorConnector(KVConnectorBase_V1):
         self.rank = rank
         self.server = RankServer(None, identity, rank, core)   # type: ignore[arg-type]  # no adapter: vLLM serves
         try:
-            if env.get("LLM_DATADIST_CACHE_DESC"):
+            if env.get(LLM_DATADIST_CACHE_DESC):
                 check_layout(self.layout, identity.cache_desc)
             self._allocate_staging()
             core.after_switch.append(self._after_switch)

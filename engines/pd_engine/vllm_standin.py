@@ -36,6 +36,8 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
+from pd_contract.engine_env import LLM_DATADIST_CACHE_DESC, PD_LOCAL_POD_IP
+
 log = logging.getLogger("pd_engine.vllm_standin")
 DTYPES = {"DT_FLOAT16": np.float16, "DT_BF16": np.uint16, "DT_FLOAT": np.float32, "DT_INT8": np.int8}
 
@@ -64,7 +66,7 @@ class StandIn:
         cfg = SimpleNamespace(kv_transfer_config=SimpleNamespace(
             kv_connector_extra_config=kv_transfer_config.get("kv_connector_extra_config") or {},
             is_kv_producer=True, kv_role=kv_transfer_config.get("kv_role")))
-        desc = json.loads(env["LLM_DATADIST_CACHE_DESC"])
+        desc = json.loads(env[LLM_DATADIST_CACHE_DESC])
         paged = desc.get("paged")
         if not paged:
             raise SystemExit("vLLM's caches are paged: spec.model.kvCache.paged must be set")
@@ -198,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     cfg = json.loads(args.kv_transfer_config)
     standin = StandIn(load_connector(cfg), cfg, args.tensor_parallel_size, dict(os.environ))
-    host = os.environ.get("PD_LOCAL_POD_IP") or "0.0.0.0"
+    host = os.environ.get(PD_LOCAL_POD_IP) or "0.0.0.0"
     log.info("connector %s loaded from %s; serving on %s:%d", cfg["kv_connector"], cfg["kv_connector_module_path"],
              host, args.port)
     try:

@@ -38,6 +38,16 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from pd_contract import tokens
+from pd_contract.engine_env import PD_AGENT_DATA_TOKEN, PD_LOCAL_POD_IP, PD_MODEL_NAME, POD_NAMESPACE
+from pd_contract.gateway_env import (
+    PD_GATEWAY_DEPLOYMENT,
+    PD_GATEWAY_KEY_POLICY,
+    PD_GATEWAY_KEYS_SECRET,
+    PD_GATEWAY_ROUTES,
+    PD_GATEWAY_RPM,
+    PD_GATEWAY_USAGE_CONFIGMAP,
+    PD_MODEL_ALIASES,
+)
 from pd_contract.names import AGENT_PORT, GATEWAY_METRICS_PORT
 from pd_contract.routing import (
     TOKEN_GAP_TIMEOUT_S,
@@ -125,13 +135,13 @@ class Config:
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "Config":
         env = dict(os.environ if env is None else env)
-        return cls(model=env.get("PD_MODEL_NAME", "model"),
-                   aliases=tuple(json.loads(env.get("PD_MODEL_ALIASES") or "[]")),
-                   namespace=env.get("POD_NAMESPACE", "default"),
-                   deployment=env.get("PD_GATEWAY_DEPLOYMENT") or None,
-                   data_token=env.get("PD_AGENT_DATA_TOKEN") or None,
-                   keys_secret=env.get("PD_GATEWAY_KEYS_SECRET") or None,
-                   rpm=json.loads(env.get("PD_GATEWAY_RPM") or "{}"),
+        return cls(model=env.get(PD_MODEL_NAME, "model"),
+                   aliases=tuple(json.loads(env.get(PD_MODEL_ALIASES) or "[]")),
+                   namespace=env.get(POD_NAMESPACE, "default"),
+                   deployment=env.get(PD_GATEWAY_DEPLOYMENT) or None,
+                   data_token=env.get(PD_AGENT_DATA_TOKEN) or None,
+                   keys_secret=env.get(PD_GATEWAY_KEYS_SECRET) or None,
+                   rpm=json.loads(env.get(PD_GATEWAY_RPM) or "{}"),
                    agents=[u for u in env.get("PD_GATEWAY_AGENTS", "").split(",") if u] or None,
                    max_output_tokens=_positive(env, "PD_GATEWAY_MAX_OUTPUT_TOKENS", MAX_OUTPUT_TOKENS),
                    max_context_tokens=_positive(env, "PD_GATEWAY_MAX_CONTEXT_TOKENS", MAX_CONTEXT_TOKENS),
@@ -145,9 +155,9 @@ class Config:
                    token_gap_timeout_s=_positive(env, "PD_GATEWAY_UPSTREAM_READ_TIMEOUT_S", TOKEN_GAP_TIMEOUT_S,
                                                  float),
                    min_key_length=_positive(env, "PD_GATEWAY_MIN_KEY_LENGTH", MIN_KEY_LENGTH),
-                   routes=json.loads(env["PD_GATEWAY_ROUTES"]) if env.get("PD_GATEWAY_ROUTES") else None,
-                   key_policy=policy.parse(env.get("PD_GATEWAY_KEY_POLICY")),
-                   usage_configmap=env.get("PD_GATEWAY_USAGE_CONFIGMAP") or None)
+                   routes=json.loads(env[PD_GATEWAY_ROUTES]) if env.get(PD_GATEWAY_ROUTES) else None,
+                   key_policy=policy.parse(env.get(PD_GATEWAY_KEY_POLICY)),
+                   usage_configmap=env.get(PD_GATEWAY_USAGE_CONFIGMAP) or None)
 
 
 @dataclass
@@ -860,7 +870,7 @@ async def serve(cfg: Config, host: str, port: int, metrics_port: int = GATEWAY_M
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="pd_gateway", description=__doc__)
-    ap.add_argument("--host", default=os.environ.get("PD_LOCAL_POD_IP", "0.0.0.0"))
+    ap.add_argument("--host", default=os.environ.get(PD_LOCAL_POD_IP, "0.0.0.0"))
     ap.add_argument("--port", type=int, default=int(os.environ.get("PD_GATEWAY_PORT", PORT)))
     ap.add_argument("--metrics-port", type=int,
                     default=int(os.environ.get("PD_GATEWAY_METRICS_PORT", GATEWAY_METRICS_PORT)))

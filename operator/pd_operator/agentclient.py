@@ -14,6 +14,7 @@ import httpx
 from pydantic import BaseModel, ValidationError
 
 from pd_contract.agent_api import (
+    AgentPath,
     AgentStatus,
     DrainRequest,
     DrainResult,
@@ -81,35 +82,35 @@ class AgentClient:
             self.metrics.agent_seconds.labels(op).observe(self.clock.monotonic() - t0)
 
     async def status(self, base: str, token: str, limiter=None) -> AgentStatus:
-        return await self._call("status", "GET", f"{base}/v1/status", token, AgentStatus,
+        return await self._call("status", "GET", f"{base}{AgentPath.STATUS}", token, AgentStatus,
                                 timeout=STATUS_TIMEOUT_S, limiter=limiter)
 
     async def init(self, base: str, token: str, limiter=None) -> AgentStatus:
-        return await self._call("init", "POST", f"{base}/v1/init", token, AgentStatus, limiter=limiter)
+        return await self._call("init", "POST", f"{base}{AgentPath.INIT}", token, AgentStatus, limiter=limiter)
 
     async def link(self, base: str, token: str, peers: list[Peer], timeout_ms: int, limiter=None) -> LinkResult:
-        return await self._call("link", "POST", f"{base}/v1/link", token, LinkResult,
+        return await self._call("link", "POST", f"{base}{AgentPath.LINK}", token, LinkResult,
                                 LinkRequest(peers=peers, timeout_ms=timeout_ms),
                                 timeout=timeout_ms / 1000 * 1.5 + 5, limiter=limiter)
 
     async def unlink(self, base: str, token: str, peers: list[Peer], force: bool = False, limiter=None) -> LinkResult:
-        return await self._call("unlink", "POST", f"{base}/v1/unlink", token, LinkResult,
+        return await self._call("unlink", "POST", f"{base}{AgentPath.UNLINK}", token, LinkResult,
                                 UnlinkRequest(peers=peers, force=force), limiter=limiter)
 
     async def verify(self, base: str, token: str, peer: Peer, limiter=None) -> VerifyResult:
-        return await self._call("verify", "POST", f"{base}/v1/verify", token, VerifyResult,
+        return await self._call("verify", "POST", f"{base}{AgentPath.VERIFY}", token, VerifyResult,
                                 VerifyRequest(peer=peer), timeout=20, limiter=limiter)
 
     async def drain(self, base: str, token: str, limiter=None) -> DrainResult:
         """Set the drain flag and return at once: the operator reads the drain back each pass."""
-        return await self._call("drain", "POST", f"{base}/v1/drain", token, DrainResult,
+        return await self._call("drain", "POST", f"{base}{AgentPath.DRAIN}", token, DrainResult,
                                 DrainRequest(timeout_s=0), limiter=limiter)
 
     async def undrain(self, base: str, token: str, limiter=None) -> DrainResult:
-        return await self._call("undrain", "POST", f"{base}/v1/undrain", token, DrainResult, limiter=limiter)
+        return await self._call("undrain", "POST", f"{base}{AgentPath.UNDRAIN}", token, DrainResult, limiter=limiter)
 
     async def switch_role(self, base: str, token: str, role: str, limiter=None) -> AgentStatus:
-        return await self._call("switch_role", "POST", f"{base}/v1/switch_role", token, AgentStatus,
+        return await self._call("switch_role", "POST", f"{base}{AgentPath.SWITCH_ROLE}", token, AgentStatus,
                                 SwitchRoleRequest.model_validate({"role": role}), limiter=limiter)
 
     async def gateway_stats(self, base: str) -> dict | None:

@@ -9,11 +9,15 @@ import copy
 import hashlib
 import json
 
+from pd_contract import engine_env as ev
+from pd_contract.agent_api import AgentPath
+from pd_contract.engine_env import TOKEN_DIGEST_ENV
 from pd_contract.names import (  # noqa: F401 (re-exported: the operator's modules take names from here)
     AGENT_METRICS_PORT,
     AGENT_PORT,
     ANNOTATION_ROLE,
     ASCEND_ANNOTATION,
+    ENGINE_ROLE,
     LABEL_DEPLOYMENT,
     LABEL_GROUP,
     LABEL_ROLE,
@@ -37,12 +41,11 @@ from .resources import per_ranks, with_defaults
 # container reads it at every start through the downward API, so a restarted container keeps
 # its switched role.
 GROUPS = ("prefill", "decoder")
-ENGINE_ROLE = {"prefill": "prompt", "decoder": "decoder"}  # LLM_DATADIST_ROLE per home group
 DEFAULT_BASE = {"prefill": 0, "decoder": 1000}
 TERMINATION_MARGIN_S = 10
 # for the Prometheus convention of scraping annotated pods (the chart's PodMonitor uses the port's name)
 ENGINE_SCRAPE_ANNOTATIONS = {"prometheus.io/scrape": "true", "prometheus.io/port": str(AGENT_METRICS_PORT),
-                             "prometheus.io/path": "/metrics"}
+                             "prometheus.io/path": AgentPath.METRICS}
 
 
 def sts_name(name: str, group: str) -> str:
@@ -74,7 +77,7 @@ def cluster_id_base(spec: PDDeploymentSpec, group: str) -> int:
 def cluster_id(spec: PDDeploymentSpec, group: str, index: int, rank: int = 0) -> int:
     """Stable per rank and independent of the pod's current role: group base + pod index x the
     group's TP + rank (a pod's ranks take a consecutive block; rank 0's id names the pod)."""
-    return cluster_id_base(spec, group) + index * spec.tp(group) + rank
+    return ev.cluster_id(cluster_id_base(spec, group), index, spec.tp(group), rank)
 
 
 def npu_request(spec: PDDeploymentSpec, group: str, resource: str) -> int | None:
@@ -131,39 +134,35 @@ def config_hash(spec: PDDeploymentSpec) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
-TOKEN_DIGEST_ENV = {"control": "PD_AGENT_TOKEN_SHA256", "data": "PD_AGENT_DATA_TOKEN_SHA256",
-                    "peer": "PD_AGENT_PEER_TOKEN_SHA256"}
-
-
 def _env(name: str, spec: PDDeploymentSpec, group: str, resource: str = NPU_RESOURCE,
          token_digests: dict[str, str] | None = None, user: bool = True) -> list[dict]:
     field = lambda path: {"valueFrom": {"fieldRef": {"fieldPath": path}}}  # noqa: E731
     env: list[dict] = [
-        {"name": "POD_NAME", **field("metadata.name")},
-        {"name": "POD_NAMESPACE", **field("metadata.namespace")},
-        {"name": "LLM_DATADIST_ROLE", **field(f"metadata.annotations['{ANNOTATION_ROLE}']")},
+        {"name": ev.POD_NAME, **field("metadata.name")},
+        {"name": ev.POD_NAMESPACE, **field("metadata.namespace")},
+        {"name": ev.LLM_DATADIST_ROLE, **field(f"metadata.annotations['{ANNOTATION_ROLE}']")},
         # cluster_id = base + pod index x TP (+ rank); the agent computes LLM_DATADIST_CLUSTER_ID
         # from these (the downward API cannot add) and exports it to the engine's process.
-        {"name": "LLM_DATADIST_CLUSTER_ID_BASE", "value": str(cluster_id_base(spec, group))},
-        {"name": "LLM_DATADIST_POD_INDEX", **field(f"metadata.labels['{POD_INDEX_LABEL}']")},
-        {"name": "LLM_DATADIST_IP", **field("status.podIP")},
-        {"name": "LLM_DATADIST_PORT", "value": str(spec.datadist.port)},
-        {"name": "LLM_DATADIST_MODEL_ID", "value": str(spec.model.model_id)},
-        {"name": "LLM_DATADIST_CACHE_DESC", "valueFrom": {"configMapKeyRef": {
+        {"name": ev.LLM_DATADIST_CLUSTER_ID_BASE, "value": str(cluster_id_base(spec, group))},
+        {"name": ev.LLM_DATADIST_POD_INDEX, **field(f"metadata.labels['{POD_INDEX_LABEL}']")},
+        {"name": ev.LLM_DATADIST_IP, **field("status.podIP")},
+        {"name": ev.LLM_DATADIST_PORT, "value": str(spec.datadist.port)},
+        {"name": ev.LLM_DATADIST_MODEL_ID, "value": str(spec.model.model_id)},
+        {"name": ev.LLM_DATADIST_CACHE_DESC, "valueFrom": {"configMapKeyRef": {
             "name": config_map_name(name), "key": "cacheDesc"}}},
-        {"name": "LLM_DATADIST_LINK_TIMEOUT_MS", "value": str(spec.datadist.link_timeout_ms)},
-        {"name": "LLM_DATADIST_SYNC_KV_TIMEOUT_MS", "value": str(spec.datadist.sync_kv_timeout_ms)},
-        {"name": "PD_MODEL_NAME", "value": spec.model.name},
-        {"name": "PD_BACKEND", "value": spec.backend},
-        {"name": "PD_AGENT_PORT", "value": str(AGENT_PORT)},
+        {"name": ev.LLM_DATADIST_LINK_TIMEOUT_MS, "value": str(spec.datadist.link_timeout_ms)},
+        {"name": ev.LLM_DATADIST_SYNC_KV_TIMEOUT_MS, "value": str(spec.datadist.sync_kv_timeout_ms)},
+        {"name": ev.PD_MODEL_NAME, "value": spec.model.name},
+        {"name": ev.PD_BACKEND, "value": spec.backend},
+        {"name": ev.PD_AGENT_PORT, "value": str(AGENT_PORT)},
         # /metrics alone: what monitoring is admitted to (the engines' NetworkPolicy), not the API
-        {"name": "PD_AGENT_METRICS_PORT", "value": str(AGENT_METRICS_PORT)},
-        {"name": "PD_AGENT_TOKEN", "valueFrom": {"secretKeyRef": {
+        {"name": ev.PD_AGENT_METRICS_PORT, "value": str(AGENT_METRICS_PORT)},
+        {"name": ev.PD_AGENT_TOKEN, "valueFrom": {"secretKeyRef": {
             "name": token_secret_name(name), "key": "token"}}},
-        {"name": "PD_AGENT_DATA_TOKEN", "valueFrom": {"secretKeyRef": {
+        {"name": ev.PD_AGENT_DATA_TOKEN, "valueFrom": {"secretKeyRef": {
             "name": f"{name}-agent-data-token", "key": "token"}}},
         # optional: pods of a deployment made before the peer scope existed start without it
-        {"name": "PD_AGENT_PEER_TOKEN", "valueFrom": {"secretKeyRef": {
+        {"name": ev.PD_AGENT_PEER_TOKEN, "valueFrom": {"secretKeyRef": {
             "name": peer_token_secret_name(name), "key": "token", "optional": True}}},
     ]
     # the tokens' digests as the operator recorded them: an agent refuses to start with a token
@@ -172,19 +171,19 @@ def _env(name: str, spec: PDDeploymentSpec, group: str, resource: str = NPU_RESO
     env += [{"name": TOKEN_DIGEST_ENV[role], "value": d} for role, d in sorted((token_digests or {}).items())
             if role in TOKEN_DIGEST_ENV]
     if ranked(spec, group, resource):
-        env += [{"name": "PD_TENSOR_PARALLEL", "value": str(spec.tp(group))},
-                {"name": "PD_DEVICE_ANNOTATION_FILE", "value": f"{PODINFO_DIR}/{PODINFO_ASCEND}"}]
+        env += [{"name": ev.PD_TENSOR_PARALLEL, "value": str(spec.tp(group))},
+                {"name": ev.PD_DEVICE_ANNOTATION_FILE, "value": f"{PODINFO_DIR}/{PODINFO_ASCEND}"}]
         if spec.backend == "llm-datadist":
-            env.append({"name": "PD_HCCN_CONF", "value": (spec.ascend or Ascend()).hccn_conf})
-    env.append({"name": "PD_DRAIN_TIMEOUT_S", "value": str(spec.drain_timeout_seconds)})
+            env.append({"name": ev.PD_HCCN_CONF, "value": (spec.ascend or Ascend()).hccn_conf})
+    env.append({"name": ev.PD_DRAIN_TIMEOUT_S, "value": str(spec.drain_timeout_seconds)})
     # switch_role needs llm.EnableSwitchRole at init; set it only where the spec may switch
     switching = spec.rebalance is not None and spec.rebalance.method == "Switch"
-    env.append({"name": "PD_ENABLE_SWITCH_ROLE", "value": "1" if switching else "0"})
+    env.append({"name": ev.PD_ENABLE_SWITCH_ROLE, "value": "1" if switching else "0"})
     if spec.backend == "sim":
         reference = spec.sim is not None and spec.sim.engine == "reference"
         # the reference engine's caches hold its real KV: never scaled down
         scale = 1 if reference else derive(spec.kv_cache_for("prefill")).sim_memory_scale()
-        env.append({"name": "PD_SIM_MEMORY_SCALE", "value": str(scale)})
+        env.append({"name": ev.PD_SIM_MEMORY_SCALE, "value": str(scale)})
         env += sim_env(spec)
     g = spec.prefill if group == "prefill" else spec.decoder
     return with_user_env(env, g) if user else env
@@ -240,17 +239,17 @@ def sim_env(spec: PDDeploymentSpec) -> list[dict]:
     if spec.sim is None:
         return []
     sim = spec.sim
-    values: dict[str, object] = {"PD_SIM_TIME_SCALE": sim.time_scale,
-                                 "PD_SIM_ENGINE_START_S": sim.engine_start_seconds}
+    values: dict[str, object] = {ev.PD_SIM_TIME_SCALE: sim.time_scale,
+                                 ev.PD_SIM_ENGINE_START_S: sim.engine_start_seconds}
     if sim.engine == "reference":
-        values["PD_SIM_ENGINE"] = "reference"
-        values["PD_REFERENCE_MODEL"] = json.dumps(reference_profile(spec), sort_keys=True)
+        values[ev.PD_SIM_ENGINE] = "reference"
+        values[ev.PD_REFERENCE_MODEL] = json.dumps(reference_profile(spec), sort_keys=True)
         # small matrices: one BLAS thread per rank process, so ranks do not fight over the cores
         values["OPENBLAS_NUM_THREADS"] = 1
     for k, v in (sim.timing.model_dump(exclude_none=True) if sim.timing else {}).items():
-        values[f"PD_SIM_{k.upper()}"] = v
+        values[ev.PD_SIM_ + k.upper()] = v
     for k, v in (sim.faults.model_dump() if sim.faults else {}).items():
-        values[f"PD_SIM_FAULT_{k.upper()}"] = int(v) if isinstance(v, bool) else v
+        values[ev.PD_SIM_FAULT_ + k.upper()] = int(v) if isinstance(v, bool) else v
     return [{"name": k, "value": str(v)} for k, v in values.items()]
 
 
@@ -285,16 +284,16 @@ def engine_container(name: str, spec: PDDeploymentSpec, group: str, resource: st
     g = spec.prefill if group == "prefill" else spec.decoder
     env = _env(name, spec, group, resource, token_digests, user=False)
     # $(LLM_DATADIST_IP) is the pod IP (defined above it): the agent listens there
-    env.append({"name": "PD_AGENT_URL", "value": f"http://$(LLM_DATADIST_IP):{AGENT_PORT}"})
+    env.append({"name": ev.PD_AGENT_URL, "value": f"http://$({ev.LLM_DATADIST_IP}):{AGENT_PORT}"})
     args = list(user.get("args") or [])
     if e.adapter == "vLLM":
         given = list(user.get("command") or []) + args
-        vargs, venv = render_vllm_args(tensor_parallel=spec.tp(group), host_ip="$(LLM_DATADIST_IP)")
+        vargs, venv = render_vllm_args(tensor_parallel=spec.tp(group), host_ip=f"$({ev.LLM_DATADIST_IP})")
         for flag, value in zip(vargs[::2], vargs[1::2]):
             short = VLLM_SHORT_FLAGS.get(flag, flag)
             if not any(a in (flag, short) or a.startswith((flag + "=", short + "=")) for a in given):
                 args += [flag, value]
-        env += [{"name": k, "value": v} for k, v in venv.items() if k != "PD_RANKS_EXTERNAL"]
+        env += [{"name": k, "value": v} for k, v in venv.items() if k != ev.PD_RANKS_EXTERNAL]
     env = with_user_env(env, g)
     c: dict = {"name": "engine", "image": e.image, "imagePullPolicy": e.image_pull_policy or spec.image_pull_policy,
                "env": env}
@@ -398,13 +397,13 @@ def agent_container(name: str, spec: PDDeploymentSpec, group: str, resource: str
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         "env": _env(name, spec, group, resource, token_digests, user=not beside) + extra_env
-        + ([{"name": "PD_RANKS_EXTERNAL", "value": "1"}] if beside else []),
+        + ([{"name": ev.PD_RANKS_EXTERNAL, "value": "1"}] if beside else []),
         "ports": [{"name": "http", "containerPort": AGENT_PORT, "protocol": "TCP"},
                   {"name": "datadist", "containerPort": spec.datadist.port, "protocol": "TCP"},
                   {"name": "metrics", "containerPort": AGENT_METRICS_PORT, "protocol": "TCP"}],
         # ready: the engine is initialised; alive: the agent answers (an engine that cannot init
         # yet is retried in place, a restart would not help it)
-        "readinessProbe": {"httpGet": {"path": "/healthz", "port": "http"},
+        "readinessProbe": {"httpGet": {"path": AgentPath.HEALTHZ, "port": "http"},
                            "periodSeconds": 2, "failureThreshold": 3, "timeoutSeconds": 2},
         "livenessProbe": liveness_probe(path=None),
     }

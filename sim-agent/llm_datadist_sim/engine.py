@@ -17,6 +17,8 @@ import time
 import uuid
 from typing import Iterable
 
+from pd_contract.engine_env import PD_SIM_MEMORY_SCALE
+
 from . import faults as _faults
 from .status import LLMException, raise_if
 from .status import LLMStatusCode as C
@@ -42,7 +44,7 @@ _cache_ids = itertools.count(1)
 
 
 def memory_scale() -> int:
-    return max(1, int(os.environ.get("PD_SIM_MEMORY_SCALE", "1")))
+    return max(1, int(os.environ.get(PD_SIM_MEMORY_SCALE, "1")))
 
 
 def device_memory_bytes() -> int:
@@ -470,7 +472,8 @@ class KvCacheManager:
 
     def _link_for(self, prompt_cluster_id: int) -> _Link:
         link = self.engine._links.get(prompt_cluster_id)
-        raise_if(link is None, C.LLM_NOT_YET_LINK, f"not linked to prompt cluster {prompt_cluster_id}")
+        if link is None:
+            raise LLMException(f"not linked to prompt cluster {prompt_cluster_id}", C.LLM_NOT_YET_LINK)
         raise_if(link.broken, C.LLM_LINK_FAILED, f"the link to {prompt_cluster_id} is broken; relink")
         return link
 
@@ -605,8 +608,8 @@ class LLMDataDist:
             _faults.subscribe(self._on_faults)
 
     def _listen(self, listen: str | None) -> None:
-        raise_if(not listen or ":" not in listen, C.LLM_PARAM_INVALID,
-                 "a PROMPT engine needs llm.listenIpInfo as 'ip:port'")
+        if not listen or ":" not in listen:
+            raise LLMException("a PROMPT engine needs llm.listenIpInfo as 'ip:port'", C.LLM_PARAM_INVALID)
         ip, port = listen.rsplit(":", 1)
         self._server = _PromptServer(self, ip, int(port))
         if not _faults.current().refuse_links:
@@ -753,7 +756,8 @@ class LLMDataDist:
     def check_link_status(self, remote_cluster_id: int) -> None:
         self._check_init()
         link = self._links.get(remote_cluster_id)
-        raise_if(link is None, C.LLM_NOT_YET_LINK, f"not linked to cluster {remote_cluster_id}")
+        if link is None:
+            raise LLMException(f"not linked to cluster {remote_cluster_id}", C.LLM_NOT_YET_LINK)
         if not link.lock.acquire(blocking=False):
             raise LLMException(f"link to {remote_cluster_id} is busy", C.LLM_LINK_BUSY)
         try:

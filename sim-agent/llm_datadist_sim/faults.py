@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Callable
 
-ENV_PREFIX = "PD_SIM_FAULT_"
+from pd_contract.engine_env import PD_SIM_FAULT_
+
+ENV_PREFIX = PD_SIM_FAULT_   # spec.sim.faults, as the operator sets them
 
 
 @dataclass
@@ -23,11 +26,11 @@ class Faults:
     kv_fault: str = ""
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> "Faults":
-        env = os.environ if env is None else env
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "Faults":
+        seen = os.environ if env is None else env
         f = cls()
         for fd in fields(cls):
-            raw = env.get(ENV_PREFIX + fd.name.upper())
+            raw = seen.get(ENV_PREFIX + fd.name.upper())
             if raw is not None:
                 setattr(f, fd.name, _parse(fd.type, raw))
         return f

@@ -6,6 +6,7 @@ import json
 import socket
 import struct
 import time
+from collections.abc import Iterable
 
 _LEN = struct.Struct("!I")
 MAGIC = "llm-datadist-sim/1"
@@ -18,7 +19,7 @@ class LinkClosed(ConnectionError):
     pass
 
 
-def send_msg(sock: socket.socket, header: dict, payloads: list = ()) -> None:
+def send_msg(sock: socket.socket, header: dict, payloads: Iterable[bytes | bytearray | memoryview] = ()) -> None:
     """The header, then the payloads a MiB at a time: on a socket with a timeout, a peer that stops
     reading is given up on after it, while a large KV cache still takes as long as it takes."""
     raw = json.dumps(header).encode()

@@ -13,12 +13,15 @@ import os
 import random
 import time
 import uuid
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
 
 import httpx
 
 from pd_contract.agent_api import (
+    AgentPath,
     AgentStatus,
+    DecodeRequest,
+    DecodeResponse,
     DrainResult,
     LinkRequest,
     LinkResult,
@@ -26,7 +29,12 @@ from pd_contract.agent_api import (
     Load,
     NotifyRequest,
     Peer,
+    PrefillRequest,
+    PrefillResponse,
     ProbeResponse,
+    PullRequest,
+    PullResponse,
+    Role,
     UnlinkRequest,
     VerifyResult,
 )
@@ -34,6 +42,10 @@ from pd_contract.names import BROKEN_CODES, LINKED_CODES
 
 from .identity import Identity, proxy_environment
 from .loadmeter import LoadMeter
+from .notify import Notifier
+
+if TYPE_CHECKING:
+    from .reference import ReferenceEngine
 
 PROBE_TTL_S = 60
 PROBE_SEQ = 128
@@ -56,6 +68,29 @@ class AgentError(Exception):
         self.retry_after = retry_after   # seconds, sent as Retry-After: the refusal is for now, not for good
 
 
+class Serving(Protocol):
+    """What serves the agent API's requests over the engine (pd_agent.inference's Inference, or
+    an engine adapter's serving in pd_engine.rank): the core reads its load and in-flight work,
+    the agent API hands it prefills, pulls and decodes."""
+    ref: ReferenceEngine | None      # the reference engine, whose KV the content probe compares
+    in_flight: int
+    responding: int                  # streamed answers still being written (the HTTP layer counts them)
+
+    def load(self) -> Load: ...
+
+    def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    async def prefill(self, req: PrefillRequest) -> PrefillResponse: ...
+
+    async def pull(self, req: PullRequest) -> PullResponse: ...
+
+    async def decode(self, req: DecodeRequest, out: asyncio.Queue | None = None) -> DecodeResponse: ...
+
+    def take_held(self, req_id: int) -> bytes: ...
+
+
 class AgentCore:
     def __init__(self, llm, identity: Identity, engine: Any = None):
         self.llm = llm
@@ -70,15 +105,15 @@ class AgentCore:
         self.draining = False
         self.terminating = False
         self.last_error = ""
-        self.blocks_cache = None                  # paged: this engine's blocks cache
+        self.blocks_cache: Any = None             # paged: this engine's blocks cache (the backend's Cache)
         # paged, but the blocks are the inference server's (vLLM's, through its KV connector): the
         # core allocates none, and probes go through a cache of their own, never a live block
         self.engine_owns_blocks = False
         self._probes: dict[int, float] = {}       # prompt: probe req_id -> created
         self.kv_pending: dict[int, float] = {}    # prompt: req_id -> prefilled at, until pulled
         self.linked_by: set[int] = set()          # prompt: decoders that told us they linked
-        self.notifier = None                      # pd_agent.notify.Notifier, set by the server
-        self.inference = None                     # set by pd_agent.inference when serving
+        self.notifier: Notifier | None = None     # set by the server
+        self.inference: Serving | None = None     # set by pd_agent.inference (or an adapter) when serving
         self.meter = LoadMeter()                  # what the serving did lately (the load report's window)
         self.device_ips = ""                      # where the device IP came from (devices.resolve)
         self.device_error = ""
@@ -93,7 +128,7 @@ class AgentCore:
         return self.engine is not None and getattr(self.engine, "_initialized", True)
 
     @property
-    def role(self) -> str:
+    def role(self) -> Role:
         if self.engine is None:
             return self.id.role
         return "prompt" if self.engine.role == self.llm.LLMRole.PROMPT else "decoder"
@@ -137,6 +172,7 @@ class AgentCore:
 
     def blocks_desc(self):
         p = self.paged
+        assert p is not None, "a blocks cache is a paged engine's"
         d = self.id.cache_desc
         shape = [p["num_blocks"], p["block_size"], *d["shape"][2:]]
         return self.llm.CacheDesc(d["num_tensors"], shape, getattr(self.llm.DataType, d["data_type"]))
@@ -351,13 +387,14 @@ class AgentCore:
     async def verify(self, peer: Peer, http: httpx.AsyncClient, token: str | None) -> VerifyResult:
         """Decoder side: ask the prefill's agent for a probe, pull it over the link, compare bytes."""
         self._require("decoder", "verify")
-        base = dict(prefill=peer.name, decoder=self.id.pod)
+        base: dict[str, Any] = {"prefill": peer.name, "decoder": self.id.pod}
         if not peer.agent_url:
             raise AgentError("LLM_PARAM_INVALID", "verify needs peer.agent_url", 400)
         req_id = random.getrandbits(63)
         ref = self.inference.ref if self.inference is not None else None
         try:
-            r = await http.post(f"{peer.agent_url}/v1/probe", json={"req_id": req_id, "content": ref is not None},
+            r = await http.post(f"{peer.agent_url}{AgentPath.PROBE}",
+                                json={"req_id": req_id, "content": ref is not None},
                                 headers={"Authorization": f"Bearer {token}"} if token else {}, timeout=10)
         except (httpx.HTTPError, httpx.InvalidURL) as e:
             return VerifyResult(ok=False, code="PEER_AGENT_UNREACHABLE",
@@ -381,6 +418,7 @@ class AgentCore:
         pulled = None
         try:
             if probe.paged:
+                assert probe.block is not None   # a paged probe without its block was refused above
                 cache = self.blocks_cache
                 key = self.llm.BlocksCacheKey(probe.prompt_cluster_id, probe.model_id)
                 await asyncio.to_thread(mgr.pull_blocks, key, cache, [probe.block], [probe.block])
@@ -405,7 +443,7 @@ class AgentCore:
             return VerifyResult(ok=False, code="ENGINE_MISMATCH", bytes=len(got), pull_ms=pull_ms,
                                 message="this decoder runs the reference engine but the prefill does not (its probe "
                                         "has no content): both sides must run the same spec.sim.engine", **base)
-        if pulled is not None:
+        if pulled is not None and ref is not None:
             wrong = await asyncio.to_thread(ref.check_probe, pulled)
             if wrong is not None:
                 return VerifyResult(ok=False, code="KV_CONTENT_MISMATCH", bytes=len(got), pull_ms=pull_ms,

@@ -24,7 +24,16 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from pd_contract.names import HCCN_CONF, PODINFO_ASCEND, PODINFO_DIR
+from pd_contract.engine_env import (
+    LLM_DATADIST_PORT,
+    PD_BACKEND,
+    PD_DEVICE_ANNOTATION_FILE,
+    PD_HCCN_CONF,
+    PD_LOCAL_ROOT,
+    PD_TENSOR_PARALLEL,
+    engine_ip,
+)
+from pd_contract.names import DATADIST_PORT, HCCN_CONF, PODINFO_ASCEND, PODINFO_DIR
 
 _HCCN_LINE = re.compile(r"^([A-Za-z][A-Za-z_]*?)_(\d+)\s*=\s*(\S*)\s*$")
 
@@ -54,7 +63,7 @@ class Devices:
 
 def local_path(path: str, env: dict[str, str]) -> Path:
     """An absolute path as this process sees it (under PD_LOCAL_ROOT on the local cluster)."""
-    root = env.get("PD_LOCAL_ROOT")
+    root = env.get(PD_LOCAL_ROOT)
     return Path(root) / path.lstrip("/") if root else Path(path)
 
 
@@ -123,12 +132,12 @@ def _assign(source: str, pairs: list[tuple[int | None, str | None]], tp: int, po
 
 def resolve(tp: int, port: int, env: dict[str, str], pod_ip: str, backend: str) -> Devices:
     """Each rank's device and address, from the first source that exists."""
-    ann_file = local_path(env.get("PD_DEVICE_ANNOTATION_FILE") or f"{PODINFO_DIR}/{PODINFO_ASCEND}", env)
+    ann_file = local_path(env.get(PD_DEVICE_ANNOTATION_FILE) or f"{PODINFO_DIR}/{PODINFO_ASCEND}", env)
     text = ann_file.read_text().strip() if ann_file.is_file() else ""
     if text:
         pairs: list[tuple[int | None, str | None]] = list(parse_annotation(text))
         return _assign("annotation", pairs, tp, port, "the device plugin's annotation")
-    hccn_path = env.get("PD_HCCN_CONF") or HCCN_CONF
+    hccn_path = env.get(PD_HCCN_CONF) or HCCN_CONF
     hccn = local_path(hccn_path, env)
     if hccn.is_file():
         table = parse_hccn(hccn.read_text(), hccn_path)
@@ -152,7 +161,7 @@ def resolve(tp: int, port: int, env: dict[str, str], pod_ip: str, backend: str) 
 def resolve_env(env: dict[str, str] | None = None) -> Devices:
     """resolve() with this pod's settings from the environment the operator injects."""
     env = dict(os.environ if env is None else env)
-    tp = int(env.get("PD_TENSOR_PARALLEL") or 1)
-    port = int(env.get("LLM_DATADIST_PORT") or 26000)
-    pod_ip = env.get("LLM_DATADIST_IP") or env.get("PD_LOCAL_POD_IP") or "127.0.0.1"
-    return resolve(tp, port, env, pod_ip, env.get("PD_BACKEND", "sim"))
+    tp = int(env.get(PD_TENSOR_PARALLEL) or 1)
+    port = int(env.get(LLM_DATADIST_PORT) or DATADIST_PORT)
+    pod_ip = engine_ip(env)
+    return resolve(tp, port, env, pod_ip, env.get(PD_BACKEND, "sim"))

@@ -27,7 +27,7 @@ import signal
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Awaitable, Callable
 
 import httpx
@@ -35,7 +35,9 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
+from pd_contract import engine_env as ev
 from pd_contract.agent_api import (
+    AgentPath,
     AgentStatus,
     DecodeRequest,
     DecodeResponse,
@@ -79,7 +81,7 @@ from .http import (
     serve_metrics,
     wait_event,
 )
-from .identity import Identity, cluster_id_of, proxy_environment
+from .identity import Identity, proxy_environment
 from .inference import OVERLOADED_RETRY_S, no_first_token
 from .metrics import AgentMetrics
 from .mindie_hook import attach as attach_mindie
@@ -100,18 +102,10 @@ def rank_env(env: dict[str, str], devices: Devices, rank: int, register_url: str
     """The environment of rank `rank`'s process, from the pod's (the rank contract)."""
     d = devices.ranks[rank]
     tp = len(devices.ranks)
-    out = dict(env)
-    base, index = env.get("LLM_DATADIST_CLUSTER_ID_BASE"), env.get("LLM_DATADIST_POD_INDEX")
-    if base and index:
-        cid = cluster_id_of(int(base), int(index), tp, rank)
-    else:
-        cid = int(env["LLM_DATADIST_CLUSTER_ID"]) + rank
-    out.update(PD_RANK=str(rank), PD_TENSOR_PARALLEL=str(tp), LLM_DATADIST_CLUSTER_ID=str(cid),
-               LLM_DATADIST_DEVICE_ID=str(rank), LLM_DATADIST_IP=d.ip or "", LLM_DATADIST_PORT=str(d.port),
-               PD_RANK_REGISTER_URL=register_url)
-    if d.device_id is not None:
-        out["PD_DEVICE_ID"] = str(d.device_id)
-    return out
+    # the pod's identity is rank 0's; the rank's device index among the visible ones is its rank
+    pod = ev.EngineIdentity.from_env({**env, ev.PD_TENSOR_PARALLEL: str(tp), ev.PD_RANK: "0"})
+    me = replace(pod.for_rank(rank), ip=d.ip or "", port=d.port, device_id=rank, npu=d.device_id)
+    return {**env, **me.to_env(), ev.PD_RANK_REGISTER_URL: register_url}
 
 
 def rank_map(local_tp: int, peer_tp: int, r: int) -> int:
@@ -161,7 +155,7 @@ class Front(AgentService):
         self.switching_to: str | None = None   # the role the last switch_role asked for
         self.peer_urls: dict[str, str] = {}    # peer pod -> its agent, as linked (never a request's URL)
         self.failed = asyncio.Event()      # a rank process died: the pod restarts whole
-        self.external = self.env.get("PD_RANKS_EXTERNAL", "").lower() in ("1", "true", "yes")
+        self.external = ev.flag(self.env, ev.PD_RANKS_EXTERNAL)
         self.peer_tps: dict[str, int] = {}  # peer pod -> its TP, as linked
         self.faults: dict[str, int] = {}    # the agent's own fault points (the simulator's are the ranks')
         # as AgentCore's: told (old_role, new_role) once every rank switched
@@ -276,7 +270,7 @@ class Front(AgentService):
                 if not rk.url:
                     return
                 try:
-                    rk.status = AgentStatus.model_validate(await self.call(rk.rank, "GET", "/v1/status", timeout=5))
+                    rk.status = AgentStatus.model_validate(await self.call(rk.rank, "GET", AgentPath.STATUS, timeout=5))
                     rk.error, rk.seen = rk.status.last_error, time.monotonic()
                 except AgentError as e:
                     rk.error = str(e)
@@ -296,7 +290,7 @@ class Front(AgentService):
         infos = []
         for r, rk in sorted(self.ranks.items()):
             s, d = sts[r], dev.get(r)
-            infos.append(RankInfo(rank=r, cluster_id=s.cluster_id if s else cluster_id_of(self.id.cluster_id, 0, 1, r),
+            infos.append(RankInfo(rank=r, cluster_id=s.cluster_id if s else ev.cluster_id(self.id.cluster_id, 0, 1, r),
                                   device_id=d.device_id if d else None, ip=(s.ip if s else (d.ip if d else "")) or "",
                                   port=s.port if s else (d.port if d else 0), initialized=bool(s and s.initialized),
                                   registered=rk.url is not None, last_error=rk.error))
@@ -348,13 +342,13 @@ class Front(AgentService):
             base_cid = any_link.cluster_id - pair(anchor_rank)   # the peer's rank 0 names the peer pod
             ranks = []
             for r in range(self.tp):
-                link = per.get(r)
-                if link is None:
+                rl = per.get(r)
+                if rl is None:
                     ranks.append(RankLinkState(rank=r, cluster_id=base_cid + pair(r), code="LLM_NOT_YET_LINK",
                                                healthy=False))
                 else:
-                    ranks.append(RankLinkState(rank=r, cluster_id=link.cluster_id, ip=link.ip, port=link.port,
-                                               code=link.code, healthy=link.healthy))
+                    ranks.append(RankLinkState(rank=r, cluster_id=rl.cluster_id, ip=rl.ip, port=rl.port,
+                                               code=rl.code, healthy=rl.healthy))
             worst = next((x for x in ranks if not x.healthy or x.code in BROKEN_CODES), None) \
                 or next((x for x in ranks if x.code != "LLM_SUCCESS"), ranks[0])
             r0 = per.get(0)
@@ -374,7 +368,7 @@ class Front(AgentService):
         j = rank_map(self.tp, len(p.ranks), r)
         ep = p.ranks[j]
         return Peer(name=p.name, cluster_id=ep.cluster_id, ip=ep.ip, port=ep.port, boot_id=p.boot_id,
-                    agent_url=f"{p.agent_url.rstrip('/')}/r/{j}" if p.agent_url else None)
+                    agent_url=f"{p.agent_url.rstrip('/')}{AgentPath.rank_prefix(j)}" if p.agent_url else None)
 
     async def link(self, req: LinkRequest) -> LinkResult:
         bodies = {r: LinkRequest(peers=[self._rank_peer(p, r) for p in req.peers], timeout_ms=req.timeout_ms)
@@ -383,7 +377,7 @@ class Front(AgentService):
             self.peer_tps[p.name] = len(p.ranks) if p.ranks else 1
             if p.agent_url:
                 self.peer_urls[p.name] = p.agent_url.rstrip("/")
-        return self._combine(req.peers, await self.each("POST", "/v1/link", bodies,  # type: ignore[arg-type]
+        return self._combine(req.peers, await self.each("POST", AgentPath.LINK, bodies,  # type: ignore[arg-type]
                                                         timeout=req.timeout_ms / 1000 + RANK_CALL_S))
 
     async def unlink(self, req: UnlinkRequest) -> LinkResult:
@@ -404,7 +398,7 @@ class Front(AgentService):
                 bodies[r] = UnlinkRequest(peers=peers, timeout_ms=req.timeout_ms, force=req.force)
         if not bodies:
             return LinkResult(ret="LLM_SUCCESS", rets={p.name: "LLM_NOT_YET_LINK" for p in req.peers})
-        res = await self.each("POST", "/v1/unlink", bodies, timeout=req.timeout_ms / 1000 + RANK_CALL_S)
+        res = await self.each("POST", AgentPath.UNLINK, bodies, timeout=req.timeout_ms / 1000 + RANK_CALL_S)
         return self._combine(req.peers, res, ranks=sorted(bodies), missing="LLM_NOT_YET_LINK")
 
     def _combine(self, peers: list[Peer], results: list[dict], ranks: list[int] | None = None,
@@ -433,7 +427,7 @@ class Front(AgentService):
         async def one(r: int) -> RankVerify:
             j = rank_map(self.tp, peer_tp, r)
             try:
-                v = VerifyResult.model_validate(await self.call(r, "POST", "/v1/verify", bodies[r], timeout=15))
+                v = VerifyResult.model_validate(await self.call(r, "POST", AgentPath.VERIFY, bodies[r], timeout=15))
                 return RankVerify(rank=r, peer_rank=j, ok=v.ok, code=v.code, message=v.message, bytes=v.bytes,
                                   pull_ms=v.pull_ms)
             except AgentError as e:
@@ -451,14 +445,14 @@ class Front(AgentService):
     async def drain(self, req: DrainRequest) -> DrainResult:
         self.draining = True    # the instance refuses new work first; its ranks finish what it took on
         res = [DrainResult.model_validate(x) for x in await self.each(
-            "POST", "/v1/drain", {r: DrainRequest(timeout_s=req.timeout_s) for r in range(self.tp)},
+            "POST", AgentPath.DRAIN, {r: DrainRequest(timeout_s=req.timeout_s) for r in range(self.tp)},
             timeout=req.timeout_s + RANK_CALL_S)]
         return DrainResult(draining=True, in_flight=sum(x.in_flight for x in res) + self.serving,
                            pending_kv=sum(x.pending_kv for x in res),
                            drained=all(x.drained for x in res) and not self.serving)
 
     async def undrain(self) -> DrainResult:
-        res = [DrainResult.model_validate(x) for x in await self.each("POST", "/v1/undrain")]
+        res = [DrainResult.model_validate(x) for x in await self.each("POST", AgentPath.UNDRAIN)]
         self.draining = False
         return DrainResult(draining=False, in_flight=sum(x.in_flight for x in res),
                            pending_kv=sum(x.pending_kv for x in res), drained=False)
@@ -494,7 +488,7 @@ class Front(AgentService):
             self.prefilling -= 1
 
     async def _prefill(self, req: PrefillRequest) -> PrefillResponse:
-        res = await asyncio.gather(*(self.call(r, "POST", "/v1/prefill", req, timeout=SERVE_S)
+        res = await asyncio.gather(*(self.call(r, "POST", AgentPath.PREFILL, req, timeout=SERVE_S)
                                      for r in range(self.tp)), return_exceptions=True)
         failed = next((x for x in res if isinstance(x, BaseException)), None)
         if failed is not None:
@@ -510,10 +504,10 @@ class Front(AgentService):
     async def _release(self, r: int, req_id: int, url: str | None = None) -> None:
         body = NotifyRequest(decoder_cluster_id=self.id.cluster_id, released=[req_id])
         if url is None:
-            await self.call(r, "POST", "/v1/notify", body)
+            await self.call(r, "POST", AgentPath.NOTIFY, body)
         else:
-            await self.http.post(f"{url}/v1/notify", json=body.model_dump(mode="json"), headers=self._peer_headers(),
-                                 timeout=RANK_CALL_S)
+            await self.http.post(f"{url}{AgentPath.NOTIFY}", json=body.model_dump(mode="json"),
+                                 headers=self._peer_headers(), timeout=RANK_CALL_S)
 
     async def _peer_link(self, prompt_cluster_id: int) -> LinkState:
         for attempt in (0, 1):
@@ -530,18 +524,19 @@ class Front(AgentService):
         pull is retried, then the request is refused before its first token (never half-served).
         Returns the slowest pull's milliseconds."""
         link = await self._peer_link(req.prompt_cluster_id)
-        assert link.ranks is not None
+        peer_ranks = link.ranks
+        assert peer_ranks is not None
         peer_tp = self._peer_tp(link)
         base_url = self.peer_urls.get(link.name)   # as linked: a request's URL never gets a notice
 
         async def one(r: int) -> float:
             j = rank_map(self.tp, peer_tp, r)
             # the rank reports the pull to the prefill rank's agent as it linked it (Peer.agent_url)
-            body = PullRequest(req_id=req.req_id, prompt_cluster_id=link.ranks[r].cluster_id,
+            body = PullRequest(req_id=req.req_id, prompt_cluster_id=peer_ranks[r].cluster_id,
                                prompt_tokens=req.prompt_tokens, admitted=True)
             for attempt in range(PULL_TRIES):
                 try:
-                    return PullResponse.model_validate(await self.call(r, "POST", "/v1/pull", body,
+                    return PullResponse.model_validate(await self.call(r, "POST", AgentPath.PULL, body,
                                                                        timeout=SERVE_S)).pull_ms
                 except AgentError as e:
                     if attempt == PULL_TRIES - 1 or e.status in (503,):
@@ -561,8 +556,8 @@ class Front(AgentService):
         ms = [x for x in res if not isinstance(x, BaseException)]
         if peer_tp > self.tp and base_url:   # prefill ranks no rank of ours reads: their copies go now
             read = {rank_map(self.tp, peer_tp, r) for r in range(self.tp)}
-            await asyncio.gather(*(self._release(j, req.req_id, f"{base_url}/r/{j}") for j in range(peer_tp)
-                                   if j not in read), return_exceptions=True)
+            await asyncio.gather(*(self._release(j, req.req_id, f"{base_url}{AgentPath.rank_prefix(j)}")
+                                   for j in range(peer_tp) if j not in read), return_exceptions=True)
         return max(max(ms), (time.monotonic() - t0) * 1000)
 
     def _peer_tp(self, link: LinkState) -> int:
@@ -598,10 +593,10 @@ class Front(AgentService):
         rank0 = body.model_copy(update={"kv_pulled_ms": pulled_ms, "admitted": True})
         if not self.ranks[0].url:
             raise AgentError("RANK_NOT_REGISTERED", "rank 0 has not registered with the pod's agent", 503)
-        url = f"{self.ranks[0].url}/v1/decode"
+        url = f"{self.ranks[0].url}{AgentPath.DECODE}"
         data = rank0.model_dump(mode="json", exclude_none=True)
         if not body.stream:
-            return model_reply(DecodeResponse.model_validate(await self.call(0, "POST", "/v1/decode", rank0,
+            return model_reply(DecodeResponse.model_validate(await self.call(0, "POST", AgentPath.DECODE, rank0,
                                                                              timeout=SERVE_S)))
         resp = None
         try:
@@ -636,26 +631,27 @@ class Front(AgentService):
                 if r == crash_after:
                     log.warning("fault point: crashing after %d of %d ranks switched to %s", r, self.tp, req.role)
                     self.crash()
-                await self.call(r, "POST", "/v1/switch_role", req, timeout=SERVE_S)
+                await self.call(r, "POST", AgentPath.SWITCH_ROLE, req, timeout=SERVE_S)
             return
         await self.refresh()
         before = {r: rk.status.role for r, rk in self.ranks.items() if rk.status}
-        res = await asyncio.gather(*(self.call(r, "POST", "/v1/switch_role", req, timeout=SERVE_S)
+        res = await asyncio.gather(*(self.call(r, "POST", AgentPath.SWITCH_ROLE, req, timeout=SERVE_S)
                                      for r in range(self.tp)), return_exceptions=True)
         failed = [(r, x) for r, x in enumerate(res) if isinstance(x, BaseException)]
         if not failed:
             # a rank in another role before (or none known): the pod switched
             old = next((r for r in before.values() if r != req.role),
                        None if before else ("decoder" if req.role == "prompt" else "prompt"))
-            for hook in self.after_switch if old is not None else []:
-                await hook(old, req.role)
+            if old is not None:
+                for hook in self.after_switch:
+                    await hook(old, req.role)
             return
         done = [r for r, x in enumerate(res) if not isinstance(x, BaseException)
                 and before.get(r) not in (None, req.role)]
         unknown = [r for r, x in enumerate(res) if not isinstance(x, BaseException) and r not in before]
         for r in done:
             try:
-                await self.call(r, "POST", "/v1/switch_role", SwitchRoleRequest(role=before[r]), timeout=SERVE_S)
+                await self.call(r, "POST", AgentPath.SWITCH_ROLE, SwitchRoleRequest(role=before[r]), timeout=SERVE_S)
             except AgentError as e:
                 log.error("rank %d could not switch back to %s: %s", r, before[r], e)
         r, err = failed[0]
@@ -669,10 +665,10 @@ class Front(AgentService):
     async def notify(self, req: NotifyRequest) -> None:
         """A single-rank decoder's notices (multi-rank ones reach each rank at /r/<rank>): they
         concern rank 0, the rank it links; the copies on the other ranks are nobody's to pull."""
-        await self.call(0, "POST", "/v1/notify", req)
+        await self.call(0, "POST", AgentPath.NOTIFY, req)
         if req.pulled and self.tp > 1:
             rel = NotifyRequest(decoder_cluster_id=req.decoder_cluster_id, released=req.pulled)
-            await asyncio.gather(*(self.call(r, "POST", "/v1/notify", rel) for r in range(1, self.tp)),
+            await asyncio.gather(*(self.call(r, "POST", AgentPath.NOTIFY, rel) for r in range(1, self.tp)),
                                  return_exceptions=True)
 
     # ---- the agent API (AgentService) -----------------------------------------------------------
@@ -712,20 +708,20 @@ class Front(AgentService):
         return {"ok": True}
 
     async def init(self) -> None:
-        await self.each("POST", "/v1/init")
+        await self.each("POST", AgentPath.INIT)
 
     async def probe(self, req: ProbeRequest) -> dict:
-        return await self.call(0, "POST", "/v1/probe", req)
+        return await self.call(0, "POST", AgentPath.PROBE, req)
 
     async def set_faults(self, req: FaultsRequest) -> None:
         if req.switch_crash_after_ranks is not None:
             self.faults["switch_crash_after_ranks"] = req.switch_crash_after_ranks
         rest = req.model_dump(exclude_none=True, exclude={"switch_crash_after_ranks"})
         if rest and rest != {"crash": False}:
-            await self.each("POST", "/v1/admin/faults", {r: FaultsRequest(**rest) for r in range(self.tp)})
+            await self.each("POST", AgentPath.FAULTS, {r: FaultsRequest(**rest) for r in range(self.tp)})
 
     async def get_faults(self) -> dict:
-        return await self.call(0, "GET", "/v1/admin/faults")
+        return await self.call(0, "GET", AgentPath.FAULTS)
 
     def crash(self) -> None:
         """The whole pod's agent dies at once, ranks included (a container crash)."""
@@ -741,8 +737,9 @@ class Front(AgentService):
         except ValueError:
             return error_reply(404, "NotFound", "no such rank")
         call, got = (request.method, request.match_info["tail"]), presented_token(request)
-        if not (call == ("GET", "v1/status") or (self.id.token and same_token(got, self.id.token))
-                or (call == ("POST", "v1/notify") and same_token(got, self.id.peer_token))):
+        # the tail is the rank's path without its leading "/"
+        if not (call == ("GET", AgentPath.STATUS[1:]) or (self.id.token and same_token(got, self.id.token))
+                or (call == ("POST", AgentPath.NOTIFY[1:]) and same_token(got, self.id.peer_token))):
             return error_reply(403, "AgentForbidden", "a rank's own API takes the control token (its status: either; "
                                                  "its pull notices: the peer token)")
         rk = self.ranks.get(r)
@@ -791,7 +788,7 @@ async def serve_front(identity: Identity, tp: int, host: str, port: int) -> None
         if front.external:
             log.info("waiting for %d rank processes to register at /v1/ranks", tp)
         else:
-            await front.spawn(f"http://{host if host != '0.0.0.0' else '127.0.0.1'}:{port}/v1/ranks")
+            await front.spawn(f"http://{host if host != '0.0.0.0' else '127.0.0.1'}:{port}{AgentPath.RANKS}")
     stopped = asyncio.create_task(stop.wait())
     await asyncio.wait({failed, stopped}, return_when=asyncio.FIRST_COMPLETED)
     code = 1 if front.failed.is_set() and not stop.is_set() else 0

@@ -17,6 +17,8 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+from pd_contract.agent_api import AgentPath
+
 from .core import AgentError
 from .identity import Identity
 from .metrics import AgentMetrics
@@ -59,13 +61,15 @@ def presented_token(request: web.Request) -> str:
 def same_token(a: str, b: str | None) -> bool:
     # headers may carry any bytes (aiohttp hands them over surrogate-escaped): surrogatepass
     # encodes every str, so a stray byte is a wrong token, never an exception
-    return bool(b) and hmac.compare_digest(a.encode("utf-8", "surrogatepass"), b.encode("utf-8", "surrogatepass"))
+    if not b:
+        return False
+    return hmac.compare_digest(a.encode("utf-8", "surrogatepass"), b.encode("utf-8", "surrogatepass"))
 
 
 def auth_middleware(token: str | None, data_token: str | None = None, peer_token: str | None = None):
     @web.middleware
     async def mw(request: web.Request, handler):
-        if not request.path.startswith("/v1/"):
+        if not request.path.startswith(AgentPath.API):
             return await handler(request)
         if not token:
             return error_reply(401, "AgentUnauthorized", "the agent has no token configured (PD_AGENT_TOKEN)")
@@ -204,10 +208,10 @@ def metrics_app(app: web.Application) -> web.Application:
     monitoring namespaces there, never to the API. Open like /metrics on the API port: it names
     no key, request or token (counts by phase, reason, route and status; gauges; latencies)."""
     handler = next(r.handler for r in app.router.routes()
-                   if r.method == "GET" and r.resource is not None and r.resource.canonical == "/metrics")
+                   if r.method == "GET" and r.resource is not None and r.resource.canonical == AgentPath.METRICS)
     out = web.Application()
     out[METRICS] = app[METRICS]
-    out.router.add_get("/metrics", handler)
+    out.router.add_get(AgentPath.METRICS, handler)
     return out
 
 

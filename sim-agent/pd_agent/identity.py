@@ -4,9 +4,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pd_contract import engine_env as ev
+from pd_contract.agent_api import Role
+from pd_contract.engine_env import EngineIdentity
 from pd_contract.names import AGENT_PORT
 
 PROXY_VARS = ("http_proxy", "https_proxy", "no_proxy", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY")
@@ -20,7 +24,7 @@ class ConfigError(ValueError):
 @dataclass
 class Identity:
     pod: str
-    role: str                    # "prompt" | "decoder"
+    role: Role
     cluster_id: int
     ip: str
     port: int
@@ -47,7 +51,7 @@ class Identity:
     tensor_parallel: int = 1
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> "Identity":
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "Identity":
         env_is_process = env is None
         env = dict(os.environ if env is None else env)
 
@@ -57,80 +61,65 @@ class Identity:
                 raise ConfigError(f"{name} is not set")
             return v
 
-        role = env.get("LLM_DATADIST_ROLE", "prompt").lower()
-        role = {"prefill": "prompt"}.get(role, role)  # the operator's role names are accepted too
-        if role not in ("prompt", "decoder"):
-            raise ConfigError(f"LLM_DATADIST_ROLE must be prompt (or prefill) or decoder, got {role!r}")
-        if not env.get("LLM_DATADIST_CLUSTER_ID") and env.get("LLM_DATADIST_CLUSTER_ID_BASE"):
-            # The operator injects the group's base and the pod index (the downward API cannot
-            # add): cluster_id = base + pod index x TP + rank. Export it so an inference server in
-            # this process sees LLM_DATADIST_CLUSTER_ID too.
-            try:
-                total = cluster_id_of(int(env["LLM_DATADIST_CLUSTER_ID_BASE"]), int(need("LLM_DATADIST_POD_INDEX")),
-                                      int(env.get("PD_TENSOR_PARALLEL") or 1), int(env.get("PD_RANK") or 0))
-            except ValueError as e:
-                raise ConfigError(f"LLM_DATADIST_CLUSTER_ID_BASE/LLM_DATADIST_POD_INDEX/PD_TENSOR_PARALLEL/PD_RANK "
-                                  f"must be integers: {e}") from e
-            env["LLM_DATADIST_CLUSTER_ID"] = str(total)
-            if env_is_process:
-                os.environ["LLM_DATADIST_CLUSTER_ID"] = str(total)
         try:
-            cluster_id = int(need("LLM_DATADIST_CLUSTER_ID"))
-            port = int(env.get("LLM_DATADIST_PORT", "26000"))
+            eid = EngineIdentity.from_env(env)
         except ValueError as e:
-            raise ConfigError(f"LLM_DATADIST_CLUSTER_ID/LLM_DATADIST_PORT must be integers: {e}") from e
-        ip = env.get("LLM_DATADIST_IP") or env.get("PD_LOCAL_POD_IP") or "127.0.0.1"
+            raise ConfigError(str(e)) from e
+        if not env.get(ev.LLM_DATADIST_CLUSTER_ID) and env_is_process:
+            # computed from the group's base and the pod index: exported, so an inference server in
+            # this process sees LLM_DATADIST_CLUSTER_ID too
+            os.environ[ev.LLM_DATADIST_CLUSTER_ID] = str(eid.cluster_id)
         desc = dict(DEFAULT_CACHE_DESC)
-        if env.get("LLM_DATADIST_CACHE_DESC"):
+        if env.get(ev.LLM_DATADIST_CACHE_DESC):
             try:
-                desc = json.loads(env["LLM_DATADIST_CACHE_DESC"])
+                desc = json.loads(env[ev.LLM_DATADIST_CACHE_DESC])
             except ValueError as e:
-                raise ConfigError(f"LLM_DATADIST_CACHE_DESC is not JSON: {e}") from e
-        token = _secret(env, "PD_AGENT_TOKEN")
-        for name in ("PD_AGENT_TOKEN", "PD_AGENT_DATA_TOKEN", "PD_AGENT_PEER_TOKEN"):
+                raise ConfigError(f"{ev.LLM_DATADIST_CACHE_DESC} is not JSON: {e}") from e
+        token = _secret(env, ev.PD_AGENT_TOKEN)
+        for name in ev.TOKEN_ENV.values():
             _check_digest(env, name)
-        engine = (env.get("PD_SIM_ENGINE") or "timing").lower()
+        engine = (env.get(ev.PD_SIM_ENGINE) or "timing").lower()
         if engine not in ("timing", "reference"):
-            raise ConfigError(f"PD_SIM_ENGINE must be timing or reference, got {engine!r}")
+            raise ConfigError(f"{ev.PD_SIM_ENGINE} must be timing or reference, got {engine!r}")
         reference_model = None
         if engine == "reference":
             try:
-                reference_model = json.loads(need("PD_REFERENCE_MODEL"))
+                reference_model = json.loads(need(ev.PD_REFERENCE_MODEL))
             except ValueError as e:
-                raise ConfigError(f"PD_REFERENCE_MODEL is not JSON: {e}") from e
+                raise ConfigError(f"{ev.PD_REFERENCE_MODEL} is not JSON: {e}") from e
         return cls(
-            pod=env.get("POD_NAME") or env.get("HOSTNAME") or f"agent-{cluster_id}",
-            role=role, cluster_id=cluster_id, ip=ip, port=port,
-            backend=env.get("PD_BACKEND", "sim"),
-            model_id=int(env.get("LLM_DATADIST_MODEL_ID", "0")),
+            pod=env.get(ev.POD_NAME) or env.get("HOSTNAME") or f"agent-{eid.cluster_id}",
+            role=eid.role, cluster_id=eid.cluster_id, ip=eid.ip, port=eid.port,
+            backend=env.get(ev.PD_BACKEND, "sim"),
+            model_id=eid.model_id,
             cache_desc=desc,
-            link_timeout_ms=int(env.get("LLM_DATADIST_LINK_TIMEOUT_MS", "3000")),
-            sync_kv_timeout_ms=int(env.get("LLM_DATADIST_SYNC_KV_TIMEOUT_MS", "1000")),
-            device_id=int(env["LLM_DATADIST_DEVICE_ID"]) if env.get("LLM_DATADIST_DEVICE_ID") else None,
+            link_timeout_ms=int(env.get(ev.LLM_DATADIST_LINK_TIMEOUT_MS, "3000")),
+            sync_kv_timeout_ms=int(env.get(ev.LLM_DATADIST_SYNC_KV_TIMEOUT_MS, "1000")),
+            device_id=eid.device_id,
             token=token,
-            data_token=env.get("PD_AGENT_DATA_TOKEN") or None,
-            peer_token=_secret(env, "PD_AGENT_PEER_TOKEN"),
-            agent_port=int(env.get("PD_AGENT_PORT", str(AGENT_PORT))),
+            data_token=env.get(ev.PD_AGENT_DATA_TOKEN) or None,
+            peer_token=_secret(env, ev.PD_AGENT_PEER_TOKEN),
+            agent_port=int(env.get(ev.PD_AGENT_PORT, str(AGENT_PORT))),
             metrics_port=_metrics_port(env),
-            drain_timeout_s=_float(env, "PD_DRAIN_TIMEOUT_S", 60.0),
-            engine_start_s=_float(env, "PD_SIM_ENGINE_START_S", 0.0),
-            switchable=env.get("PD_ENABLE_SWITCH_ROLE", "1").lower() not in ("0", "false", "no"),
+            drain_timeout_s=_float(env, ev.PD_DRAIN_TIMEOUT_S, 60.0),
+            engine_start_s=_float(env, ev.PD_SIM_ENGINE_START_S, 0.0),
+            switchable=ev.flag(env, ev.PD_ENABLE_SWITCH_ROLE, default=True),
             max_prefill_queue=_positive_int(env, "PD_AGENT_MAX_PREFILL_QUEUE", 1024),
             idle_timeout_s=_float(env, "PD_AGENT_IDLE_TIMEOUT_S", 75.0),
             engine=engine, reference_model=reference_model,
-            rank=_positive_int(env, "PD_RANK", 0) if env.get("PD_RANK") not in (None, "", "0") else 0,
-            tensor_parallel=_positive_int(env, "PD_TENSOR_PARALLEL", 1),
+            rank=eid.rank, tensor_parallel=eid.tensor_parallel,
         )
 
 
 def _check_digest(env: dict[str, str], name: str) -> None:
     """NAME_SHA256 (the operator's record of the token it made): a token in the Secret with
     another digest was put there by someone else, and the agent does not start with it."""
-    want = env.get(f"{name}_SHA256")
+    digest = ev.DIGEST_OF[name]
+    want = env.get(digest)
     got = _secret(env, name)
     if want and got and hashlib.sha256(got.encode()).hexdigest() != want:
         raise ConfigError(f"{name}: the token in its Secret is not the one the operator made (its sha256 is not "
-                          f"{name}_SHA256, the operator's record): someone else wrote that Secret; delete it and the "
+                          f"{digest}, the operator's record): someone else wrote that Secret; delete it and the "
                           f"operator makes a new one")
 
 
@@ -144,11 +133,6 @@ def _secret(env: dict[str, str], name: str) -> str | None:
         except OSError as e:
             raise ConfigError(f"{name}_FILE: {e}") from e
     return None
-
-
-def cluster_id_of(base: int, pod_index: int, tp: int = 1, rank: int = 0) -> int:
-    """The cluster id convention: a group's pods take consecutive blocks of TP ids."""
-    return base + pod_index * tp + rank
 
 
 def _float(env: dict[str, str], name: str, default: float) -> float:
@@ -170,20 +154,20 @@ def _positive_int(env: dict[str, str], name: str, default: int) -> int:
 
 def _metrics_port(env: dict[str, str]) -> int | None:
     """PD_AGENT_METRICS_PORT: the port /metrics is served on alone; unset or 0: none."""
-    raw = (env.get("PD_AGENT_METRICS_PORT") or "").strip()
+    raw = (env.get(ev.PD_AGENT_METRICS_PORT) or "").strip()
     try:
         port = int(raw) if raw else 0
     except ValueError as e:
-        raise ConfigError(f"PD_AGENT_METRICS_PORT must be an integer: {e}") from e
+        raise ConfigError(f"{ev.PD_AGENT_METRICS_PORT} must be an integer: {e}") from e
     if not 0 <= port <= 65535:
-        raise ConfigError(f"PD_AGENT_METRICS_PORT must be a port (0 for none), got {port}")
+        raise ConfigError(f"{ev.PD_AGENT_METRICS_PORT} must be a port (0 for none), got {port}")
     return port or None
 
 
-def proxy_environment(env: dict[str, str] | None = None) -> dict[str, str]:
+def proxy_environment(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """Proxy variables break datadist links (they reroute the engine's connections)."""
-    env = os.environ if env is None else env
-    return {k: env[k] for k in PROXY_VARS if env.get(k)}
+    seen = os.environ if env is None else env
+    return {k: seen[k] for k in PROXY_VARS if seen.get(k)}
 
 
 def import_backend(backend: str):

@@ -21,6 +21,7 @@ from typing import Iterator
 import httpx
 
 from pd_contract.agent_api import (
+    AgentPath,
     DecodeRequest,
     DecodeResponse,
     Load,
@@ -29,6 +30,7 @@ from pd_contract.agent_api import (
     PullRequest,
     PullResponse,
 )
+from pd_contract.engine_env import PD_RANK_REGISTER_URL
 from pd_contract.names import BROKEN_CODES
 
 from .core import AgentCore, AgentError, _code_name
@@ -224,7 +226,7 @@ class Inference:
                 try:
                     key = self.core.llm.CacheKey(self.core.id.cluster_id, b.req.req_id, self.core.id.model_id)
                     cache = await asyncio.to_thread(mgr.allocate_cache, self.core.desc(batch=1, seq=n), [key])
-                    if out is not None:
+                    if out is not None and self.ref is not None:   # the reference engine computed it
                         try:
                             await asyncio.to_thread(self.ref.write, cache, out[0])
                         except Exception as e:
@@ -258,13 +260,15 @@ class Inference:
     def _ref_prefill(self, batch: list[_Prefill]) -> list:
         """The reference engine's compute for a batch, one prompt at a time (a prompt's KV must not
         depend on what it was batched with): per request (shard, first token) or the exception."""
+        ref = self.ref
+        assert ref is not None, "only the reference engine computes"
         out: list = []
         for b in batch:
             s = b.req.sampling
             ids = list(b.req.token_ids) if b.req.token_ids is not None else [0] * b.req.prompt_tokens
             try:
-                out.append(self.ref.prefill(ids, s.temperature if s else 0.0, s.top_p if s else 1.0,
-                                            s.seed if s else 0))
+                out.append(ref.prefill(ids, s.temperature if s else 0.0, s.top_p if s else 1.0,
+                                       s.seed if s else 0))
             except ValueError as e:
                 out.append(AgentError("LLM_PARAM_INVALID", f"the reference engine refused the prompt: {e}", 400))
             except Exception as e:  # noqa: BLE001 - this request fails, the loop and the batch go on
@@ -353,16 +357,17 @@ class Inference:
         shards = [own[1]]
         tp = self.core.id.tensor_parallel
         if tp > 1:
-            front = os.environ.get("PD_RANK_REGISTER_URL", "").removesuffix("/v1/ranks")
+            front = os.environ.get(PD_RANK_REGISTER_URL, "").removesuffix(AgentPath.RANKS)
             if not front:
                 raise AgentError("KV_NOT_HELD", "rank 0 does not know its pod's agent (PD_RANK_REGISTER_URL)", 502)
             if self._http is None:
                 self._http = httpx.AsyncClient(trust_env=False, timeout=30)
+            http = self._http
             token = self.core.id.token
             headers = {"Authorization": f"Bearer {token}"} if token else {}
 
             async def one(r: int) -> bytes:
-                resp = await self._http.get(f"{front}/r/{r}/v1/kv/{req.req_id}", headers=headers)  # type: ignore
+                resp = await http.get(f"{front}{AgentPath.rank_prefix(r)}{AgentPath.kv(req.req_id)}", headers=headers)
                 if resp.status_code != 200:
                     raise AgentError("KV_NOT_HELD", f"rank {r}'s shard: HTTP {resp.status_code} "
                                      f"{resp.text[:200]}", 502)
@@ -371,7 +376,9 @@ class Inference:
                 raws = await asyncio.gather(*(one(r) for r in range(1, tp)))
             except httpx.HTTPError as e:
                 raise AgentError("KV_NOT_HELD", f"gathering the ranks' shards: {e!r}", 502) from None
-            shards += await asyncio.to_thread(lambda: [self.ref.from_bytes(raw, n) for raw in raws])
+            ref = self.ref
+            assert ref is not None, "only the reference engine gathers shards"
+            shards += await asyncio.to_thread(lambda: [ref.from_bytes(raw, n) for raw in raws])
         return shards
 
     async def decode(self, req: DecodeRequest, out: asyncio.Queue | None = None) -> DecodeResponse:
@@ -391,6 +398,7 @@ class Inference:
                 pull_ms, cache = await self._pull(req)
             remaining, gen = req.output_tokens, None
             if self.ref is not None:
+                assert req.first_token is not None   # refused above without it
                 shards = await self._gather(req, n) if req.kv_pulled_ms is not None else \
                     [await asyncio.to_thread(self.ref.read, cache, n)]
                 s = req.sampling

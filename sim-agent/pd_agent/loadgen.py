@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
+from pd_contract.engine_env import PD_AGENT_TOKEN
 from pd_contract.routing import Attempt, EngineError, Fleet, Unavailable, fixed_finder, generate, pod_finder
 
 WORKLOADS = {"chat": (1155, 211), "code": (2048, 28)}  # (prompt mean, output mean)
@@ -49,7 +50,8 @@ def arrival_times(kind: str, duration: float, rng: random.Random, rate: float = 
                   rate_min: float = 5, rate_max: float = 20, period: float = 150) -> list[float]:
     """Non-homogeneous Poisson arrivals by thinning against the peak rate."""
     peak = rate if kind == "poisson" else rate_max
-    out, t = [], 0.0
+    out: list[float] = []
+    t = 0.0
     while True:
         t += rng.expovariate(peak)
         if t >= duration:
@@ -389,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kubeconfig", default=None)
     ap.add_argument("--namespace", default="default")
     ap.add_argument("--deployment", default=None, help="discover agents of this PDDeployment")
-    ap.add_argument("--token", default=os.environ.get("PD_AGENT_TOKEN"))
+    ap.add_argument("--token", default=os.environ.get(PD_AGENT_TOKEN))
     ap.add_argument("--arrival", choices=["poisson", "sine"], default="poisson")
     ap.add_argument("--rate", type=float, default=5, help="req/s for poisson")
     ap.add_argument("--rate-min", type=float, default=5)

@@ -29,6 +29,13 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
+from pd_contract.engine_env import (
+    PD_DEVICE_ANNOTATION_FILE,
+    PD_LOCAL_POD_IP,
+    PD_MINDIE_RANK_TABLE_FILE,
+    PD_MINDIE_ROLE_URL,
+    engine_ip,
+)
 from pd_contract.names import PODINFO_ASCEND, PODINFO_DIR
 from pd_engine.mindie import OF_ENGINE, OTHER, annotation_devices, devices, role_body, servers
 
@@ -36,8 +43,6 @@ from .devices import DeviceError, local_path, resolve_env
 from .http import wait_event
 
 log = logging.getLogger("pd_agent.mindie")
-URL_ENV = "PD_MINDIE_ROLE_URL"
-TABLE_ENV = "PD_MINDIE_RANK_TABLE_FILE"
 WATCH_ENV = "PD_MINDIE_WATCH_S"
 RETRY_MIN_S = 0.5
 RETRY_MAX_S = 30.0
@@ -48,10 +53,10 @@ REPUSH_S = 60.0         # the same role and peers are told again after this (a r
 
 
 def role_url(env: dict[str, str]) -> str | None:
-    url = (env.get(URL_ENV) or "").strip().rstrip("/")
+    url = (env.get(PD_MINDIE_ROLE_URL) or "").strip().rstrip("/")
     if not url:
         return None
-    ip = env.get("PD_LOCAL_POD_IP")
+    ip = env.get(PD_LOCAL_POD_IP)
     parts = urlsplit(url)
     if ip and parts.hostname in ("127.0.0.1", "localhost"):
         netloc = ip + (f":{parts.port}" if parts.port else "")
@@ -60,7 +65,7 @@ def role_url(env: dict[str, str]) -> str | None:
 
 
 def read_table(env: dict[str, str]) -> dict | None:
-    path = env.get(TABLE_ENV)
+    path = env.get(PD_MINDIE_RANK_TABLE_FILE)
     if not path:
         return None
     f = local_path(path, env)
@@ -83,9 +88,9 @@ def local_server(env: dict[str, str], table: dict | None) -> dict:
     if devs.error:
         raise DeviceError(devs.error)
     pairs = [(d.device_id if d.device_id is not None else d.rank, d.ip or "") for d in devs.ranks]
-    ann = local_path(env.get("PD_DEVICE_ANNOTATION_FILE") or f"{PODINFO_DIR}/{PODINFO_ASCEND}", env)
+    ann = local_path(env.get(PD_DEVICE_ANNOTATION_FILE) or f"{PODINFO_DIR}/{PODINFO_ASCEND}", env)
     got = annotation_devices(ann.read_text()) if ann.is_file() else None
-    pod_ip = env.get("LLM_DATADIST_IP") or env.get("PD_LOCAL_POD_IP") or "127.0.0.1"
+    pod_ip = engine_ip(env)
     out: dict[str, Any] = {"server_ip": (mine or {}).get("server_ip") or pod_ip, "pod_name": pod,
                            "device": devices(pairs)}
     host = (mine or {}).get("host_ip") or (got[0] if got else "")
@@ -211,5 +216,5 @@ def attach(hooks: list, engine_role: str, ready: Ready, stop: asyncio.Event,
         return None
     p = Pusher(url, env, engine_role)
     hooks.append(p.after_switch)
-    log.info("MindIE role pushes to %s (rank table %s)", url, env.get(TABLE_ENV) or "none")
+    log.info("MindIE role pushes to %s (rank table %s)", url, env.get(PD_MINDIE_RANK_TABLE_FILE) or "none")
     return p, asyncio.create_task(p.run(ready, stop), name="mindie-role")

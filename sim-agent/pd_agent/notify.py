@@ -15,6 +15,8 @@ from collections import defaultdict
 
 import httpx
 
+from pd_contract.agent_api import AgentPath
+
 log = logging.getLogger("pd_agent.notify")
 BATCH_WINDOW_S = 0.01
 
@@ -71,7 +73,7 @@ class Notifier:
     async def _post(self, url: str, body: dict) -> None:
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         try:
-            r = await self.http.post(f"{url}/v1/notify", json={"decoder_cluster_id": self.cluster_id, **body},
+            r = await self.http.post(f"{url}{AgentPath.NOTIFY}", json={"decoder_cluster_id": self.cluster_id, **body},
                                      headers=headers, timeout=5)
             if r.status_code == 200:
                 self.sent += 1

@@ -191,7 +191,19 @@ def _softmax(s: np.ndarray) -> np.ndarray:
 
 
 class _Layer:
+    """One layer's weights: the query, output and MLP projections, and GQA's key and value
+    projections or MLA's down-projection to the latent with its per-head up-projections (an
+    attribute of the other attention is never set)."""
     __slots__ = ("wq", "wk", "wv", "wdkv", "wuk_t", "wuv", "wo", "w1", "w2")
+    wq: np.ndarray
+    wk: np.ndarray                   # GQA
+    wv: np.ndarray                   # GQA
+    wdkv: np.ndarray                 # MLA
+    wuk_t: list[np.ndarray]          # MLA: per query head
+    wuv: list[np.ndarray]            # MLA: per query head
+    wo: np.ndarray
+    w1: np.ndarray
+    w2: np.ndarray
 
 
 class State:

@@ -19,6 +19,7 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from pd_contract.agent_api import (
+    AgentPath,
     AgentStatus,
     DecodeRequest,
     DrainRequest,
@@ -59,34 +60,34 @@ ONLY_FRONT: frozenset[Where] = frozenset({"front"})
 
 ROUTES: tuple[Route, ...] = (
     # open: readiness (the engine is initialised), liveness (the process answers), metrics
-    Route("GET", "/healthz", "healthz", scope="open", request=True),
-    Route("GET", "/livez", "livez", scope="open", request=True),
-    Route("GET", "/metrics", "metrics", scope="open", request=True),
-    Route("GET", "/v1/status", "get_status", scope="data"),
+    Route("GET", AgentPath.HEALTHZ, "healthz", scope="open", request=True),
+    Route("GET", AgentPath.LIVEZ, "livez", scope="open", request=True),
+    Route("GET", AgentPath.METRICS, "metrics", scope="open", request=True),
+    Route("GET", AgentPath.STATUS, "get_status", scope="data"),
     # a rank process registers its local API with the pod's agent
-    Route("POST", "/v1/ranks", "register_rank", RegisterRank, on=ONLY_FRONT),
-    Route("POST", "/v1/init", "init", changes=True),
-    Route("POST", "/v1/link", "link", LinkRequest, changes=True),
-    Route("POST", "/v1/unlink", "unlink", UnlinkRequest, changes=True),
-    Route("POST", "/v1/switch_role", "switch_role", SwitchRoleRequest, changes=True),
-    Route("POST", "/v1/verify", "verify", VerifyRequest, changes=True),
-    Route("POST", "/v1/probe", "probe", ProbeRequest),
-    Route("POST", "/v1/drain", "drain", DrainRequest, changes=True),
-    Route("POST", "/v1/undrain", "undrain", changes=True),
-    Route("POST", "/v1/notify", "notify", NotifyRequest, scope="peer", control_fields=("released",),
+    Route("POST", AgentPath.RANKS, "register_rank", RegisterRank, on=ONLY_FRONT),
+    Route("POST", AgentPath.INIT, "init", changes=True),
+    Route("POST", AgentPath.LINK, "link", LinkRequest, changes=True),
+    Route("POST", AgentPath.UNLINK, "unlink", UnlinkRequest, changes=True),
+    Route("POST", AgentPath.SWITCH_ROLE, "switch_role", SwitchRoleRequest, changes=True),
+    Route("POST", AgentPath.VERIFY, "verify", VerifyRequest, changes=True),
+    Route("POST", AgentPath.PROBE, "probe", ProbeRequest),
+    Route("POST", AgentPath.DRAIN, "drain", DrainRequest, changes=True),
+    Route("POST", AgentPath.UNDRAIN, "undrain", changes=True),
+    Route("POST", AgentPath.NOTIFY, "notify", NotifyRequest, scope="peer", control_fields=("released",),
           control_scopes=("control", "peer")),
-    Route("POST", "/v1/admin/faults", "set_faults", FaultsRequest, changes=True),
-    Route("GET", "/v1/admin/faults", "get_faults"),
-    Route("POST", "/v1/prefill", "prefill", PrefillRequest, scope="data", control_fields=("admitted",),
+    Route("POST", AgentPath.FAULTS, "set_faults", FaultsRequest, changes=True),
+    Route("GET", AgentPath.FAULTS, "get_faults"),
+    Route("POST", AgentPath.PREFILL, "prefill", PrefillRequest, scope="data", control_fields=("admitted",),
           serving=True),
     # plain JSON, or NDJSON as the tokens come (`stream`): the service answers itself
-    Route("POST", "/v1/decode", "decode", DecodeRequest, scope="data", control_fields=("admitted", "kv_pulled_ms"),
+    Route("POST", AgentPath.DECODE, "decode", DecodeRequest, scope="data", control_fields=("admitted", "kv_pulled_ms"),
           request=True, serving=True),
-    Route("POST", "/v1/pull", "pull", PullRequest, on=ONLY_AGENT, serving=True),
+    Route("POST", AgentPath.PULL, "pull", PullRequest, on=ONLY_AGENT, serving=True),
     # a rank of a multi-rank decoder: the shard it pulled for a request, once
-    Route("GET", "/v1/kv/{req_id}", "kv", request=True, on=ONLY_AGENT, serving=True),
+    Route("GET", AgentPath.KV, "kv", request=True, on=ONLY_AGENT, serving=True),
     # /r/<rank>/<path>: that rank's own API; outside /v1/, so the proxy checks the token itself
-    Route("*", "/r/{rank}/{tail:.*}", "proxy", scope="open", request=True, on=ONLY_FRONT),
+    Route("*", AgentPath.RANK_PROXY, "proxy", scope="open", request=True, on=ONLY_FRONT),
 )
 
 DATA_ROUTES = {(r.method, r.path) for r in ROUTES if r.scope == "data"}
@@ -181,4 +182,4 @@ class AgentService(abc.ABC):
 
 # the table and the service agree: every op is a method, and the middleware opens exactly the open routes
 assert all(callable(getattr(AgentService, r.op, None)) for r in ROUTES)
-assert all((r.scope == "open") == (not r.path.startswith("/v1/")) for r in ROUTES)
+assert all((r.scope == "open") == (not r.path.startswith(AgentPath.API)) for r in ROUTES)

@@ -37,8 +37,16 @@ from pd_contract.agent_api import (
     VerifyRequest,
     VerifyResult,
 )
+from pd_contract.engine_env import (
+    PD_LOCAL_POD_IP,
+    PD_RANK,
+    PD_RANK_REGISTER_URL,
+    PD_RANKS_EXTERNAL,
+    PD_TENSOR_PARALLEL,
+    flag,
+)
 
-from .core import AgentCore, AgentError
+from .core import AgentCore, AgentError, Serving
 from .devices import DeviceError, resolve_env
 from .front import serve_front
 from .http import METRICS, api_app, api_routes, app_runner, error_reply, model_reply, serve_metrics, wait_event
@@ -134,7 +142,7 @@ class CoreAPI(AgentService):
         return f.current().as_dict()
 
     # ---- serving (offered with an Inference only) ----
-    def _inf(self) -> Inference:
+    def _inf(self) -> Serving:
         assert self.inf is not None
         return self.inf
 
@@ -223,6 +231,7 @@ def build_app(core: AgentCore, token: str | None, metrics: AgentMetrics | None =
             # request names), so without a peer token the control token is what they carry.
             core.notifier = Notifier(app[HTTP], peer_token or token, core.id.cluster_id)
             core.notifier.start()
+        notifier = core.notifier
         health = asyncio.create_task(core.health_loop(), name="link-health")
         if core.inference is not None:
             core.inference.start()
@@ -230,7 +239,7 @@ def build_app(core: AgentCore, token: str | None, metrics: AgentMetrics | None =
         health.cancel()
         if core.inference is not None:
             await core.inference.stop()
-        await core.notifier.stop()
+        await notifier.stop()
         await app[HTTP].aclose()
 
     app.cleanup_ctx.append(lifecycle)
@@ -240,7 +249,7 @@ def build_app(core: AgentCore, token: str | None, metrics: AgentMetrics | None =
 def _device_of(core: AgentCore) -> None:
     """A single-rank pod the operator manages: the engine listens on its NPU's device IP (the
     simulator without one: the pod IP, as before). Raises ConfigError naming what is missing."""
-    if not os.environ.get("PD_TENSOR_PARALLEL"):
+    if not os.environ.get(PD_TENSOR_PARALLEL):
         return
     try:
         devs = resolve_env()
@@ -289,7 +298,7 @@ async def _serve(identity: Identity, host: str, port: int, rank: int | None = No
     metrics_runner = await serve_metrics(app, identity, host) if rank is None else None
     if rank is not None:
         port = runner.addresses[0][1]
-        asyncio.create_task(_register(os.environ["PD_RANK_REGISTER_URL"], rank, f"http://{host}:{port}",
+        asyncio.create_task(_register(os.environ[PD_RANK_REGISTER_URL], rank, f"http://{host}:{port}",
                                       core.boot_id, identity.token, stop))
     log.info("agent %s%s (%s, cluster_id %d) serving on %s:%d, datadist %s:%d, backend %s",
              identity.pod, f" rank {rank}" if rank is not None else "", identity.role, identity.cluster_id,
@@ -329,22 +338,22 @@ async def _serve(identity: Identity, host: str, port: int, rank: int | None = No
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="pd_agent", description="The in-pod LLM-DataDist agent")
-    ap.add_argument("--host", default=os.environ.get("PD_LOCAL_POD_IP", "0.0.0.0"))
+    ap.add_argument("--host", default=os.environ.get(PD_LOCAL_POD_IP, "0.0.0.0"))
     ap.add_argument("--port", type=int, default=None)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would drown the log
     try:
         identity = Identity.from_env()
-        tp = int(os.environ.get("PD_TENSOR_PARALLEL") or 1)
-        rank = int(os.environ["PD_RANK"]) if os.environ.get("PD_RANK") else None
+        tp = identity.tensor_parallel
+        rank = int(os.environ[PD_RANK]) if os.environ.get(PD_RANK) else None
     except (ConfigError, ValueError) as e:
         raise SystemExit(f"pd_agent: bad configuration: {e}") from None
     if rank is not None:
         # a rank process: its API on a local port, registered with the pod's agent
         _die_with_parent()
-        asyncio.run(_serve(identity, os.environ.get("PD_LOCAL_POD_IP") or "127.0.0.1", 0, rank=rank))
-    elif tp > 1 or os.environ.get("PD_RANKS_EXTERNAL", "").lower() in ("1", "true", "yes"):
+        asyncio.run(_serve(identity, os.environ.get(PD_LOCAL_POD_IP) or "127.0.0.1", 0, rank=rank))
+    elif tp > 1 or flag(os.environ, PD_RANKS_EXTERNAL):
         # several ranks, or an inference server beside this agent starts its own: the pod's agent
         asyncio.run(serve_front(identity, tp, args.host, args.port or identity.agent_port))
     else:

@@ -8,7 +8,10 @@ PD_SIM_TIME_SCALE scales all simulated time (tests run faster than real time).""
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+from pd_contract.engine_env import PD_SIM_
 
 
 @dataclass(frozen=True)
@@ -24,11 +27,11 @@ class TimingModel:
     time_scale: float = 1.0
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> "TimingModel":
-        env = os.environ if env is None else env
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "TimingModel":
+        seen = os.environ if env is None else env
         kw = {}
         for name in cls.__dataclass_fields__:
-            raw = env.get("PD_SIM_" + name.upper())
+            raw = seen.get(PD_SIM_ + name.upper())
             if raw is not None:
                 kw[name] = float(raw)
         return cls(**kw)

@@ -1,0 +1,25 @@
+"""The environment the operator sets on pd-gateway's pods (a deployment's own gateway, or a
+PDGateway serving several deployments), which the gateway reads at start. Named as the
+variables they hold, as in `engine_env` (which has the names both pods get: PD_MODEL_NAME,
+PD_AGENT_DATA_TOKEN); the gateway's own limits are its own and stay in pd_gateway."""
+from __future__ import annotations
+
+import hashlib
+
+# a deployment's own gateway
+PD_GATEWAY_DEPLOYMENT = "PD_GATEWAY_DEPLOYMENT"          # the PDDeployment whose engines it routes to
+PD_MODEL_ALIASES = "PD_MODEL_ALIASES"                    # JSON list: other names the model answers to
+PD_GATEWAY_RPM = "PD_GATEWAY_RPM"                        # JSON {key name: requests per minute}
+# either gateway
+PD_GATEWAY_KEYS_SECRET = "PD_GATEWAY_KEYS_SECRET"        # the Secret of the API keys
+# a PDGateway
+PD_GATEWAY_ROUTES = "PD_GATEWAY_ROUTES"                  # JSON [{model, aliases, deployment, tokenEnv}]
+PD_GATEWAY_KEY_POLICY = "PD_GATEWAY_KEY_POLICY"          # JSON {key name: {models, requestsPerMinute, ...}}
+PD_GATEWAY_USAGE_CONFIGMAP = "PD_GATEWAY_USAGE_CONFIGMAP"   # where per-key usage is kept
+PD_DATA_TOKEN_ = "PD_DATA_TOKEN_"
+
+
+def route_token_env(deployment: str) -> str:
+    """The variable holding a served deployment's data token (a route's tokenEnv): named after the
+    deployment, so another deployment joining the gateway does not rename the others'."""
+    return PD_DATA_TOKEN_ + hashlib.sha256(deployment.encode()).hexdigest()[:12].upper()
