@@ -25,6 +25,8 @@ from __future__ import annotations
 import copy
 import json
 
+from pd_contract import engine_env as ev
+from pd_contract import gateway_env as gwenv
 from pd_contract.names import (
     AGENT_METRICS_PORT,
     AGENT_PORT,
@@ -92,13 +94,13 @@ def gateway_objects(name: str, namespace: str, spec: PDDeploymentSpec, owner: di
            "resourceNames": [gw.api_keys_secret]}] if keys_allowed else [])
     env = [
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-        {"name": "PD_GATEWAY_DEPLOYMENT", "value": name},
-        {"name": "PD_MODEL_NAME", "value": spec.model.name},
-        {"name": "PD_MODEL_ALIASES", "value": json.dumps(spec.model.aliases or [])},
-        {"name": "PD_GATEWAY_KEYS_SECRET", "value": gw.api_keys_secret},
-        {"name": "PD_AGENT_DATA_TOKEN", "valueFrom": {"secretKeyRef": {"name": data_token_secret_name(name),
+        {"name": gwenv.PD_GATEWAY_DEPLOYMENT, "value": name},
+        {"name": ev.PD_MODEL_NAME, "value": spec.model.name},
+        {"name": gwenv.PD_MODEL_ALIASES, "value": json.dumps(spec.model.aliases or [])},
+        {"name": gwenv.PD_GATEWAY_KEYS_SECRET, "value": gw.api_keys_secret},
+        {"name": ev.PD_AGENT_DATA_TOKEN, "valueFrom": {"secretKeyRef": {"name": data_token_secret_name(name),
                                                                        "key": "token"}}},
-        {"name": "PD_GATEWAY_RPM", "value": json.dumps(gw.rate_limits or {}, sort_keys=True)},
+        {"name": gwenv.PD_GATEWAY_RPM, "value": json.dumps(gw.rate_limits or {}, sort_keys=True)},
     ]
     config = config or OperatorConfig()
     meta = object_meta(n, namespace, owner, labels)

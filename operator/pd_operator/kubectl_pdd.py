@@ -33,6 +33,7 @@ from typing import Any, TextIO
 
 import httpx
 
+from pd_contract.agent_api import AgentPath
 from pd_contract.names import BROKEN_CODES
 
 from .builders import AGENT_PORT, token_secret_name
@@ -321,7 +322,7 @@ async def _verify_links(px: Proxy, spec: dict, members: list[dict], hdr: dict, d
     """Every member's agent asked; each decoder's links as its engine reports them. The statuses."""
     def agent_status(pod: str) -> Call:
         # httpx's own timeout a second later: the deadline is the one that fires, as "timed out"
-        return lambda t: px.call("GET", pod, AGENT_PORT, "/v1/status", hdr, timeout=t + 1)
+        return lambda t: px.call("GET", pod, AGENT_PORT, AgentPath.STATUS, hdr, timeout=t + 1)
     got = await run_bounded([(m["pod"], agent_status(m["pod"])) for m in members], deadline, per_call,
                             progress=_counter(progress, "checked", "agents"))
     out("\nlinks (each decoder's engine, check_link_status):")
@@ -363,7 +364,7 @@ async def _verify_kv(px: Proxy, spec: dict, members: list[dict], statuses: dict[
     def probe(d: str, p: dict) -> Call:
         async def call(t: float) -> tuple[int, dict | str]:
             peer = probe_peer(p, statuses[p["pod"]], await px.pod_ip(p["pod"]))
-            return await px.call("POST", d, AGENT_PORT, "/v1/verify", hdr, {"peer": peer}, timeout=t + 1)
+            return await px.call("POST", d, AGENT_PORT, AgentPath.VERIFY, hdr, {"peer": peer}, timeout=t + 1)
         return call
     got = await run_bounded([(d, probe(d, p)) for d, p in pairs.items()], deadline, per_call,
                             progress=_counter(progress, "verified", "KV paths")) if pairs else {}
@@ -473,7 +474,7 @@ async def status(kube: Kube, ns: str, name: str, out=print, via: str = "auto") -
         draining = "-"
         agent: dict | None = None
         if m.get("ip"):
-            code, a = await px.call("GET", m["pod"], AGENT_PORT, "/v1/status", {"X-PD-Agent-Token": data or ""},
+            code, a = await px.call("GET", m["pod"], AGENT_PORT, AgentPath.STATUS, {"X-PD-Agent-Token": data or ""},
                                     timeout=5)
             if code == 200 and isinstance(a, dict):
                 agent = a

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from pd_contract.engine_env import PD_LOCAL_POD_IP
+
 log = logging.getLogger("pd_operator.metrics")
 PHASES = ("Pending", "Linking", "Ready", "Switching", "Degraded")
 CONDITION_STATUSES = ("True", "False", "Unknown")
@@ -147,7 +149,7 @@ def listen_address() -> tuple[str, int] | None:
     if raw:
         host, _, port = raw.rpartition(":")
         return host or "0.0.0.0", int(port)
-    return os.environ.get("PD_LOCAL_POD_IP", "0.0.0.0"), 8081
+    return os.environ.get(PD_LOCAL_POD_IP, "0.0.0.0"), 8081
 
 
 async def serve(metrics: OperatorMetrics) -> web.AppRunner | None:

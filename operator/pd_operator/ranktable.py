@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
+from pd_contract import engine_env as ev
 from pd_engine.mindie import TABLE_KEY, rank_table, render
 
 from .api import PDDeploymentSpec
@@ -46,8 +47,8 @@ def mindie_pod_patch(spec: PDDeploymentSpec, name: str) -> tuple[list[dict], lis
     if not enabled(spec):
         return [], [], []
     assert spec.mindie is not None
-    env = [{"name": "PD_MINDIE_ROLE_URL", "value": spec.mindie.role_url},
-           {"name": "PD_MINDIE_RANK_TABLE_FILE", "value": f"{RANK_TABLE_DIR}/{TABLE_KEY}"}]
+    env = [{"name": ev.PD_MINDIE_ROLE_URL, "value": spec.mindie.role_url},
+           {"name": ev.PD_MINDIE_RANK_TABLE_FILE, "value": f"{RANK_TABLE_DIR}/{TABLE_KEY}"}]
     volumes = [{"name": VOLUME, "configMap": {"name": rank_table_name(name), "optional": True}}]
     mounts = [{"name": VOLUME, "mountPath": RANK_TABLE_DIR, "readOnly": True}]
     return env, volumes, mounts

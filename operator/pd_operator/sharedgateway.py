@@ -12,10 +12,10 @@ claim, if several or none do) gets it, and the others are named in a condition: 
 scaled to zero cannot take a served model offline."""
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass, field
 
+from pd_contract import gateway_env as gwenv
 from pd_contract.names import GATEWAY_PORT, LABEL_DEPLOYMENT, LABEL_KEYS, LABEL_PDGATEWAY
 
 from .api import GROUP, VERSION, parse_spec
@@ -141,18 +141,18 @@ def objects(name: str, namespace: str, spec: PDGatewaySpec, owner: dict, r: Rout
                       "resourceNames": [spec.api_keys_secret]})
     routes, env = [], [
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-        {"name": "PD_GATEWAY_KEYS_SECRET", "value": spec.api_keys_secret},
-        {"name": "PD_GATEWAY_KEY_POLICY", "value": key_policy_env(spec)},
-        {"name": "PD_GATEWAY_USAGE_CONFIGMAP", "value": usage_configmap_name(name)},
+        {"name": gwenv.PD_GATEWAY_KEYS_SECRET, "value": spec.api_keys_secret},
+        {"name": gwenv.PD_GATEWAY_KEY_POLICY, "value": key_policy_env(spec)},
+        {"name": gwenv.PD_GATEWAY_USAGE_CONFIGMAP, "value": usage_configmap_name(name)},
     ]
     for s in r.served:
         # named after the deployment, so another deployment joining does not rename the others'
-        token_env = f"PD_DATA_TOKEN_{hashlib.sha256(s.deployment.encode()).hexdigest()[:12].upper()}"
+        token_env = gwenv.route_token_env(s.deployment)
         routes.append({"model": s.model, "aliases": s.aliases, "deployment": s.deployment, "tokenEnv": token_env})
         # optional: a deployment just selected may not have its token yet; its requests wait for it
         env.append({"name": token_env, "valueFrom": {"secretKeyRef": {
             "name": data_token_secret_name(s.deployment), "key": "token", "optional": True}}})
-    env.insert(1, {"name": "PD_GATEWAY_ROUTES", "value": json.dumps(routes, sort_keys=True)})
+    env.insert(1, {"name": gwenv.PD_GATEWAY_ROUTES, "value": json.dumps(routes, sort_keys=True)})
     pod_labels = {"app.kubernetes.io/name": "pd-gateway", "app.kubernetes.io/instance": name, LABEL_PDGATEWAY: name}
     config = config or OperatorConfig()
     meta = _meta(name, namespace, owner, name)

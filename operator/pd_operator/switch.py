@@ -22,11 +22,12 @@ import datetime as dt
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from pd_contract.names import DECODER, ENGINE_ROLE, PROMPT  # noqa: F401 (ENGINE_ROLE: act imports it from here)
+
 STEPS = ("Drain", "Unlink", "SwitchRole", "Relink", "Verify", "Undrain")
 ABORT = "Abort"
 SWITCHING = "switching"     # the role label while a pod is out of both role Services
-ENGINE_ROLE = {"prefill": "prompt", "decoder": "decoder"}
-ROLE_OF_ENGINE = {"prompt": "prefill", "decoder": "decoder"}
+ROLE_OF_ENGINE = {PROMPT: "prefill", DECODER: "decoder"}
 SERVING_STEPS = ("Relink", "Verify", "Undrain")   # the engine is in its new role, being brought in
 
 

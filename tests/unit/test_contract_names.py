@@ -26,15 +26,7 @@ AGENT_PATHS = {v for k, v in vars(AgentPath).items() if k.isupper() and isinstan
                and v.startswith(AgentPath.API) and v != AgentPath.API and "{" not in v} | {"/v1/kv/", "/r/"}
 
 # modules whose owners have yet to take these names from pd_contract (they may only shrink)
-PENDING: dict[str, set[str]] = {
-    "operator/pd_operator/gateway.py": {"PD_MODEL_NAME", "PD_AGENT_DATA_TOKEN", "PD_GATEWAY_DEPLOYMENT",
-                                        "PD_MODEL_ALIASES", "PD_GATEWAY_KEYS_SECRET", "PD_GATEWAY_RPM"},
-    "operator/pd_operator/sharedgateway.py": {"PD_GATEWAY_KEYS_SECRET", "PD_GATEWAY_KEY_POLICY",
-                                              "PD_GATEWAY_USAGE_CONFIGMAP", "PD_GATEWAY_ROUTES", "PD_DATA_TOKEN_"},
-    "operator/pd_operator/ranktable.py": {"PD_MINDIE_ROLE_URL", "PD_MINDIE_RANK_TABLE_FILE"},
-    "operator/pd_operator/metrics.py": {"PD_LOCAL_POD_IP"},
-    "operator/pd_operator/kubectl_pdd.py": {"/v1/status", "/v1/verify"},
-}
+PENDING: dict[str, set[str]] = {}
 
 
 @pytest.mark.parametrize("ident", [
