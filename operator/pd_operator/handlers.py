@@ -20,6 +20,7 @@ from .kube import Kube
 from .leader import Elector, LeaseSettings
 from .metrics import OperatorMetrics, serve
 from .reconcile import Controller
+from .shards import ShardElection
 
 log = logging.getLogger("pd_operator")
 WATCHED_CHILDREN = tuple((k.group, k.version, k.plural) for k in kinds.CHILDREN)
@@ -46,26 +47,41 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None
     metrics = OperatorMetrics()
     memo.kube = Kube()
     memo.agents = AgentClient(metrics)
-    memo.controller = Controller(memo.kube, memo.agents, metrics, after_record=memo.get("after_record"))
+    shards = int(os.environ.get("PD_OPERATOR_SHARDS") or 1)
+    memo.controller = Controller(memo.kube, memo.agents, metrics, after_record=memo.get("after_record"), shards=shards)
     metrics.leading = memo.controller.leading.is_set   # a standby exports no deployment's state
+    # PDGateways follow shard 0 (the only one without sharding)
     memo.gateways = GatewayController(memo.kube, memo.controller.events, memo.controller.config,
-                                      memo.controller.leading)
+                                      memo.controller.shard_leading[0])
     memo.metrics_runner = await serve(metrics)
     lease = LeaseSettings.from_env()
     if lease is not None:
-        memo.controller.leading.clear()
-        controllers = (memo.controller, memo.gateways)
-
-        async def lead() -> None:
-            for c in controllers:
-                await c.lead()
-
-        async def follow() -> None:
-            for c in controllers:
-                await c.follow()
-        memo.elector = Elector(memo.kube, lease, lead, follow)
-        memo.elector_task = asyncio.create_task(memo.elector.run(), name="leader-election")
+        await _elect(memo, lease, shards)
+    elif shards > 1:
+        log.warning("PD_OPERATOR_SHARDS=%d without leader election: this replica acts on every shard", shards)
     log.info("pd-operator started")
+
+
+async def _elect(memo: kopf.Memo, lease: LeaseSettings, shards: int) -> None:
+    """Acting starts once a Lease is won: the leader's, or each shard's."""
+    for ev in memo.controller.shard_leading:
+        ev.clear()
+    memo.controller.leading.clear()
+
+    async def lead(shard: int | None = None) -> None:
+        await memo.controller.lead(shard)
+        if shard in (None, 0):
+            await memo.gateways.lead()
+
+    async def follow(shard: int | None = None) -> None:
+        await memo.controller.follow(shard)
+        if shard in (None, 0):
+            await memo.gateways.follow()
+    if shards > 1:
+        memo.elector = ShardElection(memo.kube, lease, shards, lead, follow)
+    else:
+        memo.elector = Elector(memo.kube, lease, lead, follow)
+    memo.elector_task = asyncio.create_task(memo.elector.run(), name="leader-election")
 
 
 @kopf.on.cleanup()

@@ -133,6 +133,14 @@ class Kube:
                 return None
             raise
 
+    async def delete(self, api_version: str, kind: str, namespace: str | None, name: str) -> None:
+        """Delete; one already gone is not an error."""
+        try:
+            await self._req("DELETE", object_path(api_version, kind, namespace, name), f"delete {kind} {name}")
+        except KubeError as e:
+            if e.status != 404:
+                raise
+
     async def replace(self, obj: dict) -> dict:
         """PUT: with metadata.resourceVersion set, it fails (409) if the object changed since."""
         meta = obj["metadata"]

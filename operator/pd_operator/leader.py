@@ -100,8 +100,15 @@ class Elector:
             meta["resourceVersion"] = prev["metadata"]["resourceVersion"]
         return {"apiVersion": API, "kind": "Lease", "metadata": meta, "spec": spec}
 
-    async def try_acquire_or_renew(self) -> bool:
-        """One round; True if this process holds the Lease after it."""
+    @property
+    def holder(self) -> str:
+        """The holder as last read ("" if none or not read yet)."""
+        return self._observed[0] if self._observed else ""
+
+    async def try_acquire_or_renew(self, may_take: bool = True, extra_wait: float = 0.0) -> bool:
+        """One round; True if this process holds the Lease after it. `may_take` False: renew only;
+        `extra_wait`: a Lease free or expired is taken only once it stayed so that much longer
+        (shards: a replica with its share leaves a free shard to one without)."""
         now_wall, now = self.clock.time(), self.clock.monotonic()
         lease = await self.kube.get(API, "Lease", self.s.namespace, self.s.name)
         if lease is None:
@@ -113,8 +120,10 @@ class Elector:
         if record != self._observed:
             self._observed, self._observed_at = record, now
         if holder != self.s.identity:
-            duration = held_for(spec.get("leaseDurationSeconds"), self.s.lease_duration)
-            if holder and now - self._observed_at < duration:
+            if not may_take:
+                return False
+            duration = held_for(spec.get("leaseDurationSeconds"), self.s.lease_duration) if holder else 0.0
+            if now - self._observed_at < duration + extra_wait:
                 return False    # held, and renewed within its duration as far as this clock can tell
         try:
             await self.kube.replace(self._lease(lease, now_wall, acquire=holder != self.s.identity))
@@ -128,25 +137,31 @@ class Elector:
         """Campaign, lead, lose, campaign again: until cancelled."""
         log.info("leader election on Lease %s/%s as %s", self.s.namespace, self.s.name, self.s.identity)
         while True:
-            try:
-                held = await asyncio.wait_for(self.try_acquire_or_renew(), self.s.retry_period * 2)
-            except Exception as e:  # noqa: BLE001 - the API server may be away: not leading this round
-                log.debug("lease round failed: %r", e)
-                held = False
-            now = self.clock.monotonic()
-            if held:
-                self._renewed_at = now
-                if not self.leading:
-                    self.leading = True
-                    self.transitions += 1
-                    log.info("became the leader (%s)", self.s.identity)
-                    await self.on_started()
-            elif self.leading and now - self._renewed_at > self.s.renew_deadline:
-                self.leading = False
-                log.warning("could not renew the Lease for %.0fs: stopped acting, campaigning again",
-                            self.s.renew_deadline)
-                await self.on_stopped()
+            await self.round()
             await asyncio.sleep(self.s.retry_period)
+
+    async def round(self, may_take: bool = True, extra_wait: float = 0.0) -> bool:
+        """One round and what follows from it: acting starts when the Lease is won, stops when it
+        could not be renewed for the renew deadline. True while leading."""
+        try:
+            held = await asyncio.wait_for(self.try_acquire_or_renew(may_take, extra_wait), self.s.retry_period * 2)
+        except Exception as e:  # noqa: BLE001 - the API server may be away: not leading this round
+            log.debug("lease round failed: %r", e)
+            held = False
+        now = self.clock.monotonic()
+        if held:
+            self._renewed_at = now
+            if not self.leading:
+                self.leading = True
+                self.transitions += 1
+                log.info("became the leader on Lease %s (%s)", self.s.name, self.s.identity)
+                await self.on_started()
+        elif self.leading and now - self._renewed_at > self.s.renew_deadline:
+            self.leading = False
+            log.warning("could not renew the Lease for %.0fs: stopped acting, campaigning again",
+                        self.s.renew_deadline)
+            await self.on_stopped()
+        return self.leading
 
     async def release(self) -> None:
         """Give the Lease up (on SIGTERM) so a standby need not wait out its duration."""

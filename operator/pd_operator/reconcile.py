@@ -37,6 +37,7 @@ from .kube import Kube, KubeError
 from .metrics import OperatorMetrics
 from .observer import Observer
 from .runtime import SYSTEM_CLOCK, Clock, Limiters, Runtime
+from .shards import shard_of
 from .state import AGENT_CONCURRENCY, Memory
 
 log = logging.getLogger("pd_operator.reconcile")
@@ -59,7 +60,8 @@ class Controller:
 
     def __init__(self, kube: Kube, agents: AgentClient, metrics: OperatorMetrics | None = None,
                  after_record: Callable[[list[sw_.Switch]], None] | None = None, npu_resource: str | None = None,
-                 config: OperatorConfig | None = None, clock: Clock = SYSTEM_CLOCK, workers: bool = True):
+                 config: OperatorConfig | None = None, clock: Clock = SYSTEM_CLOCK, workers: bool = True,
+                 shards: int = 1):
         # what the cluster admin allows (chart values): NPU resource, host paths, gateway image
         self.config = config or OperatorConfig.from_env()
         if npu_resource:
@@ -79,7 +81,13 @@ class Controller:
         # the Lease with it (a standby keeps its caches warm and runs no pass)
         self.leading = asyncio.Event()
         self.leading.set()
-        self.runtime = Runtime("pdd", self._pass, self._failed, self.leading,
+        # sharded: a deployment's passes run while this replica leads its shard (shards.shard_of)
+        self.shards = max(1, shards)
+        self.shard_leading = [self.leading] if self.shards == 1 else [asyncio.Event() for _ in range(self.shards)]
+        for ev in self.shard_leading:
+            ev.set()
+        self.runtime = Runtime("pdd", self._pass, self._failed,
+                               lambda key: self.shard_leading[shard_of(key, self.shards)],
                                timed=self.metrics.reconcile_seconds.observe, clock=clock, workers=workers)
 
     # ---- fed by Kopf's watch events ------------------------------------------------------
@@ -106,19 +114,32 @@ class Controller:
         self.runtime.poke(self.caches.on_child(etype, body))
 
     # ---- leadership and the workers -------------------------------------------------------
-    async def lead(self) -> None:
-        """This process became the leader: start from what the API server says, as a fresh
-        process would (switches in flight come back from status)."""
-        self.memory.clear()
-        self.caches.relisted_at.clear()
+    async def lead(self, shard: int | None = None) -> None:
+        """This process became the leader (of one shard): start from what the API server says,
+        as a fresh process would (switches in flight come back from status)."""
+        keys = self._keys(shard)
+        for key in keys:
+            self.memory.pop(key, None)
+            self.caches.relisted_at.pop(key, None)
+        for ev in self._events(shard):
+            ev.set()
         self.leading.set()
-        self.runtime.poke_all(fresh=True)
+        self.runtime.poke_all(fresh=True, keys=keys)
 
-    async def follow(self) -> None:
-        """Leadership lost: stop acting now (passes in flight are cancelled; what they recorded
-        is in status for the next leader) and wait to lead again."""
-        self.leading.clear()
-        await self.runtime.restart()
+    async def follow(self, shard: int | None = None) -> None:
+        """Leadership (of one shard) lost: stop acting on it now (passes in flight are cancelled;
+        what they recorded is in status for the next leader) and wait to lead it again."""
+        for ev in self._events(shard):
+            ev.clear()
+        if not any(ev.is_set() for ev in self.shard_leading):
+            self.leading.clear()
+        await self.runtime.restart(self._keys(shard))
+
+    def _events(self, shard: int | None) -> list[asyncio.Event]:
+        return self.shard_leading if shard is None else [self.shard_leading[shard]]
+
+    def _keys(self, shard: int | None) -> list[Key]:
+        return [k for k in self.deployments if shard is None or shard_of(k, self.shards) == shard]
 
     async def stop(self) -> None:
         await self.runtime.stop()

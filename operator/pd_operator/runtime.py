@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Protocol
 
 log = logging.getLogger("pd_operator.runtime")
@@ -57,9 +57,12 @@ class Runtime:
     a terminal error waits for a spec change). `timed(seconds)` sees every pass's duration."""
 
     def __init__(self, name: str, run: Callable[[Key], Awaitable[float | None]],
-                 on_error: Callable[[Key, Exception], Awaitable[float | None]], leading: asyncio.Event,
+                 on_error: Callable[[Key, Exception], Awaitable[float | None]],
+                 leading: asyncio.Event | Callable[[Key], asyncio.Event],
                  timed: Callable[[float], None] | None = None, clock: Clock = SYSTEM_CLOCK, workers: bool = True):
-        self.name, self.run, self.on_error, self.leading, self.timed = name, run, on_error, leading, timed
+        self.name, self.run, self.on_error, self.timed = name, run, on_error, timed
+        # a key's worker runs while its leadership is held: one Event, or one per shard
+        self.leading_for = leading if callable(leading) else (lambda key: leading)
         # workers=False: no worker tasks; whoever holds the runtime runs the passes with once()
         self.clock, self.workers = clock, workers
         self.wake: dict[Key, asyncio.Event] = {}
@@ -94,17 +97,20 @@ class Runtime:
         ev = self.wake.get(key)
         return ev is not None and ev.is_set()
 
-    def poke_all(self, fresh: bool = False) -> None:
-        """Wake every worker; `fresh`: their next pass is a first pass (a takeover)."""
+    def poke_all(self, fresh: bool = False, keys: Iterable[Key] | None = None) -> None:
+        """Wake every worker (of `keys`); `fresh`: their next pass is a first pass (a takeover)."""
+        chosen = None if keys is None else set(keys)
+        woken = [k for k in self.wake if chosen is None or k in chosen]
         if fresh:
-            self.fresh.update(self.wake)
-        for key in list(self.wake):
+            self.fresh.update(woken)
+        for key in woken:
             self.poke(key)
 
-    async def restart(self) -> None:
-        """Leadership lost: cancel every pass in flight now and start the workers again, to wait
-        until this process leads."""
-        tasks = list(self.tasks.items())
+    async def restart(self, keys: Iterable[Key] | None = None) -> None:
+        """Leadership lost (of `keys`, or of all): cancel their passes in flight now and start
+        their workers again, to wait until this process leads them."""
+        chosen = None if keys is None else set(keys)
+        tasks = [(k, t) for k, t in self.tasks.items() if chosen is None or k in chosen]
         for _, t in tasks:
             t.cancel()
         await asyncio.gather(*(t for _, t in tasks), return_exceptions=True)
@@ -150,7 +156,7 @@ class Runtime:
 
     async def _worker(self, key: Key) -> None:
         while not self.stopping:
-            await self.leading.wait()
+            await self.leading_for(key).wait()
             wake = self.wake[key]
             delay = await self.once(key)
             try:
