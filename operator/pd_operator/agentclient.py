@@ -34,6 +34,9 @@ from .runtime import SYSTEM_CLOCK, Clock
 __all__ = ["STATUS_TIMEOUT_S", "AgentCallError", "AgentClient"]
 
 STATUS_TIMEOUT_S = 3.0
+# connections kept open to agents: one per engine pod of a large fleet (100 deployments of 8 pods),
+# so a settled fleet's polls reuse them instead of connecting anew every few seconds
+AGENT_POOL = 1024
 MAX_REMEMBERED = 8192   # agents' last status bodies kept (a fleet's engine pods)
 M = TypeVar("M", bound=BaseModel)
 
@@ -43,7 +46,8 @@ class AgentClient:
                  transport: httpx.AsyncBaseTransport | None = None):
         self.clock = clock
         self._http = httpx.AsyncClient(trust_env=False, timeout=httpx.Timeout(timeout, connect=2.0),
-                                       limits=httpx.Limits(max_connections=512, max_keepalive_connections=128),
+                                       limits=httpx.Limits(max_connections=AGENT_POOL,
+                                                           max_keepalive_connections=AGENT_POOL),
                                        transport=transport)
         self.metrics = metrics or OperatorMetrics()
         # url -> (the last status body, its model): a settled agent answers the same bytes pass
