@@ -23,7 +23,7 @@ from .kube import Kube, KubeError
 from .metrics import OperatorMetrics
 from .results import LinkAttempt, Results, StepResult
 from .runtime import SYSTEM_CLOCK, Clock
-from .state import Memory
+from .state import Memory, Seen
 from .switch import ENGINE_ROLE, Intent, IntentKind
 
 log = logging.getLogger("pd_operator.act")
@@ -50,12 +50,12 @@ def _peer_of_link(link: dict) -> Peer:
                 port=link.get("port") or 1, ranks=ranks)
 
 
-async def create_tokens(kube: Kube, mem: Memory, name: str, namespace: str, owner: dict, res: Results) -> None:
+async def create_tokens(kube: Kube, seen: Seen, name: str, namespace: str, owner: dict, res: Results) -> None:
     """The agents' bearer tokens, control (the operator's), data (routers') and peer (pull notices
     between the deployment's agents), whose digests the status now records: created once, never
     re-generated (running pods hold them). One that exists already (409) was made by someone
     else: the next pass reads it and refuses it (tokens.judge)."""
-    for role, token in list(mem.token_create.items()):
+    for role, token in list(seen.token_create.items()):
         made = await kube.create(token_secret(name, namespace, token, owner, tk.SECRETS[role](name)))
         if made is None:
             res.tokens_taken.append(role)

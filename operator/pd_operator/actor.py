@@ -25,7 +25,7 @@ from .events import Events
 from .kube import Kube, KubeError
 from .metrics import OperatorMetrics
 from .objmeta import owner_reference
-from .results import Results, fold
+from .results import Results, fold, fold_seen
 from .runtime import Clock, Limiters
 from .state import Memory
 
@@ -83,6 +83,7 @@ class Actor:
             return await self._act(snap, plan, mem, res)
         finally:
             fold(mem, res, self.clock.monotonic())
+            fold_seen(self.caches.seen_of(snap.key), res, self.clock.monotonic())
 
     async def _act(self, snap: Snapshot, plan: Plan, mem: Memory, res: Results) -> bool:
         (ns, name), body, spec, token = snap.key, snap.body, snap.spec, snap.token
@@ -105,8 +106,9 @@ class Actor:
                                    for its in grouped.values()))
             dirty.update(grouped)
             acted = True
-        if mem.token_create and not snap.token_problem:   # their digests are in the status just written
-            await act.create_tokens(self.kube, mem, name, ns, owner_reference(name, body["metadata"]["uid"]), res)
+        seen = self.caches.seen_of(snap.key)
+        if seen.token_create and not snap.token_problem:   # their digests are in the status just written
+            await act.create_tokens(self.kube, seen, name, ns, owner_reference(name, body["metadata"]["uid"]), res)
             acted = True
         if plan.to_apply:
             await self._apply(body, spec, mem, res, snap.generation, plan.to_apply, created=not snap.children,

@@ -12,6 +12,7 @@ from .builders import LABEL_DEPLOYMENT
 from .kube import Kube
 from .members import own_statefulsets, pod_ready
 from .runtime import SYSTEM_CLOCK, Clock
+from .state import Seen
 
 log = logging.getLogger("pd_operator.caches")
 Key = tuple[str, str]
@@ -35,8 +36,13 @@ class Caches:
         self.relisted_at: dict[Key, float] = {}
         self.ready_since: dict[Key, dict[str, float]] = {}   # pod -> when its watch event said Ready
         self.dirty: dict[Key, set[str]] = {}   # pods whose object changed since their agent was asked
+        self.seen: dict[Key, Seen] = {}        # observing's own bookkeeping (state.Seen)
+
+    def seen_of(self, key: Key) -> Seen:
+        return self.seen.setdefault(key, Seen())
 
     def forget(self, key: Key) -> None:
+        self.seen.pop(key, None)
         self.deployments.pop(key, None)
         self.dirty.pop(key, None)
         self.ready_since.pop(key, None)

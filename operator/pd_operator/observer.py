@@ -23,7 +23,7 @@ from .kube import Kube, KubeError
 from .members import Problem, claimed_owner, foreign, member_of, pod_ready
 from .observe import ask_always, to_ask
 from .runtime import Clock, Limiters
-from .state import Memory
+from .state import Memory, Seen
 
 log = logging.getLogger("pd_operator.observer")
 Key = tuple[str, str]
@@ -45,6 +45,7 @@ class Observer:
         calls (the agents' backoff, the token it read), never a decision."""
         ns, name = key
         mem = self.memory.setdefault(key, Memory())
+        seen = self.caches.seen_of(key)
         now, wall = self.clock.monotonic(), self.clock.time()
         try:
             spec = parse_spec(body["spec"])
@@ -68,8 +69,8 @@ class Observer:
         members = [member_of(p, spec) for p in all_pods]
         problems = tuple(strays) + tuple(m for m in members if isinstance(m, Problem))
         engines = [m for m in members if not isinstance(m, Problem)]
-        token = await self._token(key, mem, uid, body.get("status"))
-        keys = await self._keys_secret(key, mem, spec)
+        token = await self._token(key, mem, seen, uid, body.get("status"))
+        keys = await self._keys_secret(key, seen, spec)
         book = mem.book or sw_.Book.from_status(body.get("status"))
         reports: dict = {}
         ask: set[str] = set()
@@ -77,23 +78,23 @@ class Observer:
             dirty = c.dirty.setdefault(key, set())
             ask = to_ask(mem, engines, now, dirty, ask_always(spec, book, engines, wall))
             dirty -= ask   # (given back if this pass's record fails: its reports are then lost)
-            reports = await observe.gather(engines, self.agents, token, mem.agent_backoff, now, self.limiters(key),
+            reports = await observe.gather(engines, self.agents, token, seen.agent_backoff, now, self.limiters(key),
                                            only=ask)
             if any(r.error is not None and r.error.kind == "AgentUnauthorized" for r in reports.values()):
-                mem.token_read_at = 0.0  # the Secret may have been rotated: read it again next pass
+                seen.token_read_at = 0.0  # the Secret may have been rotated: read it again next pass
         stats, read = None, False
         rbs = spec.rebalance
         if rbs is not None and rbs.policy == "SLO" and spec.gateway and spec.gateway.enabled \
                 and wall >= book.next_evaluation:
             stats, read = await self._gateway_stats(ns, name), True
         alive = {e.pod: e for e in engines}
-        mem.agent_backoff.prune(lambda k: k[0] in alive and k == observe.backoff_key(alive[k[0]]))
+        seen.agent_backoff.prune(lambda k: k[0] in alive and k == observe.backoff_key(alive[k[0]]))
         return Snapshot(key=key, body=body, spec=spec, now=now, wall=wall, pods=tuple(all_pods),
                         children=c.child_objects(key),
                         engines=tuple(engines), problems=problems, token=token, reports=reports,
                         gateway_stats=stats, gateway_read=read, asked=frozenset(ask), memory=mem,
-                        npu_resource=self.config.npu_resource, config=self.config, token_problem=mem.token_problem,
-                        token_digests=tuple(sorted(mem.token_digests.items())),
+                        npu_resource=self.config.npu_resource, config=self.config, token_problem=seen.token_problem,
+                        token_digests=tuple(sorted(seen.token_digests.items())),
                         keys=keys, strays=stray_pods)
 
     async def _gateway_stats(self, ns: str, name: str) -> tuple[dict, float] | None:
@@ -112,39 +113,39 @@ class Observer:
                     return stats, self.clock.monotonic()
         return None
 
-    async def _token(self, key: Key, mem: Memory, uid: str, status: dict | None) -> str | None:
+    async def _token(self, key: Key, mem: Memory, seen: Seen, uid: str, status: dict | None) -> str | None:
         """The control token, from the Secret the operator made (tokens.judge: its digest is in
         status). Re-read now and then: a Secret deleted to rotate it must show up (a new one is made;
         the running pods answer AgentUnauthorized until they restart with it), and RBAC allows `get`
         on the Secret, not a watch."""
-        if (mem.token or mem.token_problem) and not mem.token_create \
-                and self.clock.monotonic() - mem.token_read_at < TOKEN_TTL_S:
-            return mem.token
+        if (seen.token or seen.token_problem) and not seen.token_create \
+                and self.clock.monotonic() - seen.token_read_at < TOKEN_TTL_S:
+            return seen.token
         ns, name = key
         found = {role: await self.kube.get("v1", "Secret", ns, secret_name(name))
                  for role, secret_name in tk.SECRETS.items()}
         # what this operator wrote last is newer than the cached object's status
-        v = tk.judge(name, ns, uid, found, mem.last_status or status, mem.token_create)
+        v = tk.judge(name, ns, uid, found, mem.last_status or status, seen.token_create)
         if v.foreign and mem.last_status is None:
             # no write of its own yet (a restart, a takeover): the cache may trail the status the
             # operator wrote before; a Secret is called foreign only against the status as stored
             fresh = await self.kube.get(f"{GROUP}/{VERSION}", KIND, ns, name)
             if fresh is not None:
-                v = tk.judge(name, ns, uid, found, fresh.get("status"), mem.token_create)
-        mem.token, mem.token_problem, mem.token_digests = v.token, v.problem, v.digests
-        mem.token_create = v.create
-        mem.token_read_at = self.clock.monotonic()
-        return mem.token
+                v = tk.judge(name, ns, uid, found, fresh.get("status"), seen.token_create)
+        seen.token, seen.token_problem, seen.token_digests = v.token, v.problem, v.digests
+        seen.token_create = v.create
+        seen.token_read_at = self.clock.monotonic()
+        return seen.token
 
-    async def _keys_secret(self, key: Key, mem: Memory, spec: PDDeploymentSpec) -> tuple[bool, str, str] | None:
+    async def _keys_secret(self, key: Key, seen: Seen, spec: PDDeploymentSpec) -> tuple[bool, str, str] | None:
         """Whether the gateway may be given its keys Secret: only one that opted in with the label
         pdoperator.io/keys: "true". Re-read every pass until it is allowed, then now and then."""
         gw = spec.gateway
         if gw is None or not gw.enabled or not gw.api_keys_secret:
-            mem.keys_verdict = None
+            seen.keys_verdict = None
             return None
-        v = mem.keys_verdict
-        if v is not None and v[0] and self.clock.monotonic() - mem.keys_read_at < TOKEN_TTL_S:
+        v = seen.keys_verdict
+        if v is not None and v[0] and self.clock.monotonic() - seen.keys_read_at < TOKEN_TTL_S:
             return v
         sec = await self.kube.get("v1", "Secret", key[0], gw.api_keys_secret)
         n = gw.api_keys_secret
@@ -157,5 +158,5 @@ class Observer:
                                                 f"pod runs); `kubectl label secret {n} {LABEL_KEYS}=true` opts it in")
         else:
             v = (True, "KeysSecretOptedIn", f"Secret {n} opted in as the gateway's API keys")
-        mem.keys_verdict, mem.keys_read_at = v, self.clock.monotonic()
+        seen.keys_verdict, seen.keys_read_at = v, self.clock.monotonic()
         return v

@@ -120,6 +120,7 @@ class Controller:
         keys = self._keys(shard)
         for key in keys:
             self.memory.pop(key, None)
+            self.caches.seen.pop(key, None)
             self.caches.relisted_at.pop(key, None)
         for ev in self._events(shard):
             ev.set()
@@ -199,6 +200,9 @@ class Controller:
         if lk.holding_links(plan.engines, plan.reported):
             return HOLDING_RECHECK_S
         if plan.status["phase"] != "Ready":
-            retry = mem.next_retry_in(self.clock.monotonic())
+            now = self.clock.monotonic()
+            waits = [w for w in (mem.next_retry_in(now), self.caches.seen_of(snap.key).next_retry_in(now))
+                     if w is not None]
+            retry = min(waits) if waits else None
             return min(NOT_READY_RESYNC_S, retry) if retry is not None else NOT_READY_RESYNC_S
         return min(resync_s(snap.key), max(0.5, mem.next_verify - self.clock.monotonic()))

@@ -1,13 +1,13 @@
 """What acting did, as values: act's calls return these and `fold` alone turns them into the
-memory the next pass decides from. Agent failures travel here, never as exceptions (an API
-error is raised for the error policy)."""
+memory the next pass decides from (`fold_seen`: the Secrets it created, into observing's own).
+Agent failures travel here, never as exceptions (an API error is raised for the error policy)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from .children import Applied, ChildKey
 from .diagnosis import Diagnosis
-from .state import Memory
+from .state import Memory, Seen
 
 
 @dataclass(frozen=True)
@@ -75,9 +75,13 @@ def fold(mem: Memory, res: Results, now: float) -> None:
         mem.switch_fails[s.pod] = mem.switch_fails.get(s.pod, 0) + 1
         if s.refused is not None:
             mem.switch_refused[s.pod] = s.refused[:300]
+
+
+def fold_seen(seen: Seen, res: Results, now: float) -> None:
+    """The token Secrets created: observing need not read back what it knows."""
     for role, token in res.tokens_created.items():
-        mem.token_create.pop(role, None)
+        seen.token_create.pop(role, None)
         if role == "control":
-            mem.token, mem.token_read_at = token, now
+            seen.token, seen.token_read_at = token, now
     if res.tokens_taken:
-        mem.token_read_at = 0.0   # read again: the next pass judges the Secret someone else made
+        seen.token_read_at = 0.0   # read again: the next pass judges the Secret someone else made

@@ -1,6 +1,8 @@
-"""What the operator remembers about one PDDeployment between passes: retry memory
-(backoff per link and per agent), the last results of link attempts and verification, what
-it applied, and the per-deployment concurrency limit. Nothing here is needed for
+"""What the operator remembers about one PDDeployment between passes, by owner: `Memory`, what
+decide forks and returns (retry memory per link, the last results of link attempts and
+verification, what was applied, switches in flight), with the actor's bookkeeping of its
+Events; `Seen`, observing's own (the agents' backoff, the Secrets as last read). The runtime's
+per-deployment limit on agent calls is in runtime.Limiters. Nothing here is needed for
 correctness after a restart: each pass re-observes; memory only avoids hot retries and
 repeated Events."""
 from __future__ import annotations
@@ -22,7 +24,6 @@ AGENT_CONCURRENCY = 16   # calls in flight to one deployment's agents
 @dataclass
 class Memory:
     link_backoff: Backoff = field(default_factory=lambda: Backoff(*LINK_BACKOFF))
-    agent_backoff: Backoff = field(default_factory=lambda: Backoff(*AGENT_BACKOFF))
     agent_errors: dict[str, tuple[str, str]] = field(default_factory=dict)
     failures: dict[tuple[str, int], tuple[str, Diagnosis]] = field(default_factory=dict)
     boot_ids: dict[str, str] = field(default_factory=dict)
@@ -35,13 +36,6 @@ class Memory:
     verify: dict[str, dict] = field(default_factory=dict)
     verified_at: str | None = None
     last_status: dict | None = None
-    token: str | None = None
-    token_read_at: float = 0.0
-    token_problem: str | None = None      # a token Secret the operator did not make (tokens.judge)
-    token_digests: dict[str, str] = field(default_factory=dict)   # status.tokenDigests
-    token_create: dict[str, str] = field(default_factory=dict)    # role -> token recorded, not yet created
-    keys_verdict: tuple[bool, str, str] | None = None   # the gateway's keys Secret: opted in or why not
-    keys_read_at: float = 0.0
     applied_keys: bool | None = None      # whether the children last applied gave the gateway its keys
     proxy_warned: set[str] = field(default_factory=set)
     applied: dict[ChildKey, Applied] = field(default_factory=dict)
@@ -84,5 +78,21 @@ class Memory:
         self.failures.pop((decoder, cid), None)
 
     def next_retry_in(self, now: float) -> float | None:
-        waits = [w for w in (self.link_backoff.next_in(now), self.agent_backoff.next_in(now)) if w is not None]
-        return min(waits) if waits else None
+        return self.link_backoff.next_in(now)
+
+
+@dataclass
+class Seen:
+    """What observing keeps between passes, its own bookkeeping (not decide's memory): the
+    agents' backoff, and the token and keys Secrets as last read and judged."""
+    agent_backoff: Backoff = field(default_factory=lambda: Backoff(*AGENT_BACKOFF))
+    token: str | None = None
+    token_read_at: float = 0.0
+    token_problem: str | None = None      # a token Secret the operator did not make (tokens.judge)
+    token_digests: dict[str, str] = field(default_factory=dict)   # status.tokenDigests
+    token_create: dict[str, str] = field(default_factory=dict)    # role -> token recorded, not yet created
+    keys_verdict: tuple[bool, str, str] | None = None   # the gateway's keys Secret: opted in or why not
+    keys_read_at: float = 0.0
+
+    def next_retry_in(self, now: float) -> float | None:
+        return self.agent_backoff.next_in(now)

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from pd_operator.diagnosis import Diagnosis
-from pd_operator.results import LinkAttempt, Results, StepResult, fold
-from pd_operator.state import Memory
+from pd_operator.results import LinkAttempt, Results, StepResult, fold, fold_seen
+from pd_operator.state import Memory, Seen
 
 DIAG = Diagnosis("EndpointUnreachable", "d0 -> p1: refused")
 
@@ -36,13 +36,15 @@ def test_a_failed_switch_step_is_counted_backed_off_and_a_refusal_remembered():
 
 
 def test_a_verification_round_and_created_tokens():
-    mem = Memory(token_create={"control": "c", "data": "d"})
+    mem, seen = Memory(), Seen(token_create={"control": "c", "data": "d"})
     r = {"decoder": "d0", "prefill": "p0", "ok": True, "code": "OK"}
-    fold(mem, Results(verified=[r], verified_at="2026-12-05T00:00:00Z", next_verify=70.0,
-                      verified_links=frozenset({("d0", 0)}), tokens_created={"control": "c"},
-                      tokens_taken=["data"], switch_verified=[(("p1", "b"), ("d0", "p1"))]), now=10.0)
+    res = Results(verified=[r], verified_at="2026-12-05T00:00:00Z", next_verify=70.0,
+                  verified_links=frozenset({("d0", 0)}), tokens_created={"control": "c"},
+                  tokens_taken=["data"], switch_verified=[(("p1", "b"), ("d0", "p1"))])
+    fold(mem, res, now=10.0)
+    fold_seen(seen, res, now=10.0)
     assert mem.verify == {"d0": r} and mem.verify_round == 1 and mem.next_verify == 70.0
     assert mem.verified_links == frozenset({("d0", 0)}) and mem.verified_at == "2026-12-05T00:00:00Z"
-    assert mem.token == "c" and mem.token_create == {"data": "d"}
-    assert mem.token_read_at == 0.0, "a Secret someone else made is read again at once"
+    assert seen.token == "c" and seen.token_create == {"data": "d"}
+    assert seen.token_read_at == 0.0, "a Secret someone else made is read again at once"
     assert mem.switch_verified == {("p1", "b"): {("d0", "p1")}}
