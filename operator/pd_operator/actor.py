@@ -197,6 +197,9 @@ class Actor:
             await self.events.post(body, "Normal", "GatewayKeys", f"Secret {secret} opted in: the gateway is given "
                                    f"it" if keys_ok else f"Secret {secret} no longer opts in: the gateway's access "
                                    f"to it is revoked and its pods stopped")
+        elif mem.applied_event_generation is None and not created and \
+                (body.get("status") or {}).get("observedGeneration") == gen:
+            mem.applied_event_generation = gen   # a start or a takeover applying what was applied: no news
         elif mem.applied_event_generation != gen:
             mem.applied_event_generation = gen
             sizes = spec.group_sizes(mem.book.sizes if mem.book else None)

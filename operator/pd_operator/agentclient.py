@@ -34,9 +34,10 @@ from .runtime import SYSTEM_CLOCK, Clock
 __all__ = ["STATUS_TIMEOUT_S", "AgentCallError", "AgentClient"]
 
 STATUS_TIMEOUT_S = 3.0
-# connections kept open to agents: one per engine pod of a large fleet (100 deployments of 8 pods),
-# so a settled fleet's polls reuse them instead of connecting anew every few seconds
+# agents with a client kept (one per engine pod of a large fleet: 100 deployments of 8 pods), and
+# the connections kept open to each (a pass calls one agent a few times at once at most)
 AGENT_POOL = 1024
+PER_AGENT = 16
 MAX_REMEMBERED = 8192   # agents' last status bodies kept (a fleet's engine pods)
 M = TypeVar("M", bound=BaseModel)
 
@@ -45,17 +46,31 @@ class AgentClient:
     def __init__(self, metrics: OperatorMetrics | None = None, timeout: float = 5.0, clock: Clock = SYSTEM_CLOCK,
                  transport: httpx.AsyncBaseTransport | None = None):
         self.clock = clock
-        self._http = httpx.AsyncClient(trust_env=False, timeout=httpx.Timeout(timeout, connect=2.0),
-                                       limits=httpx.Limits(max_connections=AGENT_POOL,
-                                                           max_keepalive_connections=AGENT_POOL),
-                                       transport=transport)
+        self._timeout, self._transport = httpx.Timeout(timeout, connect=2.0), transport
+        # a client per agent: httpx's pool scans every connection it holds on each request, so one
+        # pool for a fleet's hundreds of agents costs more than the calls themselves
+        self._clients: dict[str, httpx.AsyncClient] = {}
         self.metrics = metrics or OperatorMetrics()
         # url -> (the last status body, its model): a settled agent answers the same bytes pass
         # after pass, and a TP 8 decoder's report is tens of KB to validate
         self._statuses: dict[str, tuple[bytes, AgentStatus]] = {}
 
+    def _client(self, url: str) -> httpx.AsyncClient:
+        origin = url[:url.find("/", url.find("//") + 2)] if url.count("/") > 2 else url
+        http = self._clients.get(origin)
+        if http is None:
+            if len(self._clients) >= AGENT_POOL:   # pods come and go: old addresses' clients are let go
+                old = self._clients.pop(next(iter(self._clients)))
+                asyncio.get_running_loop().create_task(old.aclose())
+            http = self._clients[origin] = httpx.AsyncClient(
+                trust_env=False, timeout=self._timeout, transport=self._transport,
+                limits=httpx.Limits(max_connections=PER_AGENT, max_keepalive_connections=PER_AGENT))
+        return http
+
     async def close(self) -> None:
-        await self._http.aclose()
+        for http in list(self._clients.values()):
+            await http.aclose()
+        self._clients.clear()
 
     async def _call(self, op: str, method: str, url: str, token: str, reply: type[M], body=None,
                     timeout: float | None = None, limiter: asyncio.Semaphore | None = None) -> M:
@@ -64,7 +79,7 @@ class AgentClient:
         try:
             async with limiter or contextlib.nullcontext():
                 try:
-                    r = await self._http.request(
+                    r = await self._client(url).request(
                         method, url, headers={"Authorization": f"Bearer {token}"},
                         json=body.model_dump(mode="json") if body is not None else None,
                         timeout=timeout if timeout else httpx.USE_CLIENT_DEFAULT)
@@ -134,7 +149,7 @@ class AgentClient:
         """pd-gateway's /stats: recent client-side TTFT/TBT percentiles. `base` is its metrics
         port's address (GATEWAY_METRICS_PORT: /stats is not on the public API port)."""
         try:
-            r = await self._http.get(f"{base}/stats", timeout=STATUS_TIMEOUT_S)
+            r = await self._client(base).get(f"{base}/stats", timeout=STATUS_TIMEOUT_S)
             return r.json() if r.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
             return None

@@ -93,10 +93,12 @@ async def _elect(memo: kopf.Memo, lease: LeaseSettings, shards: int) -> None:
         await memo.controller.follow(shard)
         if shard in (None, 0):
             await memo.gateways.follow()
+    # the Lease on a client of its own: renewals must not queue behind a takeover's lists and applies
+    memo.lease_kube = Kube()
     if shards > 1:
-        memo.elector = ShardElection(memo.kube, lease, shards, lead, follow)
+        memo.elector = ShardElection(memo.lease_kube, lease, shards, lead, follow)
     else:
-        memo.elector = Elector(memo.kube, lease, lead, follow)
+        memo.elector = Elector(memo.lease_kube, lease, lead, follow)
     memo.elector_task = asyncio.create_task(memo.elector.run(), name="leader-election")
 
 
@@ -117,6 +119,8 @@ async def cleanup(memo: kopf.Memo, **_) -> None:
         await memo.agents.close()
     if memo.get("kube"):
         await memo.kube.close()
+    if memo.get("lease_kube"):
+        await memo.lease_kube.close()
     log.info("pd-operator stopped")
 
 

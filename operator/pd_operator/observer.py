@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import zlib
 
 from pd_contract.names import LABEL_KEYS
 
@@ -33,6 +34,12 @@ STRAY_RELIST_S = 5.0      # a pod claiming a StatefulSet not in the cache makes 
 TOKEN_TTL_S = 20.0
 
 
+def relist_s(key: Key) -> float:
+    """RELIST_S plus up to half again, fixed per deployment: a fleet that settled together does
+    not list all its pods and children in the same second, every time."""
+    return RELIST_S * (1.0 + 0.5 * (zlib.crc32(f"{key[0]}/{key[1]}".encode()) % 1000) / 1000)
+
+
 class Observer:
     def __init__(self, kube: Kube, agents: AgentClient, caches: Caches, memory: dict[Key, Memory],
                  config: OperatorConfig, clock: Clock, limiters: Limiters):
@@ -52,7 +59,7 @@ class Observer:
         except ValueError as e:
             raise TerminalError("InvalidSpec", f"spec is invalid (admission should have refused it): {e}") from e
         c = self.caches
-        if now - c.relisted_at.get(key, 0.0) > RELIST_S:
+        if now - c.relisted_at.get(key, 0.0) > relist_s(key):
             await c.relist(self.kube, key)
         uid = body["metadata"].get("uid", "")
         own = c.own_statefulsets(key, uid)
