@@ -1,0 +1,585 @@
+"""`make bench-scale`: one leader for many rank engines, in the style of kwok.
+
+N PDDeployments x (P prefill + D decoder pods) x TP ranks on a local control plane of its own,
+their pods API objects on a fake Node served by one process (scale_agents.py: the real agent
+API, answers scripted per rank, no process per pod), the operator as a real process with a
+standby replica. It measures:
+- pass latency p50/p99/max at idle, from the leader's trace (PD_OPERATOR_TRACE: a line per pass);
+- operator CPU (% of a core at idle, seconds in all) and RSS, from /proc;
+- API calls per second at idle, by replica (the API server's priority-and-fairness counters:
+  each replica authenticates as its own user, matched by a FlowSchema of its own), and agent
+  calls per second (counted by the fake agents, and by the operator's own metric);
+- the time from killing the leader (SIGKILL) to every deployment settled again as the new
+  leader sees it (phase Ready, every link up, KV path verified by its own probe), and the
+  passes meanwhile;
+- the size of each PDDeployment's .status.
+It prints a table and writes bench/results/scale.json.
+
+    python bench/bench_scale.py [--deployments 100 --prefill 4 --decoder 4 --tp 8] [--idle-seconds 30]
+
+The cluster is the one in $PD_LOCALCLUSTER_DIR (started if it is not up, with one node of its
+own besides the fake one, and stopped again at the end); unset, a directory of its own under
+/tmp, never the shared .localcluster."""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import os
+import re
+import signal
+import ssl
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import httpx  # noqa: E402
+import yaml  # noqa: E402
+from common import REPO, cpu_seconds  # noqa: E402
+from kubernetes import client, config  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from scale_agents import FAKE_LABEL, FAKE_TAINT  # noqa: E402
+
+from pd_localcluster.__main__ import bin_dir_default  # noqa: E402
+from pd_localcluster.cluster import LocalCluster, free_port, write_kubeconfig  # noqa: E402
+from pd_localcluster.devices import DEFAULT_RESOURCE  # noqa: E402
+from pd_localcluster.pki import PKI, _name  # noqa: E402
+
+GROUP, VERSION, PLURAL = "pdoperator.io", "v1alpha1", "pddeployments"
+NODE = "scale-fake-node"
+DEFAULT_DIR = "/tmp/pd-scale-cluster"
+TRACE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) DEBUG pd_operator\.reconcile: (\S+?)/(\S+) pass: "
+                   r"asked (\d+) in (\d+) ms")
+REPLICAS = ("a", "b")
+
+
+def log(msg: str) -> None:
+    print(f"[bench-scale {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (None: no samples)."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
+
+
+def summary(ms: list[float]) -> dict:
+    return {"passes": len(ms), "p50_ms": percentile(ms, 50), "p99_ms": percentile(ms, 99),
+            "max_ms": max(ms) if ms else None}
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def scrape(url: str) -> list:
+    """Prometheus samples of a /metrics endpoint."""
+    text = httpx.get(url, trust_env=False, timeout=10).text
+    return [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+
+
+def total(samples: list, name: str, **labels: str) -> float:
+    return sum(s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def settled(obj: dict) -> bool:
+    """Phase Ready, every desired link up, the KV path verified, the current generation observed."""
+    st = obj.get("status") or {}
+    links = st.get("links") or {}
+    verified = any(c.get("type") == "KVPathVerified" and c.get("status") == "True" for c in st.get("conditions") or [])
+    return st.get("phase") == "Ready" and verified and links.get("expected", 0) > 0 \
+        and links.get("up") == links.get("expected") \
+        and st.get("observedGeneration") == obj["metadata"].get("generation")
+
+
+def settled_by(samples: list, names: list[str]) -> set[str]:
+    """Deployments the operator behind `samples` itself found settled: its phase gauge Ready, its links
+    gauges equal, KVPathVerified True, and at least one KV probe of its own that passed."""
+    by: dict[str, dict] = {n: {} for n in names}
+    for s in samples:
+        n = s.labels.get("name")
+        if n not in by:
+            continue
+        if s.name == "pd_operator_deployment_phase" and s.labels.get("phase") == "Ready":
+            by[n]["ready"] = s.value == 1
+        elif s.name == "pd_operator_deployment_links":
+            by[n][s.labels["state"]] = s.value
+        elif s.name == "pd_operator_deployment_condition" and s.labels.get("condition") == "KVPathVerified" \
+                and s.labels.get("status") == "True":
+            by[n]["verified"] = s.value == 1
+        elif s.name == "pd_operator_kv_verifications_total" and s.labels.get("result") == "ok":
+            by[n]["probes"] = s.value
+    return {n for n, d in by.items() if d.get("ready") and d.get("verified") and d.get("probes", 0) >= 1
+            and d.get("expected", 0) > 0 and d.get("up") == d.get("expected")}
+
+
+def read_passes(path: Path, since: float, until: float) -> list[float]:
+    """Pass durations (ms) the operator traced between two wall-clock times."""
+    out = []
+    if not path.exists():
+        return out
+    for line in path.read_text(errors="replace").splitlines():
+        m = TRACE.match(line)
+        if m:
+            t = dt.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            if since <= t <= until:
+                out.append(float(m.group(5)))
+    return out
+
+
+@dataclass
+class Operator:
+    """One operator replica: its process, its own API identity, its metrics and log."""
+    name: str
+    kubeconfig: Path
+    log_path: Path
+    env: dict
+    proc: subprocess.Popen | None = None
+    metrics_url: str = ""
+    cpu0: float = 0.0
+    profile: Path | None = None
+
+    def start(self) -> None:
+        port = free_port()
+        self.metrics_url = f"http://127.0.0.1:{port}/metrics"
+        env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
+        env.update(self.env, KUBECONFIG=str(self.kubeconfig), PD_OPERATOR_METRICS_ADDR=f"127.0.0.1:{port}",
+                   PD_OPERATOR_TRACE="1")
+        cmd = [sys.executable, "-m", "pd_operator"]
+        if self.profile is not None:
+            cmd = [sys.executable, "-m", "cProfile", "-o", str(self.profile), "-m", "pd_operator"]
+        self.proc = subprocess.Popen(cmd, env=env, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.alive():
+            assert self.proc is not None
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@dataclass
+class Harness:
+    args: argparse.Namespace
+    lc: LocalCluster = field(init=False)
+    started_cluster: bool = False
+    ns: str = ""
+    operators: dict[str, Operator] = field(default_factory=dict)
+    fleet: subprocess.Popen | None = None
+    fleet_stats: str = ""
+    names: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        root = Path(self.args.cluster_dir or os.environ.get("PD_LOCALCLUSTER_DIR") or DEFAULT_DIR).resolve()
+        self.lc = LocalCluster(root)
+        # not under the cluster's directory: a cluster this run starts is removed with it, logs are not
+        self.work = Path(self.args.work_dir or Path(tempfile.gettempdir()) / "pd-bench-scale")
+
+    # ---- the cluster and the identities --------------------------------------------------------
+    def cluster(self) -> None:
+        self.bin_dir = bin_dir_default()
+        if not self.lc.is_up():
+            log(f"starting a local cluster in {self.lc.paths.root}")
+            self.lc.up(self.bin_dir, nodes=1)
+            self.started_cluster = True
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.kubectl("apply", "-f", str(REPO / "crds"))
+        for _ in range(60):
+            if self.kubectl("wait", "--for=condition=Established", f"crd/{PLURAL}.{GROUP}", "--timeout=10s",
+                            check=False).returncode == 0:
+                break
+            time.sleep(1)
+        api = config.new_client_from_config(config_file=str(self.lc.paths.kubeconfig))
+        self.core, self.custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+        state = self.lc.load_state() or {}
+        self.apiserver = f"https://127.0.0.1:{state['ports']['apiserver']}"
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+        return subprocess.run([str(self.bin_dir / "kubectl"), f"--kubeconfig={self.lc.paths.kubeconfig}", *args],
+                              input=input, capture_output=True, text=True, check=check, timeout=120)
+
+    def identity(self, replica: str) -> Path:
+        """A kubeconfig of the replica's own user (cluster-admin), whose requests a FlowSchema of
+        its own matches, so the API server counts them apart from everyone else's."""
+        user = f"pd-operator-scale-{replica}"
+        pki = PKI(self.lc.paths.pki)
+        pki._leaf(user, _name(user))
+        kc = self.work / f"{user}.kubeconfig"
+        write_kubeconfig(kc, self.apiserver, pki.path("ca.crt"), pki.path(f"{user}.crt"), pki.path(f"{user}.key"), user)
+        docs = [
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+             "metadata": {"name": user}, "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                                                     "name": "cluster-admin"},
+             "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}]},
+            # exempt, as the admin identity the tests give the operator is: counted, never queued
+            {"apiVersion": "flowcontrol.apiserver.k8s.io/v1", "kind": "FlowSchema", "metadata": {"name": user},
+             "spec": {"priorityLevelConfiguration": {"name": "exempt"}, "matchingPrecedence": 100,
+                      "rules": [{"subjects": [{"kind": "User", "user": {"name": user}}],
+                                 "resourceRules": [{"verbs": ["*"], "apiGroups": ["*"], "resources": ["*"],
+                                                    "clusterScope": True, "namespaces": ["*"]}],
+                                 "nonResourceRules": [{"verbs": ["*"], "nonResourceURLs": ["*"]}]}]}},
+        ]
+        self.kubectl("apply", "-f", "-", input="\n---\n".join(json.dumps(d) for d in docs))
+        return kc
+
+    def api_calls(self) -> dict[str, float]:
+        """Requests the API server dispatched per replica (its FlowSchema), since it started."""
+        pki = self.lc.paths.pki
+        ctx = ssl.create_default_context(cafile=str(pki / "ca.crt"))
+        ctx.load_cert_chain(pki / "admin.crt", pki / "admin.key")
+        try:
+            text = httpx.get(f"{self.apiserver}/metrics", verify=ctx, timeout=20, trust_env=False).text
+        except httpx.HTTPError:
+            return {}
+        out = {r: 0.0 for r in REPLICAS}
+        for line in text.splitlines():
+            if line.startswith("apiserver_flowcontrol_dispatched_requests_total{"):
+                m = re.search(r'flow_schema="pd-operator-scale-(\w)"', line)
+                if m and m.group(1) in out:
+                    out[m.group(1)] += float(line.rsplit(" ", 1)[1])
+        return out
+
+    # ---- the fleet and the operators ---------------------------------------------------------------
+    def start_fleet(self) -> None:
+        a = self.args
+        port = free_port()
+        self.fleet_stats = f"http://127.0.0.1:{port}/stats"
+        npus = a.deployments * (a.prefill + a.decoder) * a.tp
+        self.fleet = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("scale_agents.py")), "--kubeconfig",
+             str(self.lc.paths.kubeconfig), "--node", NODE, "--npus", str(npus), "--npu-resource", DEFAULT_RESOURCE,
+             "--stats-addr", f"127.0.0.1:{port}"],
+            stdout=open(self.work / "scale-agents.log", "wb"), stderr=subprocess.STDOUT)
+        self.wait("the fake node", lambda: self.stats() is not None, 60)
+
+    def stats(self) -> dict | None:
+        try:
+            return httpx.get(self.fleet_stats, trust_env=False, timeout=10).json()
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    def start_operators(self) -> None:
+        a = self.args
+        election = {"PD_OPERATOR_NAMESPACES": self.ns, "PD_OPERATOR_LEADER_ELECTION": "true",
+                    "PD_OPERATOR_LEASE_NAMESPACE": self.ns, "PD_OPERATOR_LEASE_DURATION_S": str(a.lease_duration),
+                    "PD_OPERATOR_RENEW_DEADLINE_S": str(a.renew_deadline),
+                    "PD_OPERATOR_RETRY_PERIOD_S": str(a.retry_period)}
+        for r in REPLICAS:
+            self.operators[r] = Operator(r, self.identity(r), self.work / f"operator-{r}.log", election,
+                                         profile=self.work / "operator-b.prof" if a.profile and r == "b" else None)
+        lead, standby = self.operators["a"], self.operators["b"]
+        lead.start()
+        self.wait("operator a leading", lambda: self.leader(lead), 60)
+        standby.start()
+        self.wait("operator b up", lambda: self.leader(standby) is False, 60)
+
+    def roles(self) -> tuple[Operator, Operator]:
+        """(leader, standby), as their own metrics say once exactly one leads."""
+        def one() -> tuple[Operator, Operator] | None:
+            leading = [op for op in self.operators.values() if op.alive() and self.leader(op)]
+            if len(leading) != 1:
+                return None
+            return leading[0], next(op for op in self.operators.values() if op is not leading[0])
+        return self.wait("exactly one leader", one, 60)
+
+    def lease(self) -> dict:
+        try:
+            return self.kubectl_json("get", "lease", "pd-operator-leader", "-n", self.ns)["spec"]
+        except (subprocess.CalledProcessError, KeyError, ValueError):
+            return {}
+
+    def kubectl_json(self, *args: str):
+        return json.loads(self.kubectl(*args, "-o", "json").stdout)
+
+    @staticmethod
+    def leader(op: Operator) -> bool | None:
+        try:
+            return total(scrape(op.metrics_url), "pd_operator_leader") == 1
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    def wait(self, what: str, fn, timeout: float, interval: float = 0.5):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            got = fn()
+            if got:
+                return got
+            time.sleep(interval)
+        raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+    # ---- the deployments ----------------------------------------------------------------------------
+    def deployment(self, name: str) -> dict:
+        a = self.args
+        doc = yaml.safe_load((REPO / "examples" / "sim-small.yaml").read_text())
+        doc["metadata"] = {"name": name}
+        spec = doc["spec"]
+        spec["model"]["kvCache"]["tensorParallel"] = a.tp
+        for group, n in (("prefill", a.prefill), ("decoder", a.decoder)):
+            spec[group]["replicas"] = n
+            spec[group]["resources"] = {"limits": {DEFAULT_RESOURCE: a.tp}}   # one NPU (device IP) per rank
+            spec[group]["nodeSelector"] = {FAKE_LABEL: "true"}
+            spec[group]["tolerations"] = [{"key": FAKE_TAINT["key"], "operator": "Equal",
+                                           "value": FAKE_TAINT["value"], "effect": FAKE_TAINT["effect"]}]
+        return doc
+
+    def deployments(self) -> list[dict]:
+        return self.custom.list_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL)["items"]
+
+    def create(self) -> None:
+        self.names = [f"scale-{i:03d}" for i in range(self.args.deployments)]
+        for n in self.names:
+            self.custom.create_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, self.deployment(n))
+
+    def all_settled(self) -> bool:
+        items = self.deployments()
+        return len(items) == len(self.names) and all(settled(o) for o in items)
+
+    def progress(self) -> str:
+        items = self.deployments()
+        st = self.stats() or {}
+        return f"{sum(settled(o) for o in items)}/{len(self.names)} settled, {st.get('pods', '?')} fake pods running"
+
+    # ---- the run ----------------------------------------------------------------------------------------
+    def run(self) -> dict:
+        a = self.args
+        report: dict = {"size": {"deployments": a.deployments, "prefill": a.prefill, "decoder": a.decoder,
+                                 "tp": a.tp, "pods": a.deployments * (a.prefill + a.decoder),
+                                 "rank_engines": a.deployments * (a.prefill + a.decoder) * a.tp,
+                                 "rank_links": a.deployments * a.prefill * a.decoder * a.tp},
+                        "lease": {"duration_s": a.lease_duration, "renew_deadline_s": a.renew_deadline,
+                                  "retry_period_s": a.retry_period}}
+        self.cluster()
+        self.ns = f"scale-{uuid.uuid4().hex[:6]}"
+        self.core.create_namespace({"metadata": {"name": self.ns}})
+        self.wait("the default ServiceAccount", lambda: self.core.list_namespaced_service_account(self.ns).items, 60)
+        self.start_fleet()
+        self.start_operators()
+        lead = self.operators["a"]
+        t0 = time.monotonic()
+        self.create()
+        log(f"{a.deployments} deployments of {a.prefill}P+{a.decoder}D at TP {a.tp} created in {self.ns}")
+        last = 0.0
+        deadline = t0 + a.settle_timeout
+        while not self.all_settled():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not every deployment settled within {a.settle_timeout:.0f}s: {self.progress()}")
+            if not lead.alive():
+                raise RuntimeError(f"operator a exited ({lead.proc.returncode if lead.proc else '?'}); "
+                                   f"see {lead.log_path}")
+            if time.monotonic() - last > 15:
+                log(self.progress())
+                last = time.monotonic()
+            time.sleep(2)
+        report["bring_up_s"] = round(time.monotonic() - t0, 1)
+        log(f"every deployment settled {report['bring_up_s']} s after they were created")
+        # the Lease may have moved meanwhile (a leader that misses its renew deadline steps down)
+        report["lease_transitions_during_bring_up"] = self.lease().get("leaseTransitions", 0)
+        lead, standby = self.roles()
+
+        # idle: everything settled, nothing changes; no polling of ours meanwhile
+        time.sleep(a.warmup_seconds)
+        samples0, api0, calls0 = scrape(lead.metrics_url), self.api_calls(), (self.stats() or {}).get("calls", {})
+        cpu0, fcpu0, w0, m0 = cpu_seconds(lead.proc.pid), cpu_seconds(self.fleet.pid), time.time(), time.monotonic()
+        time.sleep(a.idle_seconds)
+        samples1, api1, calls1 = scrape(lead.metrics_url), self.api_calls(), (self.stats() or {}).get("calls", {})
+        cpu1, fcpu1, w1, span = cpu_seconds(lead.proc.pid), cpu_seconds(self.fleet.pid), time.time(), \
+            time.monotonic() - m0
+        agent_calls = {op: round((calls1.get(op, 0) - calls0.get(op, 0)) / span, 2) for op in calls1
+                       if calls1.get(op, 0) != calls0.get(op, 0)}
+        report["idle"] = {
+            "seconds": round(span, 1),
+            "leader": lead.name,
+            "pass": summary(read_passes(lead.log_path, w0, w1)),
+            "operator_cpu_percent": round((cpu1 - cpu0) / span * 100, 1),
+            "operator_cpu_seconds_total": round(cpu1, 1),
+            "operator_rss_bytes": rss_bytes(lead.proc.pid),
+            "standby_rss_bytes": rss_bytes(standby.proc.pid),
+            "api_calls_per_s": {role: round((api1.get(op.name, 0) - api0.get(op.name, 0)) / span, 2)
+                                for role, op in (("leader", lead), ("standby", standby))} if api1 else None,
+            "agent_calls_per_s": round(sum(agent_calls.values()), 2),
+            "agent_calls_per_s_by_op": agent_calls,
+            "agent_calls_per_s_operator_metric": round((total(samples1, "pd_operator_agent_calls_total")
+                                                        - total(samples0, "pd_operator_agent_calls_total")) / span, 2),
+            "passes_per_s": round((total(samples1, "pd_operator_reconcile_duration_seconds_count")
+                                   - total(samples0, "pd_operator_reconcile_duration_seconds_count")) / span, 2),
+            "fake_agents_cpu_percent": round((fcpu1 - fcpu0) / span * 100, 1),
+        }
+        sizes = {o["metadata"]["name"]: len(json.dumps(o.get("status") or {}, separators=(",", ":")))
+                 for o in self.deployments()}
+        report["status_bytes"] = {"min": min(sizes.values()), "median": int(statistics.median(sizes.values())),
+                                  "max": max(sizes.values()), "total": sum(sizes.values()), "each": sizes}
+        log(f"idle: {json.dumps({k: v for k, v in report['idle'].items() if k != 'agent_calls_per_s_by_op'})}")
+
+        if a.takeover:
+            report["takeover"] = self.takeover()
+        report["operator_cpu_seconds"] = {r: round(cpu_seconds(op.proc.pid), 1) for r, op in self.operators.items()
+                                          if op.alive()}
+        report["fleet_errors"] = (self.stats() or {}).get("errors", {})
+        return report
+
+    def takeover(self) -> dict:
+        """SIGKILL the leader; time until the standby leads, and until every deployment is settled
+        as the new leader itself sees it (its own pass found it Ready, links up, probe passed)."""
+        a = self.args
+        lead, standby = self.roles()
+        cpu0 = cpu_seconds(standby.proc.pid)
+        transitions0 = self.lease().get("leaseTransitions", 0)
+        w_kill, t_kill = time.time(), time.monotonic()
+        lead.stop(signal.SIGKILL)
+        t_lead = None
+        done: set[str] = set()
+        deadline = t_kill + a.takeover_timeout
+        while time.monotonic() < deadline:
+            try:
+                samples = scrape(standby.metrics_url)
+            except (httpx.HTTPError, ValueError):
+                samples = []
+            if t_lead is None and total(samples, "pd_operator_leader") == 1:
+                t_lead = time.monotonic()
+            if t_lead is not None:
+                done = settled_by(samples, self.names)
+                if len(done) == len(self.names):
+                    break
+            time.sleep(0.25)
+        t_settled, w_settled = time.monotonic(), time.time()
+        ok = len(done) == len(self.names)
+        api_ok = self.all_settled()
+        # the passes of the new leader from its first until every deployment settled, and a little after
+        time.sleep(2)
+        passes = read_passes(standby.log_path, w_kill, w_settled + 2)
+        out = {"leader_killed_to_new_leader_s": round(t_lead - t_kill, 2) if t_lead else None,
+               "leader_killed_to_all_settled_s": round(t_settled - t_kill, 2) if ok else None,
+               "new_leader_to_all_settled_s": round(t_settled - t_lead, 2) if ok and t_lead else None,
+               "settled": f"{len(done)}/{len(self.names)}", "status_settled_in_api": api_ok,
+               "killed": lead.name,
+               # 1 is the takeover itself; more: the new leader missed its renew deadline and stepped down
+               "lease_transitions": self.lease().get("leaseTransitions", 0) - transitions0,
+               "pass": summary(passes),
+               "new_leader_cpu_seconds": round(cpu_seconds(standby.proc.pid) - cpu0, 1),
+               "new_leader_rss_bytes": rss_bytes(standby.proc.pid)}
+        log(f"takeover: {json.dumps(out)}")
+        if a.profile:
+            time.sleep(a.idle_seconds)   # the profile covers the takeover and an idle stretch after it
+        return out
+
+    def close(self) -> None:
+        for op in self.operators.values():
+            op.stop()
+        if self.ns and not (self.started_cluster and not self.args.keep_cluster):
+            # the fake kubelet completes the pods' deletion: it goes only once they are gone
+            self.kubectl("delete", "namespace", self.ns, "--wait=false", check=False)
+            try:
+                self.wait("the fake pods gone", lambda: (self.stats() or {}).get("pods", 0) == 0, 300, 2)
+            except TimeoutError as e:
+                log(str(e))
+        if self.fleet is not None and self.fleet.poll() is None:
+            self.fleet.terminate()
+            try:
+                self.fleet.wait(30)
+            except subprocess.TimeoutExpired:
+                self.fleet.kill()
+        if self.started_cluster and not self.args.keep_cluster:
+            self.lc.down()
+
+
+def mib(n: int | None) -> str:
+    return f"{n / 2**20:.0f} MiB" if n is not None else "-"
+
+
+def ms(x: float | None) -> str:
+    return f"{x:.0f} ms" if x is not None else "-"
+
+
+def table(r: dict) -> str:
+    s, idle = r["size"], r["idle"]
+    rows = [("size", f"{s['deployments']} x ({s['prefill']}P+{s['decoder']}D) x TP {s['tp']}: {s['pods']} pods, "
+                     f"{s['rank_engines']} rank engines, {s['rank_links']} rank links"),
+            ("bring-up (create -> all settled)", f"{r['bring_up_s']} s (Lease transitions meanwhile: "
+                                                 f"{r['lease_transitions_during_bring_up']})"),
+            ("idle pass p50 / p99 / max", f"{ms(idle['pass']['p50_ms'])} / {ms(idle['pass']['p99_ms'])} / "
+                                          f"{ms(idle['pass']['max_ms'])} ({idle['pass']['passes']} passes)"),
+            ("idle operator CPU", f"{idle['operator_cpu_percent']}% of a core"),
+            ("operator RSS (leader / standby)",
+             f"{mib(idle['operator_rss_bytes'])} / {mib(idle['standby_rss_bytes'])}"),
+            ("idle API calls/s (leader / standby)",
+             "-" if idle["api_calls_per_s"] is None else
+             f"{idle['api_calls_per_s']['leader']} / {idle['api_calls_per_s']['standby']}"),
+            ("idle agent calls/s", f"{idle['agent_calls_per_s']} (operator's count: "
+                                   f"{idle['agent_calls_per_s_operator_metric']})"),
+            ("status bytes min / median / max", f"{r['status_bytes']['min']} / {r['status_bytes']['median']} / "
+                                                f"{r['status_bytes']['max']}")]
+    t = r.get("takeover")
+    if t:
+        rows += [("leader killed -> standby leads", f"{t['leader_killed_to_new_leader_s']} s (Lease transitions: "
+                                                    f"{t['lease_transitions']})"),
+                 ("leader killed -> all settled", f"{t['leader_killed_to_all_settled_s']} s ({t['settled']})"),
+                 ("takeover pass p50 / p99 / max", f"{ms(t['pass']['p50_ms'])} / {ms(t['pass']['p99_ms'])} / "
+                                                   f"{ms(t['pass']['max_ms'])} ({t['pass']['passes']} passes)")]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--deployments", type=int, default=100)
+    ap.add_argument("--prefill", type=int, default=4)
+    ap.add_argument("--decoder", type=int, default=4)
+    ap.add_argument("--tp", type=int, default=8)
+    ap.add_argument("--idle-seconds", type=float, default=30)
+    ap.add_argument("--warmup-seconds", type=float, default=10, help="settled, before the idle window")
+    ap.add_argument("--settle-timeout", type=float, default=1800)
+    ap.add_argument("--takeover-timeout", type=float, default=300)
+    ap.add_argument("--no-takeover", dest="takeover", action="store_false")
+    # the chart's leader election timings (values.yaml leaderElection)
+    ap.add_argument("--lease-duration", type=float, default=15)
+    ap.add_argument("--renew-deadline", type=float, default=10)
+    ap.add_argument("--retry-period", type=float, default=2)
+    ap.add_argument("--profile", action="store_true", help="run the standby under cProfile (it leads after the "
+                    "takeover): operator-b.prof in the work directory")
+    ap.add_argument("--cluster-dir", default=None, help=f"default $PD_LOCALCLUSTER_DIR, else {DEFAULT_DIR}")
+    ap.add_argument("--work-dir", default=None, help="logs and identities (default $TMPDIR/pd-bench-scale)")
+    ap.add_argument("--keep-cluster", action="store_true", help="leave a cluster this run started up")
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "scale.json"))
+    return ap
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parser().parse_args(argv)
+    h = Harness(args)
+    try:
+        report = h.run()
+    finally:
+        h.close()
+    report["logs"] = str(h.work)
+    print(table(report), flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    log(f"wrote {out}")
+    return report
+
+
+if __name__ == "__main__":
+    # SIGTERM (and SIGINT, which a background job ignores) end the run through its cleanup
+    for _sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(_sig, lambda *_: sys.exit(1))
+    main()
