@@ -200,9 +200,8 @@ class Controller:
         if lk.holding_links(plan.engines, plan.reported):
             return HOLDING_RECHECK_S
         if plan.status["phase"] != "Ready":
-            now = self.clock.monotonic()
-            waits = [w for w in (mem.next_retry_in(now), self.caches.seen_of(snap.key).next_retry_in(now))
-                     if w is not None]
-            retry = min(waits) if waits else None
+            now = self.clock.monotonic()   # a link's or an agent's backoff ends sooner
+            retry = min((w for w in (mem.next_retry_in(now), self.caches.seen_of(snap.key).next_retry_in(now))
+                         if w is not None), default=None)
             return min(NOT_READY_RESYNC_S, retry) if retry is not None else NOT_READY_RESYNC_S
         return min(resync_s(snap.key), max(0.5, mem.next_verify - self.clock.monotonic()))
