@@ -22,12 +22,24 @@ and when; min counts are applied to every target here too (clamp_target).
 - Goodput: demand in each role's units and each engine's capacity, measured from the reports
   (demand.py, capacity.py), the demand forecast for when a move would be done (forecast.py), and
   the prefill count of the highest predicted goodput, moved to only when the gain over the
-  horizon (cooldown plus an evaluation, at least two moves) exceeds what the drains cost
-  (goodput.py). Until both roles' capacity is measured, it holds (Measuring).
+  horizon (cooldown plus an evaluation, at least two moves and the dwell) exceeds what the drains
+  cost (goodput.py). Until both roles' capacity is measured, it holds (Measuring). Against a
+  demand it cannot foresee: each of the rate, prompt and output tokens is forecast from the
+  samples since its last change point (a mean shift beyond the samples' noise), by the predictor
+  or the level since the change, whichever forecast the recent samples better; that error (or
+  the noise of counting the window's requests) is the forecast's measured error, and a move must
+  still pay with the demand off by MARGIN_K times it, whichever way hurts (ForecastUnsure
+  otherwise). Undoing the last move while the demand has not changed since needs REVERSE_K times
+  that margin, and is not done within MIN_DWELL_S of it unless the split fails its demand (Dwell).
+  The numbers of each decision (status.lastDecision) carry the errors, the margin and the
+  robust gain.
 Signals older than `signalMaxAgeSeconds`, or missing, freeze the ratio instead of guessing."""
 from __future__ import annotations
 
 import datetime as dt
+import itertools
+import math
+import statistics
 from dataclasses import dataclass, field, replace
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -247,8 +259,10 @@ def goodput(spec: PDDeploymentSpec, sig: Signals, current: int, total: int, limi
         return Verdict(None, "Measuring", f"{m.missing}; the ratio is frozen until it is measured",
                        learned=m.learned)
     d, hist = m.demand, m.learned.history
+    prev = learned if isinstance(learned, Memory) else Memory()
+    mem = Memory(hist, cap, prev.moved_at, prev.moved_dir)
     if d.requests_per_s <= 0 and not d.prompt_backlog and not d.decode_backlog:
-        return Verdict(None, "Idle", "no request arrived in the last window; holding", learned=m.learned)
+        return Verdict(None, "Idle", "no request arrived in the last window; holding", learned=mem)
     replacing = rb.method == "Replace"
     round_s = None if replacing else {to: _control_s(last_switch) + gp.drain_seconds(
         to, d, cap, current, total - current, m.max_batch) for to in ("prefill", "decoder")}
@@ -256,15 +270,26 @@ def goodput(spec: PDDeploymentSpec, sig: Signals, current: int, total: int, limi
     move_s = float(g.replace_seconds) if round_s is None else max(round_s.values())
     at = now + move_s
 
-    def ahead(i: int) -> float:
-        return fc.forecast(g.predictor, [(h[0], h[i]) for h in hist], at, g.window_seconds, period)
-
-    # the rate is forecast; the mix (tokens per request) changes in steps a line cannot foresee, so
-    # it is the last window's, unless the predictor knows the demand's season
-    fd = replace(d, requests_per_s=ahead(1))
-    if g.predictor == "Seasonal":
-        fd = replace(fd, prompt_tokens=ahead(2) or d.prompt_tokens, output_tokens=ahead(3) or d.output_tokens)
-    horizon = max(float(rb.cooldown_seconds + rb.evaluation_interval_seconds), 2 * move_s)
+    # each of the rate and the mix (prompt, output tokens per request) is forecast from the samples
+    # since its last change (so a turn is caught within an evaluation or two) by the predictor or
+    # the level since the change, whichever forecast its own past samples better; its error is that
+    # error, or the noise of counting the requests of the last window if larger
+    series = [[(h[0], h[i]) for h in hist] for i in (1, 2, 3)]
+    noise = [_counting(n) for n in (_arrived(sig), _arrived(sig), _completed(sig))]
+    # the rate over the whole window: what arrives at the prefills wavers with the moves themselves
+    # (requests held while no pair takes them), which a change point would follow
+    floors = [None, noise[1], noise[2]]
+    how = [min(((_error(p, x, g.window_seconds, period, f), p) for p in (g.predictor, LEVEL)),
+               key=lambda h: (h[0], h[1] != g.predictor)) for x, f in zip(series, floors)]
+    ahead = [_forecast(p, x, at, g.window_seconds, period, f) for (_, p), x, f in zip(how, series, floors)]
+    err = [max(h, e) for (h, _), e in zip(how, noise)]
+    # when the mix last changed (a change point; the start of the history is none)
+    changed = [x[i][0] if i else -math.inf for x, i in ((x, _change_point(x, f)) for x, f in
+                                                       zip(series[1:], floors[1:]) if f is not None)]
+    fd = replace(d, requests_per_s=ahead[0], prompt_tokens=ahead[1] or d.prompt_tokens,
+                 output_tokens=ahead[2] or d.output_tokens)
+    # the split a move makes is held for the dwell at least (no reversal before): the gain is over that too
+    horizon = max(float(rb.cooldown_seconds + rb.evaluation_interval_seconds), 2 * move_s, MIN_DWELL_S)
     lo, hi = max(1, limits.min_prefill), total - max(1, limits.min_decoder)
     targets = gp.Targets(rb.targets.ttft_p90_ms, rb.targets.tbt_p90_ms)
     c = gp.choose(total, current, lo, hi, fd, cap, m.max_batch, targets, horizon, move_s, drains=not replacing,
@@ -289,22 +314,167 @@ def goodput(spec: PDDeploymentSpec, sig: Signals, current: int, total: int, limi
             "horizonS": round(horizon, 1), "goodputNow": round(c.now.goodput, 3),
             "bestPrefill": c.best.prefill, "goodputAtBest": round(c.best.goodput, 3), "gain": round(c.gain, 1),
             "cost": round(c.cost, 1)}
+    # the gate's margin: the move must pay under every demand the forecast's error allows (each of
+    # rate, prompt and output off by `k` times its error, either way). Undoing the last move while the
+    # demand has not changed since (a change point after it) needs twice the margin (hysteresis),
+    # and is not done within the dwell at all unless the split fails its demand
+    direction = 0 if c.target == current else (1 if c.target > current else -1)
+    turned = max(changed) > (mem.moved_at or 0.0)
+    reverse = direction != 0 and direction == -mem.moved_dir and mem.moved_at is not None and not turned
+    k = MARGIN_K * (REVERSE_K if reverse else 1.0)
+    robust = _robust_gain(c, current, total, fd, cap, m.max_batch, targets, horizon, err, k)
+    margin = max(0.0, c.gain - robust)
+    dwell_until = (mem.moved_at or 0.0) + horizon
+    nums.update({"forecastError": "/".join(f"{e:.3f}" for e in err), "forecastBy": "/".join(p for _, p in how),
+                 "marginK": round(k, 2),
+                 "margin": round(margin, 1), "robustGain": round(robust, 1),
+                 "mixChangedSecondsAgo": "/".join(f"{now - t:.0f}" if t > -math.inf else "-" for t in changed)})
+    if mem.moved_at is not None:
+        nums["dwellUntilS"] = round(dwell_until - now, 1)
     text = (f"demand {d.requests_per_s:.2f} req/s ({d.prompt_tokens:.0f} prompt, {d.output_tokens:.0f} output "
             f"tokens), {g.predictor} forecast {fd.requests_per_s:.2f} in {move_s:.0f}s; prefill "
             f"{cap.prefill_tokens_per_s:.0f} tokens/s busy, decode step {full_ms:.1f} ms at batch {m.max_batch}; "
             f"goodput {c.now.goodput:.2f} req/s at {current} prefills, {c.best.goodput:.2f} at {c.best.prefill}")
+    moved = Memory(hist, cap, now, direction)
+    failing = c.now.goodput < FAILING * fd.requests_per_s
+    if c.reason in ("Move", "Relieve") and reverse and now < dwell_until and not failing:
+        return Verdict(None, "Dwell", f"{text}: would reverse the move made {now - (mem.moved_at or now):.0f}s ago "
+                                      f"before its dwell ends and the demand has not changed since; holding", nums,
+                       learned=mem)
+    if c.reason == "Move" and (robust <= c.cost or robust <= 0):
+        return Verdict(None, "ForecastUnsure", f"{text}: gains {c.gain:.0f} requests over {horizon:.0f}s, but "
+                                               f"{robust:.0f} if the demand is off by {k:g}x the forecast's error; "
+                                               f"the drains cost {c.cost:.0f}; holding", nums, learned=mem)
     if c.reason == "Move":
         return _bounded(c.target, total, limits, Verdict(
-            c.target, "GoodputGain", f"{text}: gains {c.gain:.0f} requests over {horizon:.0f}s, the drains cost "
-                                     f"{c.cost:.0f}", nums, learned=m.learned))
+            c.target, "GoodputGain", f"{text}: gains {c.gain:.0f} requests over {horizon:.0f}s ({robust:.0f} at "
+                                     f"{k:g}x the forecast's error), the drains cost {c.cost:.0f}", nums,
+            learned=moved))
     if c.reason == "Relieve":
         return _bounded(c.target, total, limits, Verdict(
             c.target, "Relieve", f"{text}: a role is at capacity ({max(c.now.prefill_use, c.now.decode_use):.0%}); "
-                                 f"{c.best.prefill} prefills leave the most headroom", nums, learned=m.learned))
+                                 f"{c.best.prefill} prefills leave the most headroom", nums, learned=moved))
     if c.reason == "AtBest":
-        return Verdict(None, "AtBest", f"{text}: as good as it gets", nums, learned=m.learned)
+        return Verdict(None, "AtBest", f"{text}: as good as it gets", nums, learned=mem)
     return Verdict(None, "MoveDoesNotPay", f"{text}: gains {c.gain:.0f} requests over {horizon:.0f}s, the drains "
-                                           f"cost {c.cost:.0f}; holding", nums, learned=m.learned)
+                                           f"cost {c.cost:.0f}; holding", nums, learned=mem)
+
+
+@dataclass(frozen=True)
+class Memory(dm.Learned):
+    """What Goodput keeps between evaluations besides the demand and capacity: when it last asked
+    for a move, and which way (+1 more prefills, -1 fewer). In memory only, as the rest: a restart
+    forgets the last move, so the first evaluation after it may undo it sooner than the dwell."""
+    moved_at: float | None = None
+    moved_dir: int = 0
+
+
+MARGIN_K = 1.0        # a move must pay with the demand off by this many times the forecast's error
+REVERSE_K = 2.0       # ... and by this many times more to undo the last move (hysteresis)
+MIN_DWELL_S = 30.0    # no reversal sooner than this (or the horizon) after a move, unless the demand changed
+FAILING = 0.5         # ... or the split serves less than this fraction of the demand
+LEVEL = "Level"       # the forecast that the demand stays at its mean since it last changed
+CHANGE_Z = 4.0        # a change: the recent samples' mean this many standard errors from the earlier ones'
+MIN_ERRORS = 3        # one-step errors needed to measure the forecast's error
+MAX_ERROR = 0.5       # an error beyond this counts as this (the margin is wide enough by then)
+UNMEASURED = 0.1      # the error assumed until MIN_ERRORS were measured (after a change, at the start)
+NOTHING = 0.01        # a goodput under this fraction of the demand counts as serving nothing
+
+
+def _arrived(sig: Signals) -> int:
+    return sum(p.arrived for p in sig.prefills + sig.idle_prefills)
+
+
+def _completed(sig: Signals) -> int:
+    return sum(d.completed for d in sig.decoders + sig.idle_decoders)
+
+
+def _counting(n: int) -> float:
+    """The relative error of a mean over n requests (lengths spread about as widely as their mean)."""
+    return min(MAX_ERROR, 1.0 / math.sqrt(n)) if n > 0 else MAX_ERROR
+
+
+def _change_point(series: list[tuple[float, float]], floor: float = 0.01) -> int:
+    """The index of the first sample since the demand last changed (0: no change seen): the latest
+    split whose two sides' means differ by more than CHANGE_Z standard errors of the samples' noise
+    (measured from their successive differences about their median, less the largest, so neither
+    a drift nor the step itself counts as noise; at least `floor` of their mean, the noise of
+    counting the requests they were measured over)."""
+    start = 0
+    while len(series) - start >= 3:
+        vals = [v for _, v in series[start:]]
+        diffs = [b - a for a, b in zip(vals, vals[1:])]
+        mid = statistics.median(diffs)
+        # the spread of the differences about their median (a drift), less the largest (a step)
+        dev = sorted((x - mid) ** 2 for x in diffs)[:-1]
+        noise = math.sqrt(statistics.fmean(dev) / 2)
+        noise = max(noise, floor * abs(statistics.fmean(vals)), 1e-9)
+        best, at = CHANGE_Z, 0
+        for i in range(1, len(vals)):
+            before, after = vals[:i], vals[i:]
+            z = abs(statistics.fmean(after) - statistics.fmean(before)) / (
+                noise * math.sqrt(1 / len(before) + 1 / len(after)))
+            if z > best:
+                best, at = z, i
+        if not at:
+            break
+        start += at
+    return start
+
+
+def _forecast(predictor: str, series: list[tuple[float, float]], at: float, window: float, period: float,
+              floor: float | None = 0.01) -> float:
+    """The forecast over the samples since the last change (none looked for with floor None;
+    Seasonal: over all, it knows the season; LEVEL: their mean over the window)."""
+    if not series:
+        return 0.0
+    since = series if floor is None or predictor == "Seasonal" and period > 0 else \
+        series[_change_point(series, floor):]
+    if predictor == LEVEL:
+        return statistics.fmean(v for t, v in since if t >= since[-1][0] - window)
+    return fc.forecast(predictor, since, at, window, period)
+
+
+def _error(predictor: str, series: list[tuple[float, float]], window: float, period: float,
+           floor: float | None = 0.01) -> float:
+    """The forecast's relative error, as measured: the root mean square of what it said of each
+    recent sample from the ones before, over the sample; 0 until MIN_ERRORS were measured."""
+    last = series[-1][0] if series else 0.0
+    # of the samples since the last change only (Seasonal: all): a forecast that missed the change
+    # itself says nothing of how well it follows the demand since
+    since = 0 if floor is None or predictor == "Seasonal" and period > 0 else _change_point(series, floor)
+    errs = []
+    for j in range(since + 1, len(series)):
+        if series[j][0] < last - window:
+            continue
+        f = _forecast(predictor, series[:j], series[j][0], window, period, floor)
+        if f > 0:
+            errs.append(((series[j][1] - f) / f) ** 2)
+    return min(MAX_ERROR, math.sqrt(statistics.fmean(errs))) if len(errs) >= MIN_ERRORS else UNMEASURED
+
+
+def _robust_gain(c: gp.Choice, current: int, total: int, fd: gp.Demand, cap, max_batch: int, targets: gp.Targets,
+                 horizon: float, err: list[float], k: float) -> float:
+    """The gain of the move `c` chose should the demand be off by k times each error, whichever way
+    hurts it most: the gain scaled by the worst case's goodput difference over the forecast's."""
+    if c.target == current or c.gain <= 0:
+        return c.gain
+    base = gp.predict(c.target, total - c.target, fd, cap, max_batch, targets, horizon).goodput - c.now.goodput
+    if base <= 0:
+        return 0.0
+    worst = base
+    for fr, fp, fo in itertools.product((-1, 1), repeat=3):
+        x = replace(fd, requests_per_s=fd.requests_per_s * max(0.0, 1 + fr * k * err[0]),
+                    prompt_tokens=fd.prompt_tokens * max(0.05, 1 + fp * k * err[1]),
+                    output_tokens=fd.output_tokens * max(0.05, 1 + fo * k * err[2]))
+        to = gp.predict(c.target, total - c.target, x, cap, max_batch, targets, horizon).goodput
+        stay = gp.predict(current, total - current, x, cap, max_batch, targets, horizon).goodput
+        if max(to, stay) < NOTHING * fd.requests_per_s:
+            continue   # a demand neither split serves says nothing of which is better
+        worst = min(worst, to - stay)
+    if worst < gp.MIN_GAIN * c.now.goodput:
+        return 0.0   # within the model's own noise in the worst case: no gain to count on
+    return c.gain * worst / base
 
 
 def _control_s(last_switch: dict | None) -> float:
