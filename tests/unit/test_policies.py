@@ -396,9 +396,10 @@ def remembered(hist, moved_at=None, moved_dir=0, signals=None, current=3):
     return policies.Memory(hist, v.learned.capacity, moved_at, moved_dir)
 
 
-def test_goodput_moves_only_when_the_gain_outlasts_the_forecasts_own_error():
+def test_goodput_moves_only_when_the_gain_outlasts_the_forecasts_own_error(monkeypatch):
     """The same demand now: after a steady history the move pays; after a history the forecast
     followed badly (its measured error large), the gain at that error does not, so it holds."""
+    monkeypatch.setattr(policies, "QUEUE_FLOOR", 1e9)   # the gate alone: waits as the model has them
     now = measured(3.5, 600, 120)
     steady = policies.evaluate(GOODPUT, now, 3, limits(GOODPUT, 0), 990.0,
                                remembered(history(3.5, 600, 120, noise=0.02)))
@@ -412,7 +413,8 @@ def test_goodput_moves_only_when_the_gain_outlasts_the_forecasts_own_error():
     assert min(err(n)) > max(err(q)), "the noisy history's forecast error is the larger"
 
 
-def test_goodput_does_not_reverse_a_move_within_its_dwell_unless_the_demand_changed():
+def test_goodput_does_not_reverse_a_move_within_its_dwell_unless_the_demand_changed(monkeypatch):
+    monkeypatch.setattr(policies, "QUEUE_FLOOR", 1e9)   # the gate alone: waits as the model has them
     now = measured(3.5, 600, 120)
     quiet = history(3.5, 600, 120, noise=0.02)
     v = policies.evaluate(GOODPUT, now, 3, limits(GOODPUT, 0), 990.0, remembered(quiet, 980.0, +1))
