@@ -255,7 +255,7 @@ def goodput(spec: PDDeploymentSpec, sig: Signals, current: int, total: int, limi
                        learned=m.learned)
     d, hist = m.demand, m.learned.history
     prev = learned if isinstance(learned, Memory) else Memory()
-    seen, model, evals, scaled = _calibrate(prev, sig, d, cap, current, total, m.max_batch)
+    seen, model, evals, scaled = _calibrate(prev, sig, d, cap, current, total, m.max_batch, now)
     mem = Memory(hist, cap, prev.moved_at, prev.moved_dir, seen, model, evals)
     if d.requests_per_s <= 0 and not d.prompt_backlog and not d.decode_backlog:
         return Verdict(None, "Idle", "no request arrived in the last window; holding", learned=mem)
@@ -454,7 +454,7 @@ class Memory(dm.Learned):
 
 
 def _calibrate(prev: Memory, sig: Signals, d: gp.Demand, cap: Capacity, current: int, total: int,
-               max_batch: int) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...], Capacity]:
+               max_batch: int, now: float) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...], Capacity]:
     """Each role's waits as long as its queues showed: the requests its serving engines report
     waiting (a prefill's queue, a decoder's decodes waiting for a slot), per engine, against what
     the model says of the same split and demand (goodput.queues), each summed over the evaluations
@@ -462,8 +462,11 @@ def _calibrate(prev: Memory, sig: Signals, d: gp.Demand, cap: Capacity, current:
     the model's own waits added (and QUEUE_FLOOR requests on both sides), so one evaluation, or
     queues too short to say, keep about the model's waits. A role the model has at
     CALIBRATE_MAX_USE or beyond is not compared: its queue grows, whatever the model's steady
-    state. Returns the sums (seen, model, evaluations) and the capacity with the scales set."""
-    q = gp.queues(current, total - current, d, cap, max_batch)
+    state; nor are the queues while a move is under way or within SETTLE_S of one (what the
+    engines that left queued is still being served). Returns the sums (seen, model, evaluations)
+    and the capacity with the scales set."""
+    moving = sig.idle_prefills or sig.idle_decoders or prev.moved_at is not None and now - prev.moved_at < SETTLE_S
+    q = None if moving else gp.queues(current, total - current, d, cap, max_batch)
     seen = [x * QUEUE_DECAY for x in prev.queued_seen]
     model = [x * QUEUE_DECAY for x in prev.queued_model]
     evals = [x * QUEUE_DECAY for x in prev.queued_evals]
@@ -486,6 +489,7 @@ QUEUE_DECAY = 0.9     # the queues compared weigh this much less each evaluation
 QUEUE_PRIOR_EVALS = 5.0    # evaluations at the model's own waits the comparison starts from
 QUEUE_FLOOR = 0.5     # requests waiting added to both sides (queues the model has at about none)
 CALIBRATE_MAX_USE = 0.95   # a role run this close to its capacity is not compared (its queue grows)
+SETTLE_S = 20.0       # ... nor the queues this soon after a move was asked for (two report windows)
 MAX_WAIT_SCALE = 8.0  # the waits are scaled by at most this, either way
 
 
