@@ -449,3 +449,42 @@ def test_the_forecast_catches_a_turn_a_line_through_the_window_lags():
     series = [(10.0 * i, 1.0 + 0.5 * min(i, 6)) for i in range(9)]   # 1.0 .. 4.0, flat from the 7th
     assert fc.trend(series, 100.0, 120.0) > 4.5
     assert policies._forecast("Trend", series, 100.0, 120.0, 0.0) == pytest.approx(4.0, abs=0.01)
+
+
+def test_goodput_scales_each_roles_waits_by_how_long_its_queues_ran():
+    """Decoders that keep reporting decodes waiting where the model has almost none: the decode
+    waits grow over the evaluations (bounded), the prefills' stay; the numbers say so."""
+    sig = measured(3.0, 600, 120, waiting=3 * 6)
+    mem, scales = None, []
+    for i in range(40):
+        v = policies.evaluate(GOODPUT, sig, 3, limits(GOODPUT, 0), 1000.0 + 10 * i, mem)
+        mem = replace(v.learned, moved_at=None, moved_dir=0)
+        p, d = (float(x) for x in v.numbers["waitScale"].split("/"))
+        scales.append(d)
+        assert p == pytest.approx(1.0, abs=0.2), v.numbers
+    assert scales[0] > 1.0 and scales[-1] > scales[0] and scales[-1] <= policies.MAX_WAIT_SCALE
+    assert scales[-1] == pytest.approx(scales[-2], rel=0.05), "it settles"
+
+
+def test_goodput_compares_no_queue_while_a_move_is_under_way_or_just_after():
+    sig = measured(3.0, 600, 120, waiting=3 * 6)
+    first = policies.evaluate(GOODPUT, sig, 3, limits(GOODPUT, 0), 1000.0)
+    assert first.learned.queued_evals == (1.0, 1.0)
+    moving = replace(sig, idle_decoders=[sig.decoders[0]])
+    v = policies.evaluate(GOODPUT, moving, 3, limits(GOODPUT, 0), 1010.0, first.learned)
+    assert v.learned.queued_evals == pytest.approx((0.9, 0.9)), "a switch in flight: nothing compared"
+    just = replace(first.learned, moved_at=1000.0, moved_dir=-1)
+    v = policies.evaluate(GOODPUT, sig, 3, limits(GOODPUT, 0), 1000.0 + policies.SETTLE_S / 2, just)
+    assert v.learned.queued_evals == pytest.approx((0.9, 0.9)), "within SETTLE_S of a move: nothing compared"
+    v = policies.evaluate(GOODPUT, sig, 3, limits(GOODPUT, 0), 1000.0 + policies.SETTLE_S, just)
+    assert v.learned.queued_evals == pytest.approx((1.9, 1.9))
+
+
+def test_goodput_functions_are_short():
+    """Every function of the policies and the goodput model fits a screen (60 lines)."""
+    import ast
+    for path in ("operator/pd_operator/policies.py", "operator/pd_operator/goodput.py"):
+        tree = ast.parse((REPO / path).read_text())
+        long = [(n.name, n.end_lineno - n.lineno + 1) for n in ast.walk(tree)
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 60]
+        assert not long, (path, long)
