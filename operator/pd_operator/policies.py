@@ -23,7 +23,10 @@ and when; min counts are applied to every target here too (clamp_target).
   (demand.py, capacity.py), the demand forecast for when a move would be done (forecast.py), and
   the prefill count of the highest predicted goodput, moved to only when the gain over the
   horizon (cooldown plus an evaluation, at least two moves and the dwell) exceeds what the drains
-  cost (goodput.py). Until both roles' capacity is measured, it holds (Measuring). Against a
+  cost (goodput.py). Each role's waits in that model are scaled by how much longer the queues its
+  engines report ran than the model said for the same split (_calibrate: routing on loads a
+  second old and the spread of the lengths are measured, not modelled). Until both roles'
+  capacity is measured, it holds (Measuring). Against a
   demand it cannot foresee: each of the rate, prompt and output tokens is forecast from the
   samples since its last change point (a mean shift beyond the samples' noise), by the predictor
   or the level since the change, whichever forecast the recent samples better; that error (or
