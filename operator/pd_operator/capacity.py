@@ -42,6 +42,10 @@ class Capacity:
     prefill_tokens_per_s: float | None    # one prefill, while busy
     step: StepFit | None
     prefills_measured: int = 0
+    # how much longer each role's queue waits than the goodput model's queue says (1: as it says),
+    # as the queues the engines report showed (policies.Goodput calibrates them; see goodput.queues)
+    prefill_wait_scale: float = 1.0
+    decode_wait_scale: float = 1.0
 
 
 def prefill_rate(busy: Sequence[tuple[float, float]], previous: float | None = None) -> tuple[float | None, int]:

@@ -11,7 +11,11 @@ Each engine is modelled as its own queue, as routing on loads a second old makes
   role loaded past its capacity builds a queue over the horizon (fluid); the requests whose wait
   stays within the TTFT budget are the ones counted;
 - the TTFT budget is shared by both waits (their sum is what a request sees);
-- the mean TBT is the step time at that batch.
+- the mean TBT is the step time at that batch;
+- what the queues miss (how prompt and output lengths spread, routing on loads a second old, which
+  sends a second's requests to the engines that were least loaded) is measured, not modelled: each
+  role's waits are scaled by how much longer its queues ran than the model said (Capacity's
+  prefill_wait_scale, decode_wait_scale; `queues` is the model's side of that comparison).
 
 `choose` picks the prefill count of the highest predicted goodput (among near ties, the one
 with the most headroom in its busier role), and moves only if what the move gains over its
@@ -25,7 +29,7 @@ split whose busier role is at capacity moves to the one with the most headroom (
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .capacity import Capacity
 
@@ -78,6 +82,11 @@ class _Wait:
     def overloaded(self) -> bool:
         return self.growth > 0
 
+    @property
+    def mean(self) -> float:
+        """The steady wait's mean, seconds."""
+        return self.p / self.rate if 0 < self.rate < math.inf else 0.0
+
 
 def _erlang_c(c: int, a: float) -> float:
     """Probability that a request waits, c servers offered a erlangs (a < c)."""
@@ -88,16 +97,18 @@ def _erlang_c(c: int, a: float) -> float:
     return b / (1 - rho + rho * b)
 
 
-def _role(arrivals: float, service: float, servers: int, backlog_s: float) -> tuple[_Wait, float]:
+def _role(arrivals: float, service: float, servers: int, backlog_s: float, scale: float = 1.0
+          ) -> tuple[_Wait, float]:
     """(wait, utilisation) of one engine: `arrivals`/s, each needing `service` s of one of
     `servers`, with `backlog_s` seconds of queued work per server. Past capacity the wait is the
     one just short of it (where waits already run long) and it grows besides, so a split that
-    overloads a role never looks as good as one that does not."""
+    overloads a role never looks as good as one that does not. `scale`: the queue's waits are
+    that many times the model's (a wait is scale times as long, as often)."""
     use = arrivals * service / servers
     steady = min(use, SATURATED)
     a = steady * servers
     p = _erlang_c(servers, a) if servers > 1 else steady
-    rate = servers * (1 - steady) / service if service > 0 else math.inf
+    rate = servers * (1 - steady) / service / scale if service > 0 else math.inf
     return _Wait(p=p, rate=rate, w0=backlog_s, drain=max(0.0, 1.0 - use), growth=max(0.0, use - 1.0)), use
 
 
@@ -137,15 +148,24 @@ def _transient_ok(w: _Wait, budget: float, horizon: float) -> float:
     return 1.0 - min(1.0, (w.w0 - budget) / w.drain / horizon)
 
 
-def predict(prefills: int, decoders: int, demand: Demand, cap: Capacity, max_batch: int, targets: Targets,
-            horizon: float) -> Prediction:
-    """The goodput of `prefills` + `decoders` engines over the next `horizon` seconds."""
+@dataclass(frozen=True)
+class _Split:
+    """Both roles of one split: each one's wait and utilisation, a prompt's prefill seconds and
+    the decode step time at the batch the load keeps."""
+    prefill: _Wait
+    prefill_use: float
+    decode: _Wait
+    decode_use: float
+    prompt_s: float
+    step_ms: float
+
+
+def _split(prefills: int, decoders: int, demand: Demand, cap: Capacity, max_batch: int) -> _Split:
+    assert cap.prefill_tokens_per_s is not None and cap.step is not None
     lam = demand.requests_per_s
-    if prefills < 1 or decoders < 1 or cap.prefill_tokens_per_s is None or cap.step is None:
-        return Prediction(prefills, 0.0, 0.0, math.inf, math.inf, math.inf)
     mu = cap.prefill_tokens_per_s
     s_p = demand.prompt_tokens / mu
-    wp, use_p = _role(lam / prefills, s_p, 1, demand.prompt_backlog / (prefills * mu))
+    wp, use_p = _role(lam / prefills, s_p, 1, demand.prompt_backlog / (prefills * mu), cap.prefill_wait_scale)
     # the batch a decoder keeps: B = lambda_d * output * T(B), T linear in B
     ctx = demand.prompt_tokens + demand.output_tokens / 2
     lam_d = lam / decoders
@@ -155,13 +175,40 @@ def predict(prefills: int, decoders: int, demand: Demand, cap: Capacity, max_bat
     batch = min(float(max_batch), max(1.0, batch))
     step_ms = cap.step.ms(batch, batch * ctx)
     s_d = demand.output_tokens * step_ms / 1000.0
-    wd, use_d = _role(lam_d, s_d, max_batch, demand.decode_backlog * s_d / (decoders * max_batch))
-    budget = targets.ttft_ms / 1000.0 - s_p - step_ms / 1000.0
+    wd, use_d = _role(lam_d, s_d, max_batch, demand.decode_backlog * s_d / (decoders * max_batch),
+                      cap.decode_wait_scale)
+    return _Split(wp, use_p, wd, use_d, s_p, step_ms)
+
+
+def predict(prefills: int, decoders: int, demand: Demand, cap: Capacity, max_batch: int, targets: Targets,
+            horizon: float) -> Prediction:
+    """The goodput of `prefills` + `decoders` engines over the next `horizon` seconds."""
+    lam = demand.requests_per_s
+    if prefills < 1 or decoders < 1 or cap.prefill_tokens_per_s is None or cap.step is None:
+        return Prediction(prefills, 0.0, 0.0, math.inf, math.inf, math.inf)
+    x = _split(prefills, decoders, demand, cap, max_batch)
+    wp, wd, step_ms = x.prefill, x.decode, x.step_ms
+    budget = targets.ttft_ms / 1000.0 - x.prompt_s - step_ms / 1000.0
     ttft_ok = (1.0 - min(1.0, _sum_tail(wp, wd, budget))) * _transient_ok(wp, budget / 2, horizon) * \
         _transient_ok(wd, budget / 2, horizon)
     tbt_ok = 1.0 if step_ms <= targets.tbt_ms else max(0.0, 1.0 - (step_ms - targets.tbt_ms) / (0.2 * targets.tbt_ms))
     spread = (lambda w: w.w0 / horizon) if horizon > 0 else (lambda w: 0.0)
-    return Prediction(prefills, lam * ttft_ok * tbt_ok, ttft_ok, step_ms, use_p + spread(wp), use_d + spread(wd))
+    return Prediction(prefills, lam * ttft_ok * tbt_ok, ttft_ok, step_ms, x.prefill_use + spread(wp),
+                      x.decode_use + spread(wd))
+
+
+def queues(prefills: int, decoders: int, demand: Demand, cap: Capacity, max_batch: int
+           ) -> tuple[float, float, float, float] | None:
+    """(requests waiting at a prefill, decodes waiting at a decoder, each role's utilisation) on
+    average, as the model has it in the steady state of this split (Little: arrivals times the mean
+    wait), with the waits unscaled: what the queues the engines report are compared with. None
+    while a capacity is unmeasured."""
+    if prefills < 1 or decoders < 1 or cap.prefill_tokens_per_s is None or cap.step is None:
+        return None
+    x = _split(prefills, decoders, replace(demand, prompt_backlog=0.0, decode_backlog=0.0),
+               replace(cap, prefill_wait_scale=1.0, decode_wait_scale=1.0), max_batch)
+    lam = demand.requests_per_s
+    return lam / prefills * x.prefill.mean, lam / decoders * x.decode.mean, x.prefill_use, x.decode_use
 
 
 @dataclass(frozen=True)

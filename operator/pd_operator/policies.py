@@ -22,12 +22,27 @@ and when; min counts are applied to every target here too (clamp_target).
 - Goodput: demand in each role's units and each engine's capacity, measured from the reports
   (demand.py, capacity.py), the demand forecast for when a move would be done (forecast.py), and
   the prefill count of the highest predicted goodput, moved to only when the gain over the
-  horizon (cooldown plus an evaluation, at least two moves) exceeds what the drains cost
-  (goodput.py). Until both roles' capacity is measured, it holds (Measuring).
+  horizon (cooldown plus an evaluation, at least two moves and the dwell) exceeds what the drains
+  cost (goodput.py). Each role's waits in that model are scaled by how much longer the queues its
+  engines report ran than the model said for the same split (_calibrate: routing on loads a
+  second old and the spread of the lengths are measured, not modelled). Until both roles'
+  capacity is measured, it holds (Measuring). Against a
+  demand it cannot foresee: each of the rate, prompt and output tokens is forecast from the
+  samples since its last change point (a mean shift beyond the samples' noise), by the predictor
+  or the level since the change, whichever forecast the recent samples better; that error (or
+  the noise of counting the window's requests) is the forecast's measured error, and a move must
+  still pay with the demand off by MARGIN_K times it, whichever way hurts (ForecastUnsure
+  otherwise). Undoing the last move while the demand has not changed since needs REVERSE_K times
+  that margin, and is not done within MIN_DWELL_S of it unless the split fails its demand (Dwell).
+  The numbers of each decision (status.lastDecision) carry the errors, the margin and the
+  robust gain.
 Signals older than `signalMaxAgeSeconds`, or missing, freeze the ratio instead of guessing."""
 from __future__ import annotations
 
 import datetime as dt
+import itertools
+import math
+import statistics
 from dataclasses import dataclass, field, replace
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -35,6 +50,7 @@ from . import demand as dm
 from . import forecast as fc
 from . import goodput as gp
 from .api import PDDeploymentSpec, Rebalance
+from .capacity import Capacity
 from .signals import DecoderLoad, PrefillLoad, Signals
 from .switch import Limits, clamp_target
 
@@ -228,8 +244,36 @@ def goodput(spec: PDDeploymentSpec, sig: Signals, current: int, total: int, limi
             learned: dm.Learned | None, last_switch: dict | None) -> Verdict:
     """The prefill count of the highest predicted goodput, if moving there pays (goodput.py), from
     the demand and capacity the engines report (demand.py), the demand forecast for when the move
-    is done (forecast.py)."""
+    is done (forecast.py), with each role's waits as long as its queues showed (_calibrate)."""
     rb = _rb(spec)
+    held = _goodput_guard(rb, sig, learned)
+    if held is not None:
+        return held
+    g = rb.goodput
+    period = float(g.seasonal_period_seconds or 0)
+    m = dm.measure(sig, learned, now, keep_s=g.window_seconds + period)
+    cap = m.learned.capacity
+    if m.demand is None or m.missing or cap is None:
+        return Verdict(None, "Measuring", f"{m.missing}; the ratio is frozen until it is measured",
+                       learned=m.learned)
+    d, hist = m.demand, m.learned.history
+    prev = learned if isinstance(learned, Memory) else Memory()
+    seen, model, evals, scaled = _calibrate(prev, sig, d, cap, current, total, m.max_batch, now)
+    mem = Memory(hist, cap, prev.moved_at, prev.moved_dir, seen, model, evals)
+    if d.requests_per_s <= 0 and not d.prompt_backlog and not d.decode_backlog:
+        return Verdict(None, "Idle", "no request arrived in the last window; holding", learned=mem)
+    replacing = rb.method == "Replace"
+    round_s = None if replacing else {to: _control_s(last_switch) + gp.drain_seconds(
+        to, d, cap, current, total - current, m.max_batch) for to in ("prefill", "decoder")}
+    # one round of a move, either way: when the forecast is for (the gate times the move it weighs)
+    move_s = float(g.replace_seconds) if round_s is None else max(round_s.values())
+    ahead = _forecast_demand(rb, sig, d, hist, now + move_s, period)
+    horizon, c = _choose(rb, limits, total, current, ahead.demand, scaled, m.max_batch, move_s, round_s)
+    return _gate(Step(rb, limits, total, current, now, d, ahead, scaled, m, move_s, horizon, c, mem))
+
+
+def _goodput_guard(rb: Rebalance, sig: Signals, learned: dm.Learned | None) -> Verdict | None:
+    """Why Goodput cannot decide on these signals (it holds, keeping what it learned), or None."""
     if rb.targets is None:   # admission requires them; a spec stored before that rule may lack them
         return Verdict(None, "NoTargets", "policy Goodput needs spec.rebalance.targets (ttftP90Ms, tbtP90Ms); "
                                           "the ratio is frozen", learned=learned)
@@ -239,72 +283,325 @@ def goodput(spec: PDDeploymentSpec, sig: Signals, current: int, total: int, limi
     if not sig.prefills or not sig.decoders:
         return Verdict(None, "NoSignals", "no serving prefill or decoder reports its load; the ratio is frozen",
                        learned=learned)
+    return None
+
+
+@dataclass(frozen=True)
+class Ahead:
+    """The demand forecast for when a move would be done, and how: per series (rate, prompt,
+    output tokens) the predictor chosen, its measured error, and when it last changed."""
+    demand: gp.Demand
+    how: list[tuple[float, str]]
+    err: list[float]
+    changed: list[float]
+
+
+def _forecast_demand(rb: Rebalance, sig: Signals, d: gp.Demand, hist: tuple, at: float, period: float) -> Ahead:
+    """Each of the rate and the mix (prompt, output tokens per request) forecast from the samples
+    since its last change (so a turn is caught within an evaluation or two) by the predictor or the
+    level since the change, whichever forecast its own past samples better; its error is that
+    error, or the noise of counting the requests of the last window if larger."""
     g = rb.goodput
-    period = float(g.seasonal_period_seconds or 0)
-    m = dm.measure(sig, learned, now, keep_s=g.window_seconds + period)
-    cap = m.learned.capacity
-    if m.demand is None or m.missing or cap is None:
-        return Verdict(None, "Measuring", f"{m.missing}; the ratio is frozen until it is measured",
-                       learned=m.learned)
-    d, hist = m.demand, m.learned.history
-    if d.requests_per_s <= 0 and not d.prompt_backlog and not d.decode_backlog:
-        return Verdict(None, "Idle", "no request arrived in the last window; holding", learned=m.learned)
-    replacing = rb.method == "Replace"
-    round_s = None if replacing else {to: _control_s(last_switch) + gp.drain_seconds(
-        to, d, cap, current, total - current, m.max_batch) for to in ("prefill", "decoder")}
-    # one round of a move, either way: when the forecast is for (the gate times the move it weighs)
-    move_s = float(g.replace_seconds) if round_s is None else max(round_s.values())
-    at = now + move_s
+    series = [[(h[0], h[i]) for h in hist] for i in (1, 2, 3)]
+    noise = [_counting(n) for n in (_arrived(sig), _arrived(sig), _completed(sig))]
+    # the rate over the whole window: what arrives at the prefills wavers with the moves themselves
+    # (requests held while no pair takes them), which a change point would follow
+    floors = [None, noise[1], noise[2]]
+    how = [min(((_error(p, x, g.window_seconds, period, f), p) for p in (g.predictor, LEVEL)),
+               key=lambda h: (h[0], h[1] != g.predictor)) for x, f in zip(series, floors)]
+    ahead = [_forecast(p, x, at, g.window_seconds, period, f) for (_, p), x, f in zip(how, series, floors)]
+    err = [max(h, e) for (h, _), e in zip(how, noise)]
+    # when the mix last changed (a change point; the start of the history is none)
+    changed = [x[i][0] if i else -math.inf for x, i in ((x, _change_point(x, f)) for x, f in
+                                                       zip(series[1:], floors[1:]) if f is not None)]
+    fd = replace(d, requests_per_s=ahead[0], prompt_tokens=ahead[1] or d.prompt_tokens,
+                 output_tokens=ahead[2] or d.output_tokens)
+    return Ahead(fd, how, err, changed)
 
-    def ahead(i: int) -> float:
-        return fc.forecast(g.predictor, [(h[0], h[i]) for h in hist], at, g.window_seconds, period)
 
-    # the rate is forecast; the mix (tokens per request) changes in steps a line cannot foresee, so
-    # it is the last window's, unless the predictor knows the demand's season
-    fd = replace(d, requests_per_s=ahead(1))
-    if g.predictor == "Seasonal":
-        fd = replace(fd, prompt_tokens=ahead(2) or d.prompt_tokens, output_tokens=ahead(3) or d.output_tokens)
-    horizon = max(float(rb.cooldown_seconds + rb.evaluation_interval_seconds), 2 * move_s)
+def _choose(rb: Rebalance, limits: Limits, total: int, current: int, fd: gp.Demand, cap: Capacity, max_batch: int,
+            move_s: float, round_s: dict[str, float] | None) -> tuple[float, gp.Choice]:
+    """(horizon, the model's choice over it). The split a move makes is held for the dwell at least
+    (no reversal before): the gain is over that too; a move of several rounds is held at least as
+    long as making it took (the whole move's, so the whole move is weighed over that horizon even
+    if part of it pays)."""
+    assert rb.targets is not None
+    horizon = max(float(rb.cooldown_seconds + rb.evaluation_interval_seconds), 2 * move_s, MIN_DWELL_S)
     lo, hi = max(1, limits.min_prefill), total - max(1, limits.min_decoder)
     targets = gp.Targets(rb.targets.ttft_p90_ms, rb.targets.tbt_p90_ms)
-    c = gp.choose(total, current, lo, hi, fd, cap, m.max_batch, targets, horizon, move_s, drains=not replacing,
+    drains = rb.method != "Replace"
+    c = gp.choose(total, current, lo, hi, fd, cap, max_batch, targets, horizon, move_s, drains=drains,
                   max_in_flight=limits.max_in_flight, round_s=round_s)
     if 2 * max(c.move_s, c.whole_s) > horizon:
-        # a move of several rounds: the split it makes is held at least as long as making it took
-        # (the whole move's, so the whole move is weighed over that horizon even if part of it pays)
         horizon = 2 * max(c.move_s, c.whole_s)
-        c = gp.choose(total, current, lo, hi, fd, cap, m.max_batch, targets, horizon, move_s, drains=not replacing,
+        c = gp.choose(total, current, lo, hi, fd, cap, max_batch, targets, horizon, move_s, drains=drains,
                       max_in_flight=limits.max_in_flight, round_s=round_s)
+    return horizon, c
+
+
+@dataclass(frozen=True)
+class Step:
+    """One Goodput evaluation, up to the gate: what it measured, forecast and chose."""
+    rb: Rebalance
+    limits: Limits
+    total: int
+    current: int
+    now: float
+    d: gp.Demand                  # the demand measured
+    ahead: Ahead                  # ... and forecast
+    cap: Capacity                 # the capacity measured, its waits scaled as the queues showed
+    m: dm.Measured
+    move_s: float
+    horizon: float
+    c: gp.Choice
+    mem: "Memory"
+
+
+def _gate(s: Step) -> Verdict:
+    """The move the model chose, if it pays under every demand the forecast's error allows (each of
+    rate, prompt and output off by `k` times its error, either way). Undoing the last move while the
+    demand has not changed since (a change point after it) needs REVERSE_K times the margin
+    (hysteresis), and is not done within the dwell at all unless the split fails its demand."""
+    c, mem, current, now = s.c, s.mem, s.current, s.now
+    assert s.rb.targets is not None
+    direction = 0 if c.target == current else (1 if c.target > current else -1)
+    turned = max(s.ahead.changed) > (mem.moved_at or 0.0)
+    reverse = direction != 0 and direction == -mem.moved_dir and mem.moved_at is not None and not turned
+    k = MARGIN_K * (REVERSE_K if reverse else 1.0)
+    targets = gp.Targets(s.rb.targets.ttft_p90_ms, s.rb.targets.tbt_p90_ms)
+    robust = _robust_gain(c, current, s.total, s.ahead.demand, s.cap, s.m.max_batch, targets, s.horizon,
+                          s.ahead.err, k)
+    dwell_until = (mem.moved_at or 0.0) + s.horizon
+    nums = _numbers(s, k, robust, dwell_until)
+    text = _text(s)
+    moved = replace(mem, moved_at=now, moved_dir=direction)
+    failing = c.now.goodput < FAILING * s.ahead.demand.requests_per_s
+    if c.reason in ("Move", "Relieve") and reverse and now < dwell_until and not failing:
+        return Verdict(None, "Dwell", f"{text}: would reverse the move made {now - (mem.moved_at or now):.0f}s ago "
+                                      f"before its dwell ends and the demand has not changed since; holding", nums,
+                       learned=mem)
+    if c.reason == "Move" and (robust <= c.cost or robust <= 0):
+        return Verdict(None, "ForecastUnsure", f"{text}: gains {c.gain:.0f} requests over {s.horizon:.0f}s, but "
+                                               f"{robust:.0f} if the demand is off by {k:g}x the forecast's error; "
+                                               f"the drains cost {c.cost:.0f}; holding", nums, learned=mem)
+    if c.reason == "Move":
+        return _bounded(c.target, s.total, s.limits, Verdict(
+            c.target, "GoodputGain", f"{text}: gains {c.gain:.0f} requests over {s.horizon:.0f}s ({robust:.0f} at "
+                                     f"{k:g}x the forecast's error), the drains cost {c.cost:.0f}", nums,
+            learned=moved))
+    if c.reason == "Relieve":
+        return _bounded(c.target, s.total, s.limits, Verdict(
+            c.target, "Relieve", f"{text}: a role is at capacity ({max(c.now.prefill_use, c.now.decode_use):.0%}); "
+                                 f"{c.best.prefill} prefills leave the most headroom", nums, learned=moved))
+    if c.reason == "AtBest":
+        return Verdict(None, "AtBest", f"{text}: as good as it gets", nums, learned=mem)
+    return Verdict(None, "MoveDoesNotPay", f"{text}: gains {c.gain:.0f} requests over {s.horizon:.0f}s, the drains "
+                                           f"cost {c.cost:.0f}; holding", nums, learned=mem)
+
+
+def _full_ms(s: Step) -> float:
+    """The decode step time at a full batch of the forecast mix."""
+    assert s.cap.step is not None
+    fd = s.ahead.demand
+    return s.cap.step.ms(s.m.max_batch, s.m.max_batch * (fd.prompt_tokens + fd.output_tokens / 2))
+
+
+def _numbers(s: Step, k: float, robust: float, dwell_until: float) -> dict:
+    """The numbers of the decision (status.lastDecision)."""
+    d, fd, c, cap, m, now = s.d, s.ahead.demand, s.c, s.cap, s.m, s.now
     assert cap.step is not None and cap.prefill_tokens_per_s is not None
-    full_ms = cap.step.ms(m.max_batch, m.max_batch * (fd.prompt_tokens + fd.output_tokens / 2))
     nums = {"requestsPerS": round(d.requests_per_s, 3), "promptTokensPerS": round(d.requests_per_s * d.prompt_tokens),
             "promptBacklogTokens": round(d.prompt_backlog), "outputTokensPerS":
             round(d.requests_per_s * d.output_tokens), "decodeConcurrency": m.decode_concurrency,
             "decodeBacklog": round(d.decode_backlog), "contextTokens": round(m.context_tokens),
             "prefillTokensPerBusyS": round(cap.prefill_tokens_per_s), "decodeStepMs":
             f"{cap.step.a:.3g}*context+{cap.step.b:.3g}*batch+{cap.step.c:.3g}", "decodeStepMsFullBatch":
-            round(full_ms, 2), "predictor": g.predictor, "forecastRequestsPerS": round(fd.requests_per_s, 3),
+            round(_full_ms(s), 2), "waitScale": f"{cap.prefill_wait_scale:.2f}/{cap.decode_wait_scale:.2f}",
+            "predictor": s.rb.goodput.predictor, "forecastRequestsPerS": round(fd.requests_per_s, 3),
             "forecastPromptTokens": round(fd.prompt_tokens), "forecastOutputTokens": round(fd.output_tokens),
             "moveS": round(c.move_s, 2), "wholeMoveS": round(max(c.move_s, c.whole_s), 2),
-            "horizonS": round(horizon, 1), "goodputNow": round(c.now.goodput, 3),
+            "horizonS": round(s.horizon, 1), "goodputNow": round(c.now.goodput, 3),
             "bestPrefill": c.best.prefill, "goodputAtBest": round(c.best.goodput, 3), "gain": round(c.gain, 1),
-            "cost": round(c.cost, 1)}
-    text = (f"demand {d.requests_per_s:.2f} req/s ({d.prompt_tokens:.0f} prompt, {d.output_tokens:.0f} output "
-            f"tokens), {g.predictor} forecast {fd.requests_per_s:.2f} in {move_s:.0f}s; prefill "
-            f"{cap.prefill_tokens_per_s:.0f} tokens/s busy, decode step {full_ms:.1f} ms at batch {m.max_batch}; "
-            f"goodput {c.now.goodput:.2f} req/s at {current} prefills, {c.best.goodput:.2f} at {c.best.prefill}")
-    if c.reason == "Move":
-        return _bounded(c.target, total, limits, Verdict(
-            c.target, "GoodputGain", f"{text}: gains {c.gain:.0f} requests over {horizon:.0f}s, the drains cost "
-                                     f"{c.cost:.0f}", nums, learned=m.learned))
-    if c.reason == "Relieve":
-        return _bounded(c.target, total, limits, Verdict(
-            c.target, "Relieve", f"{text}: a role is at capacity ({max(c.now.prefill_use, c.now.decode_use):.0%}); "
-                                 f"{c.best.prefill} prefills leave the most headroom", nums, learned=m.learned))
-    if c.reason == "AtBest":
-        return Verdict(None, "AtBest", f"{text}: as good as it gets", nums, learned=m.learned)
-    return Verdict(None, "MoveDoesNotPay", f"{text}: gains {c.gain:.0f} requests over {horizon:.0f}s, the drains "
-                                           f"cost {c.cost:.0f}; holding", nums, learned=m.learned)
+            "cost": round(c.cost, 1),
+            "forecastError": "/".join(f"{e:.3f}" for e in s.ahead.err),
+            "forecastBy": "/".join(p for _, p in s.ahead.how), "marginK": round(k, 2),
+            "margin": round(max(0.0, c.gain - robust), 1), "robustGain": round(robust, 1),
+            "mixChangedSecondsAgo": "/".join(f"{now - t:.0f}" if t > -math.inf else "-" for t in s.ahead.changed)}
+    if s.mem.moved_at is not None:
+        nums["dwellUntilS"] = round(dwell_until - now, 1)
+    return nums
+
+
+def _text(s: Step) -> str:
+    d, fd, c, cap = s.d, s.ahead.demand, s.c, s.cap
+    assert cap.prefill_tokens_per_s is not None
+    return (f"demand {d.requests_per_s:.2f} req/s ({d.prompt_tokens:.0f} prompt, {d.output_tokens:.0f} output "
+            f"tokens), {s.rb.goodput.predictor} forecast {fd.requests_per_s:.2f} in {s.move_s:.0f}s; prefill "
+            f"{cap.prefill_tokens_per_s:.0f} tokens/s busy, decode step {_full_ms(s):.1f} ms at batch "
+            f"{s.m.max_batch}; goodput {c.now.goodput:.2f} req/s at {s.current} prefills, {c.best.goodput:.2f} at "
+            f"{c.best.prefill}")
+
+
+@dataclass(frozen=True)
+class Memory(dm.Learned):
+    """What Goodput keeps between evaluations besides the demand and capacity: when it last asked
+    for a move, and which way (+1 more prefills, -1 fewer); and, per role (prefill, decoder), the
+    requests its engines reported waiting and the ones the model said would wait, each summed over
+    the evaluations with a decay (_calibrate). In memory only, as the rest: a restart forgets the
+    last move, so the first evaluation after it may undo it sooner than the dwell."""
+    moved_at: float | None = None
+    moved_dir: int = 0
+    queued_seen: tuple[float, ...] = (0.0, 0.0)
+    queued_model: tuple[float, ...] = (0.0, 0.0)
+    queued_evals: tuple[float, ...] = (0.0, 0.0)
+
+
+def _calibrate(prev: Memory, sig: Signals, d: gp.Demand, cap: Capacity, current: int, total: int,
+               max_batch: int, now: float) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...], Capacity]:
+    """Each role's waits as long as its queues showed: the requests its serving engines report
+    waiting (a prefill's queue, a decoder's decodes waiting for a slot), per engine, against what
+    the model says of the same split and demand (goodput.queues), each summed over the evaluations
+    with a decay of QUEUE_DECAY. The scale is their ratio with QUEUE_PRIOR_EVALS evaluations at
+    the model's own waits added (and QUEUE_FLOOR requests on both sides), so one evaluation, or
+    queues too short to say, keep about the model's waits. A role the model has at
+    CALIBRATE_MAX_USE or beyond is not compared: its queue grows, whatever the model's steady
+    state; nor are the queues while a move is under way or within SETTLE_S of one (what the
+    engines that left queued is still being served). Returns the sums (seen, model, evaluations)
+    and the capacity with the scales set."""
+    moving = sig.idle_prefills or sig.idle_decoders or prev.moved_at is not None and now - prev.moved_at < SETTLE_S
+    q = None if moving else gp.queues(current, total - current, d, cap, max_batch)
+    seen = [x * QUEUE_DECAY for x in prev.queued_seen]
+    model = [x * QUEUE_DECAY for x in prev.queued_model]
+    evals = [x * QUEUE_DECAY for x in prev.queued_evals]
+    if q is not None:
+        observed = (statistics.fmean(p.queue for p in sig.prefills), statistics.fmean(x.waiting for x in sig.decoders))
+        for i, (want, use) in enumerate(((q[0], q[2]), (q[1], q[3]))):
+            if use < CALIBRATE_MAX_USE:
+                seen[i] += observed[i]
+                model[i] += want
+                evals[i] += 1.0
+    scale = []
+    for s, m, n in zip(seen, model, evals):
+        prior = QUEUE_PRIOR_EVALS * m / n + QUEUE_FLOOR if n > 0 else 1.0
+        scale.append(min(MAX_WAIT_SCALE, max(1 / MAX_WAIT_SCALE, (s + prior) / (m + prior))))
+    return tuple(seen), tuple(model), tuple(evals), replace(cap, prefill_wait_scale=scale[0],
+                                                            decode_wait_scale=scale[1])
+
+
+QUEUE_DECAY = 0.9     # the queues compared weigh this much less each evaluation (about the last ten count)
+QUEUE_PRIOR_EVALS = 5.0    # evaluations at the model's own waits the comparison starts from
+QUEUE_FLOOR = 0.5     # requests waiting added to both sides (queues the model has at about none)
+CALIBRATE_MAX_USE = 0.95   # a role run this close to its capacity is not compared (its queue grows)
+SETTLE_S = 20.0       # ... nor the queues this soon after a move was asked for (two report windows)
+MAX_WAIT_SCALE = 8.0  # the waits are scaled by at most this, either way
+
+
+MARGIN_K = 1.0        # a move must pay with the demand off by this many times the forecast's error
+REVERSE_K = 2.0       # ... and by this many times more to undo the last move (hysteresis)
+MIN_DWELL_S = 30.0    # no reversal sooner than this (or the horizon) after a move, unless the demand changed
+FAILING = 0.5         # ... or the split serves less than this fraction of the demand
+LEVEL = "Level"       # the forecast that the demand stays at its mean since it last changed
+CHANGE_Z = 4.0        # a change: the recent samples' mean this many standard errors from the earlier ones'
+MIN_ERRORS = 3        # one-step errors needed to measure the forecast's error
+MAX_ERROR = 0.5       # an error beyond this counts as this (the margin is wide enough by then)
+UNMEASURED = 0.1      # the error assumed until MIN_ERRORS were measured (after a change, at the start)
+NOTHING = 0.01        # a goodput under this fraction of the demand counts as serving nothing
+
+
+def _arrived(sig: Signals) -> int:
+    return sum(p.arrived for p in sig.prefills + sig.idle_prefills)
+
+
+def _completed(sig: Signals) -> int:
+    return sum(d.completed for d in sig.decoders + sig.idle_decoders)
+
+
+def _counting(n: int) -> float:
+    """The relative error of a mean over n requests (lengths spread about as widely as their mean)."""
+    return min(MAX_ERROR, 1.0 / math.sqrt(n)) if n > 0 else MAX_ERROR
+
+
+def _change_point(series: list[tuple[float, float]], floor: float = 0.01) -> int:
+    """The index of the first sample since the demand last changed (0: no change seen): the latest
+    split whose two sides' means differ by more than CHANGE_Z standard errors of the samples' noise
+    (measured from their successive differences about their median, less the largest, so neither
+    a drift nor the step itself counts as noise; at least `floor` of their mean, the noise of
+    counting the requests they were measured over)."""
+    start = 0
+    while len(series) - start >= 3:
+        vals = [v for _, v in series[start:]]
+        diffs = [b - a for a, b in zip(vals, vals[1:])]
+        mid = statistics.median(diffs)
+        # the spread of the differences about their median (a drift), less the largest (a step)
+        dev = sorted((x - mid) ** 2 for x in diffs)[:-1]
+        noise = math.sqrt(statistics.fmean(dev) / 2)
+        noise = max(noise, floor * abs(statistics.fmean(vals)), 1e-9)
+        best, at = CHANGE_Z, 0
+        for i in range(1, len(vals)):
+            before, after = vals[:i], vals[i:]
+            z = abs(statistics.fmean(after) - statistics.fmean(before)) / (
+                noise * math.sqrt(1 / len(before) + 1 / len(after)))
+            if z > best:
+                best, at = z, i
+        if not at:
+            break
+        start += at
+    return start
+
+
+def _forecast(predictor: str, series: list[tuple[float, float]], at: float, window: float, period: float,
+              floor: float | None = 0.01) -> float:
+    """The forecast over the samples since the last change (none looked for with floor None;
+    Seasonal: over all, it knows the season; LEVEL: their mean over the window)."""
+    if not series:
+        return 0.0
+    since = series if floor is None or predictor == "Seasonal" and period > 0 else \
+        series[_change_point(series, floor):]
+    if predictor == LEVEL:
+        return statistics.fmean(v for t, v in since if t >= since[-1][0] - window)
+    return fc.forecast(predictor, since, at, window, period)
+
+
+def _error(predictor: str, series: list[tuple[float, float]], window: float, period: float,
+           floor: float | None = 0.01) -> float:
+    """The forecast's relative error, as measured: the root mean square of what it said of each
+    recent sample from the ones before, over the sample; 0 until MIN_ERRORS were measured."""
+    last = series[-1][0] if series else 0.0
+    # of the samples since the last change only (Seasonal: all): a forecast that missed the change
+    # itself says nothing of how well it follows the demand since
+    since = 0 if floor is None or predictor == "Seasonal" and period > 0 else _change_point(series, floor)
+    errs = []
+    for j in range(since + 1, len(series)):
+        if series[j][0] < last - window:
+            continue
+        f = _forecast(predictor, series[:j], series[j][0], window, period, floor)
+        if f > 0:
+            errs.append(((series[j][1] - f) / f) ** 2)
+    return min(MAX_ERROR, math.sqrt(statistics.fmean(errs))) if len(errs) >= MIN_ERRORS else UNMEASURED
+
+
+def _robust_gain(c: gp.Choice, current: int, total: int, fd: gp.Demand, cap, max_batch: int, targets: gp.Targets,
+                 horizon: float, err: list[float], k: float) -> float:
+    """The gain of the move `c` chose should the demand be off by k times each error, whichever way
+    hurts it most: the gain scaled by the worst case's goodput difference over the forecast's."""
+    if c.target == current or c.gain <= 0:
+        return c.gain
+    base = gp.predict(c.target, total - c.target, fd, cap, max_batch, targets, horizon).goodput - c.now.goodput
+    if base <= 0:
+        return 0.0
+    worst = base
+    for fr, fp, fo in itertools.product((-1, 1), repeat=3):
+        x = replace(fd, requests_per_s=fd.requests_per_s * max(0.0, 1 + fr * k * err[0]),
+                    prompt_tokens=fd.prompt_tokens * max(0.05, 1 + fp * k * err[1]),
+                    output_tokens=fd.output_tokens * max(0.05, 1 + fo * k * err[2]))
+        to = gp.predict(c.target, total - c.target, x, cap, max_batch, targets, horizon).goodput
+        stay = gp.predict(current, total - current, x, cap, max_batch, targets, horizon).goodput
+        if max(to, stay) < NOTHING * fd.requests_per_s:
+            continue   # a demand neither split serves says nothing of which is better
+        worst = min(worst, to - stay)
+    if worst < gp.MIN_GAIN * c.now.goodput:
+        return 0.0   # within the model's own noise in the worst case: no gain to count on
+    return c.gain * worst / base
 
 
 def _control_s(last_switch: dict | None) -> float:

@@ -2,13 +2,14 @@
 model and its gain-versus-cost gate."""
 import math
 import random
+from dataclasses import replace
 
 import pytest
 
 from pd_agent.timing import TimingModel
 from pd_operator import forecast as fc
 from pd_operator.capacity import Capacity, StepFit, fit_steps, measure, prefill_rate
-from pd_operator.goodput import Demand, Targets, choose, drain_seconds, predict
+from pd_operator.goodput import Demand, Targets, choose, drain_seconds, predict, queues
 
 T = TimingModel()
 TRUE = StepFit(T.decode_a, T.decode_b, T.decode_c)
@@ -179,3 +180,29 @@ def test_drain_time_by_direction():
     to_prefill = drain_seconds("prefill", d, CAP, 2, 2, 4)
     assert to_prefill == pytest.approx(150 * TRUE.ms(4, 4 * 375) / 1000)
     assert drain_seconds("decoder", d, CAP, 2, 2, 4) < to_prefill, "a prefill's queue drains in a batch or two"
+
+
+def test_the_model_queues_are_littles_law_of_its_waits():
+    """goodput.queues: a prefill's mean queue is M/M/1's (arrivals times the mean wait), whatever
+    wait scale the capacity carries (it is what the reported queues are compared with)."""
+    d = Demand(requests_per_s=20.0, prompt_tokens=2000, output_tokens=20)
+    s = 2000 / CAP.prefill_tokens_per_s
+    lam = 20.0 / 6
+    rho = lam * s
+    q = queues(6, 26, d, replace(CAP, prefill_wait_scale=3.0, decode_wait_scale=0.5), 4)
+    assert q is not None and q[0] == pytest.approx(lam * rho * s / (1 - rho)) and q[2] == pytest.approx(rho)
+    assert q == queues(6, 26, d, CAP, 4)
+    assert queues(6, 26, d, Capacity(None, TRUE), 4) is None
+
+
+def test_a_wait_scale_moves_the_best_split_towards_the_role_whose_queues_ran_longer():
+    """Waits a role's queues showed longer than the model's make a split that loads it predict
+    less, so the best split gives that role more engines; shorter, fewer."""
+    d = Demand(requests_per_s=40.0, prompt_tokens=2000, output_tokens=25)
+    best = lambda cap: max(range(1, 32), key=lambda p: predict(p, 32 - p, d, cap, 4, TARGETS, 30).goodput)  # noqa: E731
+    plain = best(CAP)
+    assert best(replace(CAP, prefill_wait_scale=0.4)) < plain < best(replace(CAP, prefill_wait_scale=3.0))
+    assert best(replace(CAP, decode_wait_scale=5.0)) <= plain
+    loaded = predict(plain - 1, 33 - plain, d, CAP, 4, TARGETS, 30)
+    assert predict(plain - 1, 33 - plain, d, replace(CAP, prefill_wait_scale=2.0), 4, TARGETS, 30).ttft_ok < \
+        loaded.ttft_ok

@@ -380,3 +380,111 @@ def test_goodput_holds_through_noise_at_the_best_split():
         reasons.append(book.decision["reason"])
         assert not changed and book.target == 1, (i, book.decision["message"])
     assert set(reasons) <= {"AtBest", "MoveDoesNotPay"}, reasons
+
+
+def history(rps, prompt, output, noise=0.0, start=900.0, n=9, every=10.0, seed=1):
+    """Goodput's memory of n evaluations of a demand, each value off by up to `noise` (relative)."""
+    import random
+    rng = random.Random(seed)
+    at = lambda v, t: v(t) if callable(v) else v * (1 + rng.uniform(-noise, noise))  # noqa: E731
+    return tuple((start + every * i, *(at(v, start + every * i) for v in (rps, prompt, output))) for i in range(n))
+
+
+def remembered(hist, moved_at=None, moved_dir=0, signals=None, current=3):
+    """Goodput's memory: that history, the capacity one evaluation of `signals` measured, the last move."""
+    v = policies.evaluate(GOODPUT, signals or measured(3.5, 600, 120), current, limits(GOODPUT, 0), 890.0)
+    return policies.Memory(hist, v.learned.capacity, moved_at, moved_dir)
+
+
+def test_goodput_moves_only_when_the_gain_outlasts_the_forecasts_own_error(monkeypatch):
+    """The same demand now: after a steady history the move pays; after a history the forecast
+    followed badly (its measured error large), the gain at that error does not, so it holds."""
+    monkeypatch.setattr(policies, "QUEUE_FLOOR", 1e9)   # the gate alone: waits as the model has them
+    now = measured(3.5, 600, 120)
+    steady = policies.evaluate(GOODPUT, now, 3, limits(GOODPUT, 0), 990.0,
+                               remembered(history(3.5, 600, 120, noise=0.02)))
+    assert steady.reason == "GoodputGain" and steady.target == 1, steady.message
+    noisy = policies.evaluate(GOODPUT, now, 3, limits(GOODPUT, 0), 990.0,
+                              remembered(history(3.5, 600, 120, noise=0.3)))
+    assert noisy.reason == "ForecastUnsure" and noisy.target is None, noisy.message
+    n, q = noisy.numbers, steady.numbers
+    assert float(n["margin"]) > 0 and float(n["robustGain"]) <= float(n["cost"]) < float(n["gain"])
+    err = lambda x: [float(e) for e in x["forecastError"].split("/")]  # noqa: E731
+    assert min(err(n)) > max(err(q)), "the noisy history's forecast error is the larger"
+
+
+def test_goodput_does_not_reverse_a_move_within_its_dwell_unless_the_demand_changed(monkeypatch):
+    monkeypatch.setattr(policies, "QUEUE_FLOOR", 1e9)   # the gate alone: waits as the model has them
+    now = measured(3.5, 600, 120)
+    quiet = history(3.5, 600, 120, noise=0.02)
+    v = policies.evaluate(GOODPUT, now, 3, limits(GOODPUT, 0), 990.0, remembered(quiet, 980.0, +1))
+    assert v.reason == "Dwell" and v.target is None, v.message
+    assert v.learned.moved_at == 980.0, "holding keeps the last move's time"
+    # the same way as the last move is no reversal; a reversal after the dwell is weighed again
+    same = policies.evaluate(GOODPUT, now, 3, limits(GOODPUT, 0), 990.0, remembered(quiet, 980.0, -1))
+    assert same.reason == "GoodputGain" and same.target == 1 and same.learned.moved_at == 990.0
+    later = policies.evaluate(GOODPUT, now, 3, limits(GOODPUT, 0), 990.0, remembered(quiet, 900.0, +1))
+    assert later.reason != "Dwell" and later.numbers["marginK"] == policies.MARGIN_K * policies.REVERSE_K, \
+        "a reversal needs the wider margin (hysteresis)"
+    # the mix turned decode-heavy after the move: the move is undone at once
+    turned = history(3.5, lambda t: 3000.0 if t < 950 else 600.0, lambda t: 20.0 if t < 950 else 120.0)
+    v = policies.evaluate(GOODPUT, now, 3, limits(GOODPUT, 0), 990.0, remembered(turned, 945.0, +1))
+    assert v.reason == "GoodputGain" and v.target == 1, v.message
+
+
+@pytest.mark.parametrize("case, values, want", [
+    ("flat with noise", [1.0 + (0.05 if i % 2 else -0.05) for i in range(10)], 0),
+    ("a step three samples ago", [1.0 + (0.02 if i % 2 else -0.02) + (i >= 7) for i in range(10)], 7),
+    ("a step, then another", [1.0 + (i >= 3) + (i >= 8) for i in range(10)], 8),
+    ("too short to tell", [1.0, 5.0], 0),
+])
+def test_change_detection_finds_the_last_change(case, values, want):
+    assert policies._change_point([(10.0 * i, v) for i, v in enumerate(values)]) == want, case
+
+
+def test_the_forecast_catches_a_turn_a_line_through_the_window_lags():
+    """The rate ramped up for a minute and turned flat two evaluations ago: the line through the
+    window still climbs; the forecast since the change does not."""
+    from pd_operator import forecast as fc
+    series = [(10.0 * i, 1.0 + 0.5 * min(i, 6)) for i in range(9)]   # 1.0 .. 4.0, flat from the 7th
+    assert fc.trend(series, 100.0, 120.0) > 4.5
+    assert policies._forecast("Trend", series, 100.0, 120.0, 0.0) == pytest.approx(4.0, abs=0.01)
+
+
+def test_goodput_scales_each_roles_waits_by_how_long_its_queues_ran():
+    """Decoders that keep reporting decodes waiting where the model has almost none: the decode
+    waits grow over the evaluations (bounded), the prefills' stay; the numbers say so."""
+    sig = measured(3.0, 600, 120, waiting=3 * 6)
+    mem, scales = None, []
+    for i in range(40):
+        v = policies.evaluate(GOODPUT, sig, 3, limits(GOODPUT, 0), 1000.0 + 10 * i, mem)
+        mem = replace(v.learned, moved_at=None, moved_dir=0)
+        p, d = (float(x) for x in v.numbers["waitScale"].split("/"))
+        scales.append(d)
+        assert p == pytest.approx(1.0, abs=0.2), v.numbers
+    assert scales[0] > 1.0 and scales[-1] > scales[0] and scales[-1] <= policies.MAX_WAIT_SCALE
+    assert scales[-1] == pytest.approx(scales[-2], rel=0.05), "it settles"
+
+
+def test_goodput_compares_no_queue_while_a_move_is_under_way_or_just_after():
+    sig = measured(3.0, 600, 120, waiting=3 * 6)
+    first = policies.evaluate(GOODPUT, sig, 3, limits(GOODPUT, 0), 1000.0)
+    assert first.learned.queued_evals == (1.0, 1.0)
+    moving = replace(sig, idle_decoders=[sig.decoders[0]])
+    v = policies.evaluate(GOODPUT, moving, 3, limits(GOODPUT, 0), 1010.0, first.learned)
+    assert v.learned.queued_evals == pytest.approx((0.9, 0.9)), "a switch in flight: nothing compared"
+    just = replace(first.learned, moved_at=1000.0, moved_dir=-1)
+    v = policies.evaluate(GOODPUT, sig, 3, limits(GOODPUT, 0), 1000.0 + policies.SETTLE_S / 2, just)
+    assert v.learned.queued_evals == pytest.approx((0.9, 0.9)), "within SETTLE_S of a move: nothing compared"
+    v = policies.evaluate(GOODPUT, sig, 3, limits(GOODPUT, 0), 1000.0 + policies.SETTLE_S, just)
+    assert v.learned.queued_evals == pytest.approx((1.9, 1.9))
+
+
+def test_goodput_functions_are_short():
+    """Every function of the policies and the goodput model fits a screen (60 lines)."""
+    import ast
+    for path in ("operator/pd_operator/policies.py", "operator/pd_operator/goodput.py"):
+        tree = ast.parse((REPO / path).read_text())
+        long = [(n.name, n.end_lineno - n.lineno + 1) for n in ast.walk(tree)
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 60]
+        assert not long, (path, long)
