@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 
+ANNOTATION_DIGEST = "pdoperator.io/desired-digest"   # on each child: the digest of the form applied
 ChildKey = tuple[str, str]   # (kind, name)
 Applied = tuple[str, str]    # (digest of the desired object, marker of the object after the apply)
 
@@ -35,4 +36,28 @@ def to_apply(desired: list[dict], observed: dict[ChildKey, dict], applied: dict[
         last = applied.get(k)
         if have is None or last is None or last[0] != digest(obj) or last[1] != marker(have):
             out.append(obj)
+    return out
+
+
+def stamped(obj: dict) -> dict:
+    """The desired object carrying the digest of its own form (without the stamp)."""
+    meta = obj["metadata"]
+    return {**obj, "metadata": {**meta, "annotations": {**(meta.get("annotations") or {}),
+                                                         ANNOTATION_DIGEST: digest(obj)}}}
+
+
+def adopt(desired: list[dict], observed: dict[ChildKey, dict], applied: dict[ChildKey, Applied]
+          ) -> dict[ChildKey, Applied]:
+    """After a start or a takeover nothing is remembered of what was applied: a child whose
+    stamp is the desired one's is taken as applied, as it stands, instead of applied again (a
+    fleet's takeover would otherwise re-apply every child). A change made to it while no
+    operator was leading shows only at its next change or the next spec change."""
+    out = {}
+    for obj in desired:
+        k = child_key(obj)
+        have = observed.get(k)
+        want = obj["metadata"]["annotations"][ANNOTATION_DIGEST]
+        if k not in applied and have is not None and \
+                ((have.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_DIGEST) == want:
+            out[k] = (digest(obj), marker(have))
     return out

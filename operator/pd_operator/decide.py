@@ -235,6 +235,9 @@ def _children(snap: Snapshot, mem: Memory, book: sw_.Book, engines: list[lk.Engi
                                token_digests=dict(snap.token_digests))
     # MindIE's rank table follows the pods (their roles and devices): rendered from what was observed
     desired += ranktable.desired(name, ns, uid, snap.spec, live)
+    desired = [ch.stamped(o) for o in desired]
+    if adopted := ch.adopt(desired, snap.children, mem.applied):
+        mem.applied = {**mem.applied, **adopted}   # a new dict: the memory read is not decide's
     to_apply = [] if blocked and not retry else ch.to_apply(desired, snap.children, mem.applied)
     return desired, to_apply
 

@@ -554,3 +554,17 @@ def test_every_kind_of_switch_intent_has_its_handler():
     from pd_operator.switch import IntentKind
     assert set(act.INTENTS) == set(get_args(IntentKind))
     assert {k for k, (calls_agent, _) in act.INTENTS.items() if not calls_agent} == {"label", "annotate"}
+
+
+async def test_a_restarted_operator_adopts_children_as_applied_and_still_repairs_later_drift():
+    w = await ready_world()
+    w.controller()                     # a restart (or a takeover): nothing remembered
+    before = len(w.log)
+    await w.settle()
+    assert not [c for c in w.log[before:] if c[0] == "apply"], "children stamped with their form: not re-applied"
+    assert not [c for c in w.log[before:] if c[0] == "event" and c[1] in ("Updated", "Created")]
+    sts = w.kube.objects[("StatefulSet", "ns", "x-prefill")]
+    sts["spec"]["replicas"] = 7        # changed outside the operator, after the restart
+    w.ctl.on_child("MODIFIED", copy.deepcopy(w.kube.store(sts)))
+    await w.settle()
+    assert w.kube.objects[("StatefulSet", "ns", "x-prefill")]["spec"]["replicas"] == 2
