@@ -27,9 +27,13 @@ def lean(obj: dict) -> dict:
     return {**obj, "metadata": {k: v for k, v in meta.items() if k != "managedFields"}}
 
 
+WARM_S = 30.0   # a process up this long has had its watches' first lists: its caches are warm
+
+
 class Caches:
     def __init__(self, clock: Clock = SYSTEM_CLOCK):
         self.clock = clock
+        self.started = clock.monotonic()
         self.deployments: dict[Key, dict] = {}
         self.pods: dict[Key, dict[str, tuple[dict, float]]] = {}        # -> name -> (object, cached at)
         self.children: dict[Key, dict[tuple[str, str], tuple[dict, float]]] = {}
@@ -40,6 +44,16 @@ class Caches:
 
     def seen_of(self, key: Key) -> Seen:
         return self.seen.setdefault(key, Seen())
+
+    def took_over(self, key: Key) -> None:
+        """Leadership of `key` taken: observing's bookkeeping starts afresh; caches that stood by
+        warm count as listed now (checked against a list at their usual time, not a fleet's all at
+        once); cold ones are listed at the first pass."""
+        self.seen.pop(key, None)
+        if self.clock.monotonic() - self.started > WARM_S:
+            self.relisted_at[key] = self.clock.monotonic()
+        else:
+            self.relisted_at.pop(key, None)
 
     def forget(self, key: Key) -> None:
         self.seen.pop(key, None)

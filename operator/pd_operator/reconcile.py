@@ -116,12 +116,11 @@ class Controller:
     # ---- leadership and the workers -------------------------------------------------------
     async def lead(self, shard: int | None = None) -> None:
         """This process became the leader (of one shard): start from what the API server says,
-        as a fresh process would (switches in flight come back from status)."""
+        as a fresh process would (switches in flight come back from status; caches.took_over)."""
         keys = self._keys(shard)
         for key in keys:
             self.memory.pop(key, None)
-            self.caches.seen.pop(key, None)
-            self.caches.relisted_at.pop(key, None)
+            self.caches.took_over(key)
         for ev in self._events(shard):
             ev.set()
         self.leading.set()
