@@ -23,6 +23,7 @@ DECODER = "decoder"
 ENGINE_ROLES = (PROMPT, DECODER)
 ENGINE_ROLE = {"prefill": PROMPT, "decoder": DECODER}
 
+FIELD_MANAGER = "pd-operator"   # the operator's one field manager (server-side apply)
 AGENT_PORT = 8080            # the agent's HTTP API
 GATEWAY_PORT = 8000          # pd-gateway
 # pd-gateway's /metrics and /stats: per-key names and usage, so not on the public API port

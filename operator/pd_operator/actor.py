@@ -77,13 +77,13 @@ class Actor:
     # ---- act ---------------------------------------------------------------------------------
     async def act(self, snap: Snapshot, plan: Plan) -> bool:
         """Carry out the plan; what it did is folded into the memory. True if it acted."""
-        mem = self.memory[snap.key]
+        mem, seen = self.memory[snap.key], self.caches.seen_of(snap.key)   # (a takeover replaces both)
         res = Results()
         try:
             return await self._act(snap, plan, mem, res)
         finally:
             fold(mem, res, self.clock.monotonic())
-            fold_seen(self.caches.seen_of(snap.key), res, self.clock.monotonic())
+            fold_seen(seen, res, self.clock.monotonic())
 
     async def _act(self, snap: Snapshot, plan: Plan, mem: Memory, res: Results) -> bool:
         (ns, name), body, spec, token = snap.key, snap.body, snap.spec, snap.token

@@ -38,6 +38,7 @@ STATUS_TIMEOUT_S = 3.0
 # the connections kept open to each (a pass calls one agent a few times at once at most)
 AGENT_POOL = 1024
 PER_AGENT = 16
+CLOSE_AFTER_S = 120.0   # a client let go is closed this much later (longer than any call on it)
 MAX_REMEMBERED = 8192   # agents' last status bodies kept (a fleet's engine pods)
 M = TypeVar("M", bound=BaseModel)
 
@@ -57,14 +58,15 @@ class AgentClient:
 
     def _client(self, url: str) -> httpx.AsyncClient:
         origin = url[:url.find("/", url.find("//") + 2)] if url.count("/") > 2 else url
-        http = self._clients.get(origin)
+        http = self._clients.pop(origin, None)   # (put back last: the least recently used goes first)
         if http is None:
-            if len(self._clients) >= AGENT_POOL:   # pods come and go: old addresses' clients are let go
-                old = self._clients.pop(next(iter(self._clients)))
-                asyncio.get_running_loop().create_task(old.aclose())
-            http = self._clients[origin] = httpx.AsyncClient(
+            if len(self._clients) >= AGENT_POOL:   # pods come and go: old addresses' clients are let go,
+                old = self._clients.pop(next(iter(self._clients)))   # closed once calls on them ended
+                asyncio.get_running_loop().call_later(CLOSE_AFTER_S, lambda: asyncio.ensure_future(old.aclose()))
+            http = httpx.AsyncClient(
                 trust_env=False, timeout=self._timeout, transport=self._transport,
                 limits=httpx.Limits(max_connections=PER_AGENT, max_keepalive_connections=PER_AGENT))
+        self._clients[origin] = http
         return http
 
     async def close(self) -> None:

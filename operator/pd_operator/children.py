@@ -46,18 +46,24 @@ def stamped(obj: dict) -> dict:
                                                          ANNOTATION_DIGEST: digest(obj)}}}
 
 
-def adopt(desired: list[dict], observed: dict[ChildKey, dict], applied: dict[ChildKey, Applied]
-          ) -> dict[ChildKey, Applied]:
+def written_by_others(obj: dict, manager: str) -> bool:
+    """Whether anyone but `manager` wrote the object's spec or metadata (status writers aside)."""
+    return any(m.get("manager") != manager and m.get("subresource") != "status"
+               for m in (obj.get("metadata") or {}).get("managedFields") or [])
+
+
+def adopt(desired: list[dict], observed: dict[ChildKey, dict], applied: dict[ChildKey, Applied],
+          manager: str) -> dict[ChildKey, Applied]:
     """After a start or a takeover nothing is remembered of what was applied: a child whose
-    stamp is the desired one's is taken as applied, as it stands, instead of applied again (a
-    fleet's takeover would otherwise re-apply every child). A change made to it while no
-    operator was leading shows only at its next change or the next spec change."""
+    stamp is the desired one's and that no one but the operator (`manager`) wrote is taken as
+    applied, as it stands, instead of applied again (a fleet's takeover would otherwise re-apply
+    every child). One someone else changed, even while no operator was leading, is applied."""
     out = {}
     for obj in desired:
         k = child_key(obj)
         have = observed.get(k)
         want = obj["metadata"]["annotations"][ANNOTATION_DIGEST]
-        if k not in applied and have is not None and \
+        if k not in applied and have is not None and not written_by_others(have, manager) and \
                 ((have.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_DIGEST) == want:
             out[k] = (digest(obj), marker(have))
     return out

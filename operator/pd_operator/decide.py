@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from pd_contract.names import LABEL_DEPLOYMENT, NPU_RESOURCE
+from pd_contract.names import FIELD_MANAGER, LABEL_DEPLOYMENT, NPU_RESOURCE
 
 from . import children as ch
 from . import links as lk
@@ -236,7 +236,7 @@ def _children(snap: Snapshot, mem: Memory, book: sw_.Book, engines: list[lk.Engi
     # MindIE's rank table follows the pods (their roles and devices): rendered from what was observed
     desired += ranktable.desired(name, ns, uid, snap.spec, live)
     desired = [ch.stamped(o) for o in desired]
-    if adopted := ch.adopt(desired, snap.children, mem.applied):
+    if adopted := ch.adopt(desired, snap.children, mem.applied, FIELD_MANAGER):
         mem.applied = {**mem.applied, **adopted}   # a new dict: the memory read is not decide's
     to_apply = [] if blocked and not retry else ch.to_apply(desired, snap.children, mem.applied)
     return desired, to_apply

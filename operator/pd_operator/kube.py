@@ -16,9 +16,10 @@ import httpx
 from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 
+from pd_contract.names import FIELD_MANAGER
+
 from .kinds import BY_KIND
 
-FIELD_MANAGER = "pd-operator"   # the one field manager of every apply
 log = logging.getLogger("pd_operator.kube")
 
 

@@ -112,6 +112,8 @@ class Elector:
         now_wall, now = self.clock.time(), self.clock.monotonic()
         lease = await self.kube.get(API, "Lease", self.s.namespace, self.s.name)
         if lease is None:
+            if not may_take:
+                return False
             got = await self.kube.create(self._lease(None, now_wall, acquire=True))
             return got is not None   # None: another candidate created it first
         spec = lease.get("spec") or {}
@@ -119,9 +121,9 @@ class Elector:
         record = (holder, spec.get("renewTime"), spec.get("leaseTransitions"))
         if record != self._observed:
             self._observed, self._observed_at = record, now
+        if not may_take and (holder != self.s.identity or not self.leading):
+            return False    # (a Lease handed back whose release did not get through is not renewed)
         if holder != self.s.identity:
-            if not may_take:
-                return False
             duration = held_for(spec.get("leaseDurationSeconds"), self.s.lease_duration) if holder else 0.0
             if now - self._observed_at < duration + extra_wait:
                 return False    # held, and renewed within its duration as far as this clock can tell
@@ -148,20 +150,25 @@ class Elector:
         except Exception as e:  # noqa: BLE001 - the API server may be away: not leading this round
             log.debug("lease round failed: %r", e)
             held = False
-        now = self.clock.monotonic()
         if held:
-            self._renewed_at = now
+            self._renewed_at = self.clock.monotonic()
             if not self.leading:
                 self.leading = True
                 self.transitions += 1
                 log.info("became the leader on Lease %s (%s)", self.s.name, self.s.identity)
                 await self.on_started()
-        elif self.leading and now - self._renewed_at > self.s.renew_deadline:
-            self.leading = False
-            log.warning("could not renew the Lease for %.0fs: stopped acting, campaigning again",
-                        self.s.renew_deadline)
-            await self.on_stopped()
+        else:
+            await self.check_deadline()
         return self.leading
+
+    async def check_deadline(self) -> None:
+        """Stop acting once the Lease could not be renewed for the renew deadline (before anyone
+        else may take it: renew deadline < lease duration)."""
+        if self.leading and self.clock.monotonic() - self._renewed_at > self.s.renew_deadline:
+            self.leading = False
+            log.warning("could not renew the Lease %s for %.0fs: stopped acting, campaigning again",
+                        self.s.name, self.s.renew_deadline)
+            await self.on_stopped()
 
     async def release(self) -> None:
         """Give the Lease up (on SIGTERM) so a standby need not wait out its duration."""

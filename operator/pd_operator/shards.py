@@ -58,6 +58,7 @@ class ShardElection:
         self.member = f"{settings.name}-member-{hashlib.sha256(settings.identity.encode()).hexdigest()[:10]}"
         self._seen: dict[str, tuple[str | None, float]] = {}   # member Lease -> (renewTime, first seen so)
         self._won: list[int] = []      # shards in the order this replica took them
+        self._handed_back: dict[int, float] = {}   # shard -> not taken back before (monotonic)
         # replicas start campaigning at different shards, so simultaneous starts spread out
         self.offset = int(hashlib.sha256(settings.identity.encode()).hexdigest(), 16) % max(1, shards)
 
@@ -72,19 +73,23 @@ class ShardElection:
 
     async def round(self) -> None:
         try:
-            live = await self._members()
+            live = await asyncio.wait_for(self._members(), self.s.retry_period * 2)
         except Exception as err:  # noqa: BLE001 - the API server away: the shards' own rounds decide
             log.debug("membership round failed: %r", err)
             live = max(1, len(self.held()))
         fair = math.ceil(self.shards / max(1, live))
+        now = self.clock.monotonic()
         for j in range(self.shards):
             i = (self.offset + j) % self.shards
             e = self.electors[i]
             mine = len(self.held())
-            await e.round(may_take=e.leading or mine <= fair,
+            await e.round(may_take=e.leading or (mine <= fair and now >= self._handed_back.get(i, 0.0)),
                           extra_wait=0.0 if mine < fair else self.s.lease_duration)
             if e.leading and i not in self._won:
                 self._won.append(i)
+            # a slow round (the API server away) must not keep any shard acting past its deadline
+            for other in self.electors:
+                await other.check_deadline()
         self._won = [i for i in self._won if self.electors[i].leading]
         if len(self._won) > fair:
             await self._hand_back(self._won[-1], fair)
@@ -94,6 +99,9 @@ class ShardElection:
         log.info("holding %d shards, a fair share is %d: shard %d handed back", len(self._won), fair, shard)
         await e.on_stopped()
         await e.release()
+        # not taken back at once if the release failed or the count was off: a replica below its
+        # share has time to take it
+        self._handed_back[shard] = self.clock.monotonic() + 3 * self.s.lease_duration
 
     async def _members(self) -> int:
         """Renew this replica's membership Lease; the live replicas (membership renewed within a

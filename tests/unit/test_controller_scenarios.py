@@ -568,3 +568,17 @@ async def test_a_restarted_operator_adopts_children_as_applied_and_still_repairs
     w.ctl.on_child("MODIFIED", copy.deepcopy(w.kube.store(sts)))
     await w.settle()
     assert w.kube.objects[("StatefulSet", "ns", "x-prefill")]["spec"]["replicas"] == 2
+
+
+def test_a_child_someone_else_wrote_is_not_adopted_but_applied():
+    from pd_operator import children as ch
+    desired = [ch.stamped({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "s"}, "spec": {"a": 1}})]
+    stamp = desired[0]["metadata"]["annotations"]
+    ours = {"metadata": {"name": "s", "annotations": stamp, "resourceVersion": "5",
+                         "managedFields": [{"manager": "pd-operator", "operation": "Apply"},
+                                           {"manager": "kube-controller-manager", "subresource": "status"}]}}
+    edited = {"metadata": {**ours["metadata"], "managedFields": ours["metadata"]["managedFields"] + [
+        {"manager": "kubectl-edit", "operation": "Update"}]}}
+    assert ch.adopt(desired, {("Service", "s"): ours}, {}, "pd-operator") == {
+        ("Service", "s"): (ch.digest(desired[0]), "rv5")}
+    assert ch.adopt(desired, {("Service", "s"): edited}, {}, "pd-operator") == {}, "edited while no one led"

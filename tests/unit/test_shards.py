@@ -128,3 +128,21 @@ async def test_a_stopping_replica_hands_its_shards_back_at_once():
     assert not any(n.startswith("op-member") and n.endswith(gone.election.member[-10:]) for n in kube.items)
     await rounds(reps, clock, 2)            # not a lease duration: it was released, not expired
     assert reps[0].led == {0, 1}
+
+
+async def test_a_shard_handed_back_is_not_renewed_even_if_its_release_failed():
+    kube, clock = Leases(), Clock()
+    reps = [Replica(kube, clock, "r0", 2)]
+    await rounds(reps, clock, 5)
+    assert reps[0].led == {0, 1}
+
+    async def failing_replace(body):
+        raise KubeError(500, "away", "replace Lease")
+    e = reps[0].election
+    good, kube.replace = kube.replace, failing_replace
+    await e._hand_back(1, fair=1)               # stops acting; the release's write fails
+    kube.replace = good
+    await rounds(reps, clock, 3)
+    assert reps[0].led == {0}, "not taken back at once"
+    await rounds(reps, clock, 30)               # no one else: after the hold it is taken again
+    assert reps[0].led == {0, 1}
