@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-import zlib
 
 from pd_contract.names import LABEL_KEYS
 
@@ -23,7 +22,7 @@ from .errors import TerminalError
 from .kube import Kube, KubeError
 from .members import Problem, claimed_owner, foreign, member_of, pod_ready
 from .observe import ask_always, to_ask
-from .runtime import Clock, Limiters
+from .runtime import Clock, Limiters, spread
 from .state import Memory, Seen
 
 log = logging.getLogger("pd_operator.observer")
@@ -37,7 +36,7 @@ TOKEN_TTL_S = 20.0
 def relist_s(key: Key) -> float:
     """RELIST_S plus up to half again, fixed per deployment: a fleet that settled together does
     not list all its pods and children in the same second, every time."""
-    return RELIST_S * (1.0 + 0.5 * (zlib.crc32(f"{key[0]}/{key[1]}".encode()) % 1000) / 1000)
+    return RELIST_S * (1.0 + 0.5 * spread(key))
 
 
 class Observer:

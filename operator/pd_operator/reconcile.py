@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import zlib
 from dataclasses import replace
 from typing import Callable
 
@@ -36,7 +35,7 @@ from .events import Events
 from .kube import Kube, KubeError
 from .metrics import OperatorMetrics
 from .observer import Observer
-from .runtime import SYSTEM_CLOCK, Clock, Limiters, Runtime
+from .runtime import SYSTEM_CLOCK, Clock, Limiters, Runtime, spread
 from .shards import shard_of
 from .state import AGENT_CONCURRENCY, Memory
 
@@ -52,7 +51,7 @@ SWITCH_POLL_S = 0.1       # while a switch waits on something observed (a drain)
 def resync_s(key: Key) -> float:
     """RESYNC_S less up to 20%, fixed per deployment: deployments that settled together (an
     operator start, a takeover) do not resync together forever after."""
-    return RESYNC_S * (0.8 + 0.2 * (zlib.crc32(f"{key[0]}/{key[1]}".encode()) % 1000) / 1000)
+    return RESYNC_S * (0.8 + 0.2 * spread(key))
 
 
 class Controller:

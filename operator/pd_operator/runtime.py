@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import zlib
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Protocol
 
@@ -31,6 +32,12 @@ class SystemClock:
 
 
 SYSTEM_CLOCK = SystemClock()
+
+
+def spread(key: Key) -> float:
+    """A fraction in [0, 1) fixed per key: periods stretched by it keep deployments that settled
+    together (a start, a takeover) from resyncing or relisting together forever after."""
+    return (zlib.crc32(f"{key[0]}/{key[1]}".encode()) % 1000) / 1000
 
 
 class Limiters:

@@ -39,6 +39,14 @@ class Script:
         return out
 
 
+async def until(cond, timeout: float = 10.0) -> None:
+    """Yield to the loop until `cond()` holds (what the test observes, however slow the machine)."""
+    async def wait() -> None:
+        while not cond():
+            await asyncio.sleep(0.005)
+    await asyncio.wait_for(wait(), timeout)
+
+
 async def runs_of(s: Script, n: int, timeout: float = 5.0) -> None:
     async def until() -> None:
         while s.calls.count("run") < n:
@@ -139,22 +147,16 @@ async def test_first_passes_run_a_few_at_a_time_and_later_passes_are_not_held(le
     keys = [("ns", f"d{i}") for i in range(3 * FIRST_PASSES)]
     for k in keys:
         rt.ensure(k)
-    for _ in range(20):
-        await asyncio.sleep(0.01)
+    await until(lambda: running == FIRST_PASSES)
+    for _ in range(10):          # more workers get their turn on the loop: none may start a pass
+        await asyncio.sleep(0)
     assert most == FIRST_PASSES, "first passes bounded"
     gate.set()
-    for _ in range(100):
-        if len(passes) == len(keys):
-            break
-        await asyncio.sleep(0.01)
-    assert len(passes) == len(keys), "every deployment had its first pass"
+    await until(lambda: len(passes) == len(keys) and running == 0)   # every deployment had its first pass
     assert not rt.fresh
     gate.clear()
     rt.poke_all()                # not a takeover: the next passes are not first passes
-    for _ in range(50):
-        if all(n >= 2 for n in passes.values()):
-            break
-        await asyncio.sleep(0.01)
+    await until(lambda: all(n >= 2 for n in passes.values()))
     assert all(n == 2 for n in passes.values())
     rt.poke_all(fresh=True)      # a takeover: every next pass is a first pass again
     assert rt.fresh == set(keys)
