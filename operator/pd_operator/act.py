@@ -133,7 +133,7 @@ async def verify(body: dict, agents: AgentClient, events: Events, mem: Memory, l
             return {"ok": False, "code": err.code or err.kind, "message": str(err), "prefill": p.pod,
                     "decoder": d.pod, "bytes": 0, "pull_ms": 0}
     results = await asyncio.gather(*(one(d, p) for d, p in pairs))
-    first_time = not mem.verify
+    first_time = not mem.verify and not mem.verify_carried
     for r in results:
         agents.metrics.verified(body["metadata"].get("namespace", ""), body["metadata"]["name"], r["ok"], r["code"])
         before = mem.verify.get(r["decoder"])

@@ -20,6 +20,7 @@ from . import policies, ranktable
 from . import rebalance as rb
 from . import replace as rp
 from . import switch as sw_
+from . import verification as vf
 from .api import PDDeploymentSpec
 from .builders import desired_children, npu_mismatch
 from .config import OperatorConfig, not_allowed
@@ -257,12 +258,17 @@ def _links(snap: Snapshot, mem: Memory, engines: list[lk.Engine], obs: Observed,
     obs.link_failures = dict(mem.failures)
     pairs: list[tuple[lk.Engine, lk.Engine]] = []
     if snap.token:
-        pairs, mem.verified_links = verify_due(engines, obs.reported, sw.per, mem, now)
+        pairs, mem.verified_links = verify_due(engines, obs.reported, sw.per, mem, now, snap)
+        if pairs or (mem.verify_digest is None and mem.verify and mem.verified_links == _link_set(obs.reported)):
+            # what this round verifies (or, after a round run as the links were made, did)
+            mem.verify_digest = vf.link_digest(obs.reported, _boots(engines))
     complete_after = lk.completes(engines, obs.reported, plans, topo) if plans else None
     if not want:
         mem.verify = {}
     obs.verify = {d: r for d, r in mem.verify.items() if d in alive}
-    obs.verified_at = mem.verified_at
+    obs.verified_at, obs.verify_digest = mem.verified_at, mem.verify_digest
+    if mem.verify_carried and not mem.verify:   # a recorded round stands: its fields stay in status
+        obs.last_verified = (snap.body.get("status") or {}).get("lastVerified")
     return plans, pairs, complete_after
 
 
@@ -314,14 +320,27 @@ def take_reports(mem: Memory, engines: list[lk.Engine], reports: dict[str, Repor
     return out
 
 
+def _boots(engines: list[lk.Engine]) -> dict[str, str]:
+    return {e.pod: e.boot_id or "" for e in engines}
+
+
+def _link_set(reported: dict[str, list[dict]]) -> frozenset:
+    return frozenset((d, link["cluster_id"]) for d, ls in reported.items() for link in ls)
+
+
 def verify_due(engines: list[lk.Engine], reported: dict[str, list[dict]], per: dict[str, tuple[int, int, list]],
-               mem: Memory, now: float) -> tuple[list[tuple[lk.Engine, lk.Engine]], frozenset]:
+               mem: Memory, now: float, snap: Snapshot | None = None) -> tuple[list[tuple[lk.Engine, lk.Engine]],
+                                                                             frozenset]:
     """Verify when every desired link is up and either the link set changed or the interval
-    passed. Returns the pairs and the link set they verify."""
+    passed. Returns the pairs and the link set they verify. A fresh memory (a start, a takeover)
+    first takes the round recorded in status if it verified these very links (verification.py)."""
     expected, up = lk.totals(per)
     if not expected or up != expected:
         return [], mem.verified_links
-    link_set = frozenset((d, l["cluster_id"]) for d, ls in reported.items() for l in ls)
+    link_set = _link_set(reported)
+    if snap is not None and vf.fresh(mem):
+        vf.carry(mem, snap.body.get("status"), reported, _boots(engines), link_set, snap.wall, now,
+                 snap.spec.datadist.verify_interval_seconds)
     if link_set == mem.verified_links and now < mem.next_verify:
         return [], mem.verified_links
     return lk.verify_pairs(engines, mem.verify_round), link_set

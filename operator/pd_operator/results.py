@@ -58,8 +58,8 @@ def fold(mem: Memory, res: Results, now: float) -> None:
         mem.verify[v["decoder"]] = v
     if res.verified_at is not None:
         mem.verified_at = res.verified_at
-    if res.verified_links is not None:
-        mem.verified_links = res.verified_links
+    if res.verified_links is not None:   # its digest is taken from the next pass's reports (decide._links)
+        mem.verified_links, mem.verify_digest = res.verified_links, None
     if res.next_verify is not None:
         mem.verify_round += 1
         mem.next_verify = res.next_verify

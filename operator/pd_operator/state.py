@@ -35,6 +35,8 @@ class Memory:
     verified_links: frozenset = frozenset()
     verify: dict[str, dict] = field(default_factory=dict)
     verified_at: str | None = None
+    verify_digest: str | None = None      # verification.link_digest of what the last round verified
+    verify_carried: bool = False          # the round recorded in status stands for one of ours (a takeover)
     last_status: dict | None = None
     applied_keys: bool | None = None      # whether the children last applied gave the gateway its keys
     proxy_warned: set[str] = field(default_factory=set)

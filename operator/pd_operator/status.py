@@ -59,6 +59,8 @@ class Observed:
     link_failures: dict[tuple[str, int], tuple[str, Diagnosis]] = field(default_factory=dict)  # -> (code, diag)
     verify: dict[str, dict] = field(default_factory=dict)  # decoder -> last VerifyResult dict
     verified_at: str | None = None
+    verify_digest: str | None = None      # verification.link_digest of what the last round verified
+    last_verified: dict | None = None     # status.lastVerified as recorded, while that round stands (a takeover)
     proxy: dict[str, dict[str, str]] = field(default_factory=dict)
     model_id: int = 0
     topology: str = "FullMesh"
@@ -221,6 +223,8 @@ def kv_path_verified(obs: Observed, expected: int, up: int, prev: dict | None) -
         return False, diags[0].reason, _listed([d.message for d in diags])
     if results and expected and up == expected:
         return True, "Verified", "every decoder pulled a probe cache from a prefill and the bytes matched"
+    if obs.last_verified and expected and up == expected:
+        return None   # a round recorded before a takeover stands (verification.py)
     if not prev or prev["status"] == "True":
         return "Unknown", "NotYetVerified", "waiting for every link to be up"
     return None
@@ -378,7 +382,10 @@ def _with_rounds(out: dict, obs: Observed, results: list[dict]) -> dict:
         out["lastVerified"] = {"paths": [f"{r['decoder']} <- {r['prefill']}{pairs(r)}" for r in good],
                                "bytes": sum(r["bytes"] for r in good),
                                "slowestPullMs": round(max(r["pull_ms"] for r in good), 2),
-                               **({"at": obs.verified_at} if obs.verified_at else {})}
+                               **({"at": obs.verified_at} if obs.verified_at else {}),
+                               **({"links": obs.verify_digest} if obs.verify_digest else {})}
+    elif obs.last_verified:
+        out["lastVerified"] = obs.last_verified
     if obs.switches:
         out["switches"] = [s.to_status() for s in obs.switches]
     if obs.last_switch:

@@ -582,3 +582,42 @@ def test_a_child_someone_else_wrote_is_not_adopted_but_applied():
     assert ch.adopt(desired, {("Service", "s"): ours}, {}, "pd-operator") == {
         ("Service", "s"): (ch.digest(desired[0]), "rv5")}
     assert ch.adopt(desired, {("Service", "s"): edited}, {}, "pd-operator") == {}, "edited while no one led"
+
+
+# ---- a takeover keeps a verification that still holds (verification.py) -------------------------
+
+def verifies(w: World, since: int) -> int:
+    return sum(1 for c in w.log[since:] if c[0] == "agent.verify")
+
+
+async def test_a_new_leader_takes_a_recent_round_over_the_same_links_and_stays_ready():
+    w = await ready_world()
+    recorded = copy.deepcopy(w.status["lastVerified"])
+    assert recorded.get("links"), "the round's link digest is recorded"
+    w.controller()                     # a takeover: nothing remembered
+    before = len(w.log)
+    for _ in range(3):
+        await w.step()
+        assert w.status["phase"] == "Ready" and w.condition("KVPathVerified")["status"] == "True", w.status
+    assert verifies(w, before) == 0, "the round recorded a moment ago stands"
+    assert w.status["lastVerified"] == recorded
+    assert not [c for c in w.log[before:] if c[0] == "event" and c[1] == "KVPathVerified"]
+    w.clock.advance(61)                # the interval from the recorded round, not from the takeover
+    await w.settle()
+    assert verifies(w, before) >= 2
+    assert w.status["lastVerified"]["at"] != recorded["at"] and w.status["lastVerified"]["links"] == recorded["links"]
+
+
+@pytest.mark.parametrize("change", ["restarted", "old"])
+async def test_a_new_leader_verifies_at_once_when_the_recorded_round_does_not_hold(change):
+    w = await ready_world()
+    if change == "restarted":          # same links, another engine process behind one end
+        w.agent("x-prefill-0").boot_id = "boot-2"
+    else:
+        w.clock.advance(61)
+    w.controller()
+    before = len(w.log)
+    await w.step()
+    assert verifies(w, before) >= 2, "verified in the first pass"
+    await w.settle()
+    assert w.condition("KVPathVerified")["status"] == "True"
