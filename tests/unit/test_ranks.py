@@ -249,3 +249,22 @@ def test_unequal_tp_is_counted_in_decoder_rank_links():
     link["code"], link["healthy"] = "LLM_LINK_FAILED", False
     per = links.per_decoder([p0, d0], {"d-0": [link]})
     assert per["d-0"][:2] == (2, 1)
+
+
+def test_judged_links_kept_with_a_report_follow_the_peer():
+    """A decoder's dumped links (links.Reported) keep what each was judged to be; a peer that
+    moved a rank or restarted is judged again, and the answers are those of plain lists."""
+    from dataclasses import replace
+    p0, p1, d0 = engine("p-0", "prefill", 0), engine("p-1", "prefill", 4), engine("d-0", "decoder", 1000)
+    ok = ["LLM_SUCCESS"] * 4
+    plain = [link_to(p0, ok), link_to(p1, ["LLM_SUCCESS", "LLM_LINK_FAILED", "LLM_SUCCESS", "LLM_SUCCESS"])]
+    dumped = links.Reported(plain)
+    for _ in range(2):   # the second time from what was kept
+        assert links.per_decoder([p0, p1, d0], {"d-0": dumped}) == links.per_decoder([p0, p1, d0], {"d-0": plain})
+        assert links.plan([p0, p1, d0], {"d-0": dumped}) == links.plan([p0, p1, d0], {"d-0": plain})
+    assert len(dumped.judged) == 2
+    moved = replace(p0, ranks=p0.ranks[:3] + ((3, "10.9.9.9", 26000),))
+    restarted = replace(p0, boot_id="boot-again")
+    for peer in (moved, restarted):
+        assert links.per_decoder([peer, p1, d0], {"d-0": dumped})["d-0"][:2] == (8, 3)
+        assert [e.pod for e in links.plan([peer, p1, d0], {"d-0": dumped})[0].link] == ["p-0", "p-1"]
