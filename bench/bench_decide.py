@@ -76,7 +76,7 @@ class Fleet:
     children: dict
 
 
-def _ranks(spec, group: str, index: int, tp: int) -> list[RankInfo]:
+def _ranks(spec: PDDeploymentSpec, group: str, index: int, tp: int) -> list[RankInfo]:
     octet = 1 if group == "prefill" else 2
     return [RankInfo(rank=r, cluster_id=builders.cluster_id(spec, group, index, r), device_id=r,
                      ip=f"172.{16 + octet}.{index}.{r + 1}", port=26000,
@@ -143,12 +143,12 @@ def act(f: Fleet, plan: Plan, now: float, wall: float) -> Memory:
         res.verified = [VerifyResult(ok=True, code="LLM_SUCCESS", prefill=p.pod, decoder=d.pod, bytes=4096,
                                      pull_ms=0.5).model_dump() for d, p in plan.verify]
         res.verified_at = iso(wall)
-        res.next_verify = now + plan_interval(f)
+        res.next_verify = now + verify_interval(f)
     fold(mem, res, now)
     return mem
 
 
-def plan_interval(f: Fleet) -> float:
+def verify_interval(f: Fleet) -> float:
     return float(f.body["spec"]["datadist"]["verifyIntervalSeconds"])
 
 
