@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 KUBECONFIG_LOCAL := $(CURDIR)/.localcluster/kubeconfig
 BIN_DIR = $(shell hack/k8s-bins/build.sh --print-dir)
 
-.PHONY: help venv lint k8s-bins cluster-up cluster-down test test-unit test-vllm test-integration test-e2e e2e-kind images lint-workflows crd crd-check docs demo bench bench-sim bench-links bench-switch bench-gateway bench-rebalance bench-policy-sim soak busy-machine busy-machine-stop clean
+.PHONY: help venv lint k8s-bins cluster-up cluster-down test test-unit test-vllm test-integration test-e2e e2e-kind images lint-workflows crd crd-check docs demo bench bench-sim bench-links bench-switch bench-gateway bench-decide bench-rebalance bench-policy-sim soak busy-machine busy-machine-stop clean
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
@@ -103,6 +103,10 @@ bench-switch: venv k8s-bins ## one live role switch per direction under load (on
 
 bench-gateway: venv ## latency pd-gateway adds per request, and requests/s it routes on one core
 	$(PY) bench/bench_gateway.py
+
+bench-decide: venv ## decide's settled pass at 64P+64D TP 8 (no cluster; goal: median <= 20 ms) and the status size with every link failing (ARGS="--prefill 8 --decoder 8 --tp 2 --passes 20": other sizes)
+	PYTHONPATH=$(CURDIR):$(CURDIR)/operator:$(CURDIR)/sim-agent:$(CURDIR)/contract:$(CURDIR)/engines:$(CURDIR)/gateway:$(CURDIR)/localcluster \
+		$(PY) bench/bench_decide.py $(ARGS)
 
 bench-rebalance: $(BENCH_STAMP) k8s-bins ## live switching vs fixed ratios vs Replace on three traces (about 30 min; QUICK=1: a subset; ENGINES=16: trace b at 16 engines, one fleet at a time, about 35 min)
 ifeq ($(or $(ENGINES),4),4)

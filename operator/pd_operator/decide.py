@@ -310,7 +310,7 @@ def take_reports(mem: Memory, engines: list[lk.Engine], reports: dict[str, Repor
             if st.role == "decoder":   # dumped once per report, not once per pass (read only after)
                 dumped = mem.links_dumped.get(e.pod)
                 if dumped is None or dumped[0] is not st:
-                    dumped = mem.links_dumped[e.pod] = (st, [link.model_dump() for link in st.links])
+                    dumped = mem.links_dumped[e.pod] = (st, lk.Reported(link.model_dump() for link in st.links))
                 obs.reported[e.pod] = dumped[1]
             if st.proxy_env:
                 obs.proxy[e.pod] = st.proxy_env

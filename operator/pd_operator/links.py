@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 from pd_contract.names import BROKEN_CODES
 
@@ -115,6 +115,72 @@ def _rank_addresses(ranks: tuple[tuple[int, str, int], ...]) -> dict[int, tuple[
     return {cid: (ip, port) for cid, ip, port in ranks}
 
 
+Verdict = tuple[bool, bool, int | None]   # (stale, the engine says broken, rank links up if not stale)
+
+
+class Reported(list):
+    """A decoder's reported links as decide dumps them, once per agent report, and read-only from
+    then on: what each link was judged to be against its peer is kept with them, and what
+    per_decoder and plan made of them all against the decoder's peers, so a pass in which neither
+    changed judges no link again (64P x 64D x TP 8: 4096 links of 8 ranks, twice a pass).
+    Anything else passed as reported links is judged afresh."""
+
+    def __init__(self, links: Iterable[dict] = ()):
+        super().__init__(links)
+        self.by_cid = {l["cluster_id"]: l for l in self}
+        self.judged: dict[int, tuple[dict, tuple, Verdict]] = {}   # cluster id -> (link, peer key, verdict)
+        self.rows: dict[str, tuple] = {}   # what per_decoder and plan made of all of them, and against what peers
+
+
+class _Peers:
+    """The peer lists one call judges links against, each as a key of what judging depends on,
+    and what a decoder's links were judged against last time compared with it at most once per
+    call: decoders judged in one call share their key (desired() hands every decoder of one
+    CacheDesc the same list), so a pass compares one key per peer list, not one per decoder."""
+
+    def __init__(self) -> None:
+        self.keys: dict[int, tuple[list[Engine], tuple]] = {}   # id of a list -> (it, its key)
+        self.same: dict[int, tuple[tuple, bool]] = {}           # id of an earlier key -> (it, equal)
+
+    def key(self, peers: list[Engine]) -> tuple:
+        got = self.keys.get(id(peers))
+        if got is None or got[0] is not peers:
+            got = self.keys[id(peers)] = (peers, tuple((e.cluster_id, e.ip, e.port, e.boot_id, e.ranks,
+                                                        e.cache_desc) for e in peers))
+        return got[1]
+
+    def matches(self, earlier: tuple, key: tuple) -> bool:
+        if earlier is key:
+            return True
+        got = self.same.get(id(earlier))
+        if got is None or got[0] is not earlier:
+            got = self.same[id(earlier)] = (earlier, earlier == key)
+        return got[1]
+
+
+def _by_cid(links: list[dict]) -> dict[int, dict]:
+    return links.by_cid if isinstance(links, Reported) else {l["cluster_id"]: l for l in links}
+
+
+def judge(link: dict, target: Engine, links: list[dict] | None = None) -> Verdict:
+    """The link against its peer: stale (_stale), broken by the engine's word, and its rank links
+    that are up unless stale (None: it has no rank links, the pod link counts as the decoder's
+    TP). Kept in `links` (the decoder's reported links) if they are a Reported, until the link or
+    the peer's address, ranks or boot id change."""
+    memo = links.judged if isinstance(links, Reported) else None
+    key = (target.ip, target.port, target.boot_id, target.ranks)
+    if memo is not None:
+        seen = memo.get(link["cluster_id"])
+        if seen is not None and seen[0] is link and seen[1] == key:
+            return seen[2]
+    ranks = link.get("ranks")
+    verdict = (_stale(link, target), _engine_says_broken(link), sum(
+        1 for r in ranks if r.get("healthy", True) and r.get("code") not in BROKEN_CODES) if ranks else None)
+    if memo is not None:
+        memo[link["cluster_id"]] = (link, key, verdict)
+    return verdict
+
+
 def _stale(link: dict, target: Engine) -> bool:
     """The peer moved (an address, or a rank's) or restarted since the link was made."""
     if link.get("ip") != target.ip or link.get("port") != target.port:
@@ -140,13 +206,18 @@ def rank_links(decoder: Engine) -> int:
     return max(1, decoder.tp)
 
 
-def ranks_up(link: dict, decoder: Engine, target: Engine, stale: bool | None = None) -> int:
-    """Rank links up within a reported pod link (`stale`: _stale's answer, if the caller has it)."""
-    if _stale(link, target) if stale is None else stale:
+def ranks_up(link: dict, decoder: Engine, target: Engine) -> int:
+    """Rank links up within a reported pod link."""
+    return _up(judge(link, target), decoder)
+
+
+def _up(verdict: Verdict, decoder: Engine) -> int:
+    stale, says_broken, ranks = verdict
+    if stale:
         return 0
-    if link.get("ranks"):
-        return sum(1 for r in link["ranks"] if r.get("healthy", True) and r.get("code") not in BROKEN_CODES)
-    return 0 if _engine_says_broken(link) else rank_links(decoder)
+    if ranks is not None:
+        return ranks
+    return 0 if says_broken else rank_links(decoder)
 
 
 def compatible(d: Engine, p: Engine) -> bool:
@@ -181,32 +252,52 @@ def plan(engines: list[Engine], reported: dict[str, list[dict]], topology: str =
     want = desired(engines, topology)
     kept = kept_prefills(engines)
     by_pod = {e.pod: e for e in engines}
+    known = _Peers()
     plans = []
     for dpod, peers in want.items():
-        p = DecoderPlan(by_pod[dpod])
-        have = {l["cluster_id"]: l for l in reported.get(dpod, [])}
-        wanted = {e.cluster_id: e for e in peers}
-        for cid, link in have.items():
-            target = wanted.get(cid) or kept.get(cid)
-            if target is not None and not compatible(p.decoder, target):
-                target = None  # a link across CacheDescs cannot carry a cache: drop it
-            if not due(dpod, cid):
-                continue       # the last attempt on this link failed: wait for its backoff
-            if target is None:
-                # gone, scaled away, or a leaving prefill with nothing left to pull
-                (p.force_unlink if _engine_says_broken(link) else p.unlink).append(link)
-            elif broken(link, target):
-                p.force_unlink.append(link)  # re-make it (a leaving prefill gets no new link)
-                if cid in wanted:
-                    p.link.append(target)
-        for cid, target in wanted.items():
-            if cid not in have and due(dpod, cid):
-                p.link.append(target)
+        d, links = by_pod[dpod], reported.get(dpod, [])
+        dumped = links if isinstance(links, Reported) else None
+        if dumped is not None and _same_row(dumped, "plan", known, peers, d.cache_desc):
+            continue   # linked to these very peers and nothing broken, as last time: nothing to do
+        p, asked = _decoder_plan(d, peers, links, kept, due)
         if not p.empty:
             plans.append(p)
+        elif dumped is not None and not asked and set(dumped.by_cid) <= {e.cluster_id for e in peers}:
+            dumped.rows["plan"] = (known.key(peers), d.cache_desc, None)   # (whatever backoffs and kept say)
     # decoders that are not serving (leaving, not ready) keep their links until they go
     # or the switcher handles them; prefills never dial.
     return plans
+
+
+def _decoder_plan(d: Engine, peers: list[Engine], links: list[dict], kept: dict[int, Engine],
+                  due: Callable[[str, int], bool]) -> tuple[DecoderPlan, bool]:
+    """One decoder's plan, and whether any link's backoff was asked (whether it mattered)."""
+    p = DecoderPlan(d)
+    have = _by_cid(links)
+    wanted = {e.cluster_id: e for e in peers}
+    asked = False
+    for cid, link in have.items():
+        target = wanted.get(cid) or kept.get(cid)
+        if target is not None and not compatible(d, target):
+            target = None  # a link across CacheDescs cannot carry a cache: drop it
+        # a link well and wanted needs nothing; one to drop or re-make waits out the backoff
+        # of its last failed attempt (`due`)
+        if target is None:
+            asked = True
+            if due(d.pod, cid):   # gone, scaled away, or a leaving prefill with nothing left to pull
+                (p.force_unlink if _engine_says_broken(link) else p.unlink).append(link)
+        elif any(judge(link, target, links)[:2]):   # broken, as `broken` says
+            asked = True
+            if due(d.pod, cid):
+                p.force_unlink.append(link)  # re-make it (a leaving prefill gets no new link)
+                if cid in wanted:
+                    p.link.append(target)
+    for cid, target in wanted.items():
+        if cid not in have:
+            asked = True
+            if due(d.pod, cid):
+                p.link.append(target)
+    return p, asked
 
 
 def _engine_says_broken(link: dict) -> bool:
@@ -220,20 +311,45 @@ def per_decoder(engines: list[Engine], reported: dict[str, list[dict]],
     rank links (a pod link between TP-rank pods is TP rank links)."""
     out = {}
     by_pod = {e.pod: e for e in engines}
+    known = _Peers()
     for dpod, peers in desired(engines, topology).items():
-        d = by_pod[dpod]
-        have = {l["cluster_id"]: l for l in reported.get(dpod, [])}
-        up, down = 0, []
-        for e in peers:
-            link = have.get(e.cluster_id)
-            if link is None:
-                continue
-            stale = _stale(link, e)   # once per link: it walks every rank of the link
-            if stale or _engine_says_broken(link):
-                down.append(link)
-            up += ranks_up(link, d, e, stale)
-        out[dpod] = (rank_links(d) * len(peers), up, down)
+        d, links = by_pod[dpod], reported.get(dpod, [])
+        if not isinstance(links, Reported):
+            out[dpod] = _decoder_counts(d, peers, links)
+        elif _same_row(links, "per", known, peers, d.tp):   # the same peers as last time: the same counts
+            out[dpod] = links.rows["per"][2]
+        else:
+            out[dpod] = _decoder_counts(d, peers, links)
+            links.rows["per"] = (known.key(peers), d.tp, out[dpod])
     return out
+
+
+def _same_row(links: Reported, row: str, known: _Peers, peers: list[Engine], decoder: object) -> bool:
+    """Whether `links` were last made `row` of against these peers and a decoder like this one
+    (its TP, its CacheDesc): then they make the same again. The row is given this call's key."""
+    seen = links.rows.get(row)
+    if seen is None or seen[1] != decoder:
+        return False
+    key = known.key(peers)
+    if not known.matches(seen[0], key):
+        return False
+    if seen[0] is not key:
+        links.rows[row] = (key, *seen[1:])
+    return True
+
+
+def _decoder_counts(d: Engine, peers: list[Engine], links: list[dict]) -> tuple[int, int, list[dict]]:
+    have = _by_cid(links)
+    up, down = 0, []
+    for e in peers:
+        link = have.get(e.cluster_id)
+        if link is None:
+            continue
+        verdict = judge(link, e, links)
+        if verdict[0] or verdict[1]:
+            down.append(link)
+        up += _up(verdict, d)
+    return rank_links(d) * len(peers), up, down
 
 
 def totals(per: dict[str, tuple[int, int, list[dict]]]) -> tuple[int, int]:
@@ -253,9 +369,11 @@ def completes(engines: list[Engine], reported: dict[str, list[dict]], plans: lis
     planned = {(p.decoder.pod, e.cluster_id) for p in plans for e in p.link}
     full = set()
     for dpod, peers in desired(engines, topology).items():
-        have = {l["cluster_id"]: l for l in reported.get(dpod, [])}
+        links = reported.get(dpod, [])
+        have = _by_cid(links)
         for e in peers:
-            ok = (dpod, e.cluster_id) in planned or (e.cluster_id in have and not broken(have[e.cluster_id], e))
+            ok = (dpod, e.cluster_id) in planned or (e.cluster_id in have and not any(
+                judge(have[e.cluster_id], e, links)[:2]))
             if not ok:
                 return None
             full.add((dpod, e.cluster_id))

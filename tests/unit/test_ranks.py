@@ -249,3 +249,41 @@ def test_unequal_tp_is_counted_in_decoder_rank_links():
     link["code"], link["healthy"] = "LLM_LINK_FAILED", False
     per = links.per_decoder([p0, d0], {"d-0": [link]})
     assert per["d-0"][:2] == (2, 1)
+
+
+def test_judged_links_kept_with_a_report_follow_the_peer():
+    """A decoder's dumped links (links.Reported) keep what each was judged to be; a peer that
+    moved a rank or restarted is judged again, and the answers are those of plain lists."""
+    from dataclasses import replace
+    p0, p1, d0 = engine("p-0", "prefill", 0), engine("p-1", "prefill", 4), engine("d-0", "decoder", 1000)
+    ok = ["LLM_SUCCESS"] * 4
+    plain = [link_to(p0, ok), link_to(p1, ["LLM_SUCCESS", "LLM_LINK_FAILED", "LLM_SUCCESS", "LLM_SUCCESS"])]
+    dumped = links.Reported(plain)
+    for _ in range(2):   # the second time from what was kept
+        assert links.per_decoder([p0, p1, d0], {"d-0": dumped}) == links.per_decoder([p0, p1, d0], {"d-0": plain})
+        assert links.plan([p0, p1, d0], {"d-0": dumped}) == links.plan([p0, p1, d0], {"d-0": plain})
+    assert len(dumped.judged) == 2
+    moved = replace(p0, ranks=p0.ranks[:3] + ((3, "10.9.9.9", 26000),))
+    restarted = replace(p0, boot_id="boot-again")
+    for peer in (moved, restarted):
+        assert links.per_decoder([peer, p1, d0], {"d-0": dumped})["d-0"][:2] == (8, 3)
+        assert [e.pod for e in links.plan([peer, p1, d0], {"d-0": dumped})[0].link] == ["p-0", "p-1"]
+
+
+def test_a_decoder_linked_to_the_same_peers_is_not_judged_again_but_any_change_is_seen():
+    from dataclasses import replace
+    p0, p1, d0 = engine("p-0", "prefill", 0), engine("p-1", "prefill", 4), engine("d-0", "decoder", 1000)
+    ok = ["LLM_SUCCESS"] * 4
+    good = links.Reported([link_to(p0, ok), link_to(p1, ok)])
+    for _ in range(2):
+        assert links.plan([p0, p1, d0], {"d-0": good}) == []
+        assert links.per_decoder([p0, p1, d0], {"d-0": good})["d-0"] == (8, 8, [])
+    assert set(good.rows) == {"plan", "per"}
+    p2 = engine("p-2", "prefill", 8)   # a prefill more: linked, and counted as missing
+    assert [e.pod for e in links.plan([p0, p1, p2, d0], {"d-0": good})[0].link] == ["p-2"]
+    assert links.per_decoder([p0, p1, p2, d0], {"d-0": good})["d-0"][:2] == (12, 8)
+    assert links.plan([p0, replace(p1, cache_desc="other"), d0], {"d-0": good})[0].unlink == [good[1]]
+    # a broken link waiting out its backoff is no link to leave alone: once due, it is re-made
+    broken = links.Reported([link_to(p0, ok), link_to(p1, ["LLM_LINK_FAILED"] + ok[1:])])
+    assert links.plan([p0, p1, d0], {"d-0": broken}, due=lambda d, c: False) == []
+    assert [e.pod for e in links.plan([p0, p1, d0], {"d-0": broken})[0].link] == ["p-1"]
