@@ -12,6 +12,8 @@ standby replica. It measures:
 - the time from killing the leader (SIGKILL) to every deployment settled again as the new
   leader sees it (phase Ready, every link up, KV path verified by its own probe), and the
   passes meanwhile;
+- requests failed on a few deployments of real agents (the simulator's, on the cluster's own
+  node) that carry load from `pd_agent.loadgen` across the takeover (--loaded);
 - the size of each PDDeployment's .status.
 It prints a table and writes bench/results/scale.json.
 
@@ -23,6 +25,7 @@ own besides the fake one, and stopped again at the end); unset, a directory of i
 from __future__ import annotations
 
 import argparse
+import base64
 import datetime as dt
 import json
 import math
@@ -187,6 +190,7 @@ class Harness:
     fleet: subprocess.Popen | None = None
     fleet_stats: str = ""
     names: list[str] = field(default_factory=list)
+    loaded: list[str] = field(default_factory=list)   # deployments of real agents, under load at the takeover
 
     def __post_init__(self) -> None:
         root = Path(self.args.cluster_dir or os.environ.get("PD_LOCALCLUSTER_DIR") or DEFAULT_DIR).resolve()
@@ -341,6 +345,43 @@ class Harness:
                                            "value": FAKE_TAINT["value"], "effect": FAKE_TAINT["effect"]}]
         return doc
 
+    def real_deployment(self, name: str) -> dict:
+        """examples/sim-small.yaml as it is: real agents (pods as processes) on the cluster's own node."""
+        doc = yaml.safe_load((REPO / "examples" / "sim-small.yaml").read_text())
+        doc["metadata"] = {"name": name}
+        return doc
+
+    def load(self, name: str) -> subprocess.Popen:
+        """`pd_agent.loadgen` on one loaded deployment, as a user runs it (the routers' data token)."""
+        sec = self.core.read_namespaced_secret(f"{name}-agent-data-token", self.ns)
+        token = base64.b64decode(sec.data["token"]).decode()
+        env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
+        return subprocess.Popen(
+            [sys.executable, "-m", "pd_agent.loadgen", "--kubeconfig", str(self.lc.paths.kubeconfig), "--namespace",
+             self.ns, "--deployment", name, f"--token={token}", "--rate", str(self.args.load_rate), "--duration",
+             "3600", "--workload", "code", "--max-output", "32", "--json"],
+            env=env, stdout=open(self.work / f"loadgen-{name}.json", "wb"),
+            stderr=open(self.work / f"loadgen-{name}.log", "wb"))
+
+    def load_results(self, procs: dict[str, subprocess.Popen]) -> dict:
+        """Stop every load generator (the requests in flight finish and count) and sum their reports."""
+        for p in procs.values():
+            p.send_signal(signal.SIGTERM)
+        out: dict = {"requests": 0, "completed": 0, "failed": 0, "retried": 0, "failed_by_reason": {}}
+        for name, p in procs.items():
+            try:
+                p.wait(120)
+                r = json.loads((self.work / f"loadgen-{name}.json").read_text())
+            except (subprocess.TimeoutExpired, ValueError) as e:
+                p.kill()
+                out["failed_by_reason"][f"{name}: no report ({e})"] = 1
+                continue
+            for k in ("requests", "completed", "failed", "retried"):
+                out[k] += r[k]
+            for reason, n in (r.get("failed_by_reason") or {}).items():
+                out["failed_by_reason"][reason] = out["failed_by_reason"].get(reason, 0) + n
+        return out
+
     def deployments(self) -> list[dict]:
         return self.custom.list_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL)["items"]
 
@@ -348,15 +389,19 @@ class Harness:
         self.names = [f"scale-{i:03d}" for i in range(self.args.deployments)]
         for n in self.names:
             self.custom.create_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, self.deployment(n))
+        self.loaded = [f"loaded-{i}" for i in range(self.args.loaded)]
+        for n in self.loaded:
+            self.custom.create_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, self.real_deployment(n))
 
     def all_settled(self) -> bool:
         items = self.deployments()
-        return len(items) == len(self.names) and all(settled(o) for o in items)
+        return len(items) == len(self.names) + len(self.loaded) and all(settled(o) for o in items)
 
     def progress(self) -> str:
         items = self.deployments()
         st = self.stats() or {}
-        return f"{sum(settled(o) for o in items)}/{len(self.names)} settled, {st.get('pods', '?')} fake pods running"
+        return f"{sum(settled(o) for o in items)}/{len(self.names) + len(self.loaded)} settled, " \
+               f"{st.get('pods', '?')} fake pods running"
 
     # ---- the run ----------------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -376,7 +421,9 @@ class Harness:
         lead = self.operators["a"]
         t0 = time.monotonic()
         self.create()
-        log(f"{a.deployments} deployments of {a.prefill}P+{a.decoder}D at TP {a.tp} created in {self.ns}")
+        report["loaded"] = self.loaded
+        log(f"{a.deployments} deployments of {a.prefill}P+{a.decoder}D at TP {a.tp} created in {self.ns}"
+            f"{f', and {len(self.loaded)} of real agents' if self.loaded else ''}")
         last = 0.0
         deadline = t0 + a.settle_timeout
         while not self.all_settled():
@@ -424,7 +471,7 @@ class Harness:
             "fake_agents_cpu_percent": round((fcpu1 - fcpu0) / span * 100, 1),
         }
         sizes = {o["metadata"]["name"]: len(json.dumps(o.get("status") or {}, separators=(",", ":")))
-                 for o in self.deployments()}
+                 for o in self.deployments() if o["metadata"]["name"] in self.names}
         report["status_bytes"] = {"min": min(sizes.values()), "median": int(statistics.median(sizes.values())),
                                   "max": max(sizes.values()), "total": sum(sizes.values()), "each": sizes}
         log(f"idle: {json.dumps({k: v for k, v in report['idle'].items() if k != 'agent_calls_per_s_by_op'})}")
@@ -443,6 +490,9 @@ class Harness:
         lead, standby = self.roles()
         cpu0 = cpu_seconds(standby.proc.pid)
         transitions0 = self.lease().get("leaseTransitions", 0)
+        loads = {n: self.load(n) for n in self.loaded}
+        time.sleep(a.load_lead_seconds if loads else 0)   # traffic flowing before the kill
+        everyone = self.names + self.loaded
         w_kill, t_kill = time.time(), time.monotonic()
         lead.stop(signal.SIGKILL)
         t_lead = None
@@ -456,20 +506,24 @@ class Harness:
             if t_lead is None and total(samples, "pd_operator_leader") == 1:
                 t_lead = time.monotonic()
             if t_lead is not None:
-                done = settled_by(samples, self.names)
-                if len(done) == len(self.names):
+                done = settled_by(samples, everyone)
+                if len(done) == len(everyone):
                     break
             time.sleep(0.25)
         t_settled, w_settled = time.monotonic(), time.time()
-        ok = len(done) == len(self.names)
+        ok = len(done) == len(everyone)
         api_ok = self.all_settled()
-        # the passes of the new leader from its first until every deployment settled, and a little after
-        time.sleep(2)
+        # the passes of the new leader from its first until every deployment settled, and a little after;
+        # the load goes on as long again as the takeover took, then stops (the requests in flight finish)
+        time.sleep(max(2.0, (t_settled - t_kill) if loads else 0))
+        load = self.load_results(loads) if loads else None
         passes = read_passes(standby.log_path, w_kill, w_settled + 2)
         out = {"leader_killed_to_new_leader_s": round(t_lead - t_kill, 2) if t_lead else None,
                "leader_killed_to_all_settled_s": round(t_settled - t_kill, 2) if ok else None,
                "new_leader_to_all_settled_s": round(t_settled - t_lead, 2) if ok and t_lead else None,
-               "settled": f"{len(done)}/{len(self.names)}", "status_settled_in_api": api_ok,
+               "settled": f"{len(done)}/{len(everyone)}", "status_settled_in_api": api_ok,
+               # traffic on the real-agent deployments from before the kill until after every one settled
+               "load": load,
                "killed": lead.name,
                # 1 is the takeover itself; more: the new leader missed its renew deadline and stepped down
                "lease_transitions": self.lease().get("leaseTransitions", 0) - transitions0,
@@ -534,6 +588,9 @@ def table(r: dict) -> str:
         rows += [("leader killed -> standby leads", f"{t['leader_killed_to_new_leader_s']} s (Lease transitions: "
                                                     f"{t['lease_transitions']})"),
                  ("leader killed -> all settled", f"{t['leader_killed_to_all_settled_s']} s ({t['settled']})"),
+                 ("requests across the takeover", "-" if not t.get("load") else
+                  f"{t['load']['completed']}/{t['load']['requests']} completed, {t['load']['failed']} failed "
+                  f"{t['load']['failed_by_reason'] or ''} ({len(r['loaded'])} loaded deployments)"),
                  ("takeover pass p50 / p99 / max", f"{ms(t['pass']['p50_ms'])} / {ms(t['pass']['p99_ms'])} / "
                                                    f"{ms(t['pass']['max_ms'])} ({t['pass']['passes']} passes)")]
     width = max(len(k) for k, _ in rows)
@@ -551,6 +608,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--settle-timeout", type=float, default=1800)
     ap.add_argument("--takeover-timeout", type=float, default=300)
     ap.add_argument("--no-takeover", dest="takeover", action="store_false")
+    ap.add_argument("--loaded", type=int, default=2, help="deployments of real agents (examples/sim-small.yaml on "
+                    "the cluster's own node) carrying load across the takeover")
+    ap.add_argument("--load-rate", type=float, default=3, help="requests/s on each loaded deployment")
+    ap.add_argument("--load-lead-seconds", type=float, default=5, help="traffic flowing before the leader is killed")
     # the chart's leader election timings (values.yaml leaderElection)
     ap.add_argument("--lease-duration", type=float, default=15)
     ap.add_argument("--renew-deadline", type=float, default=10)

@@ -1,5 +1,6 @@
 """The scale harness (make bench-scale) at a small size: every deployment settles on fake agents,
-again after the leader is killed, and the report carries every figure. Figures are reported,
+again after the leader is killed, with no request failed on a deployment of real agents under load
+meanwhile, and the report carries every figure. Figures are reported,
 never asserted: this checks the harness, not the operator's speed.
 
 The harness runs its own local cluster ($PD_LOCALCLUSTER_DIR if set, else one in the test's
@@ -46,7 +47,8 @@ def test_every_deployment_settles_on_fake_agents_and_the_report_has_every_figure
     out = tmp_path / "scale.json"
     report = bench_scale.main([
         "--deployments", str(DEPLOYMENTS), "--prefill", "1", "--decoder", "1", "--tp", "2",
-        "--idle-seconds", "6", "--warmup-seconds", "1", "--settle-timeout", "600", "--takeover-timeout", "300",
+        "--loaded", "1", "--idle-seconds", "6", "--warmup-seconds", "1", "--settle-timeout", "600",
+        "--takeover-timeout", "300",
         "--cluster-dir", os.environ.get("PD_LOCALCLUSTER_DIR") or str(tmp_path / "cluster"),
         "--work-dir", str(tmp_path / "work"), "--out", str(out)])
 
@@ -56,7 +58,10 @@ def test_every_deployment_settles_on_fake_agents_and_the_report_has_every_figure
     missing = [".".join(p) for p in FIGURES if figure(report, p) is None]
     assert not missing, f"the report lacks {missing}: {json.dumps(report, indent=1)[:3000]}"
     # every deployment settled after the takeover, as the new leader saw it and in the API
-    assert report["takeover"]["settled"] == f"{DEPLOYMENTS}/{DEPLOYMENTS}"
+    assert report["takeover"]["settled"] == f"{DEPLOYMENTS + 1}/{DEPLOYMENTS + 1}"
+    # the deployment of real agents carried load across the takeover, and none of it failed
+    load = report["takeover"]["load"]
+    assert load["requests"] > 0 and load["failed"] == 0, load
     assert report["takeover"]["status_settled_in_api"] is True
     assert len(report["status_bytes"]["each"]) == DEPLOYMENTS
     assert report["idle"]["pass"]["passes"] > 0 and report["takeover"]["pass"]["passes"] > 0
