@@ -404,7 +404,7 @@ def main() -> None:
                 worst = max(diffs) if diffs else float("nan")
                 print(f"  goal: goodput within 10% of x{other['compress']:g} for every run: "
                       f"{'met' if worst <= 0.10 else 'NOT met'} (worst {worst:.1%})")
-            png = RESULTS / f"rebalance-{kind.split(':')[0]}{suffix}.png"
+            png = RESULTS / (f"rebalance{suffix}.png" if parse_workload(kind) else f"rebalance-{kind}{suffix}.png")
             plot(kind, rows, png, args.compress, args.engines)
             print(f"  plot: {png.relative_to(REPO)}  ({time.monotonic() - t0:.0f} s)\n", flush=True)
             out_path.write_text(json.dumps(result, indent=1))
