@@ -108,8 +108,11 @@ bench-decide: venv ## decide's settled pass at 64P+64D TP 8 (no cluster; goal: m
 	PYTHONPATH=$(CURDIR):$(CURDIR)/operator:$(CURDIR)/sim-agent:$(CURDIR)/contract:$(CURDIR)/engines:$(CURDIR)/gateway:$(CURDIR)/localcluster \
 		$(PY) bench/bench_decide.py $(ARGS)
 
-bench-rebalance: $(BENCH_STAMP) k8s-bins ## live switching vs fixed ratios vs Replace on three traces (about 30 min; QUICK=1: a subset; ENGINES=16: trace b at 16 engines, one fleet at a time, about 35 min)
-ifeq ($(or $(ENGINES),4),4)
+bench-rebalance: $(BENCH_STAMP) k8s-bins ## live switching vs fixed ratios vs Replace on three traces (about 30 min; QUICK=1: a subset; ENGINES=16: trace b at 16 engines, one fleet at a time, about 35 min; WORKLOAD=steps:101 [RUNS=goodput]: one generated workload beside the model's prediction, about 10 min a run)
+ifneq ($(WORKLOAD),)
+	$(PY) bench/bench_rebalance.py --engines $(or $(ENGINES),16) --workload $(WORKLOAD) --runs $(or $(RUNS),goodput) \
+		--one-at-a-time
+else ifeq ($(or $(ENGINES),4),4)
 	$(PY) bench/bench_rebalance.py $(if $(QUICK),--quick,) && \
 	$(PY) bench/bench_policy_sim.py --sizes 4 --compare bench/results/rebalance.json
 else

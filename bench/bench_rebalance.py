@@ -16,18 +16,26 @@ each run's goodput beside another result's (compressed against uncompressed: goa
     python bench/bench_rebalance.py [--compress 1] [--traces sine,shift,step] [--quick]
     python bench/bench_rebalance.py --compress 2 --compare bench/results/rebalance.json  # the compression check
     python bench/bench_rebalance.py --engines 16 --traces shift --runs best-fixed,Goodput,Load+Replace --one-at-a-time
+    python bench/bench_rebalance.py --engines 16 --workload steps:101 --runs Goodput --one-at-a-time [--dry-run]
 
 --engines N runs fleets of N engines on the same generator's trace for N (rates scaled, as
 bench-policy-sim makes it), sent by N/4 load generator processes (each every (N/4)-th request:
 one Python process carries only so many streams; each reports how late its own timers fired,
 and a result whose load generators lagged measures them, not the fleet); --one-at-a-time runs
 the fleets one after another when the machine cannot carry them side by side. Each run reports
-the machine's CPU use while it ran."""
+the machine's CPU use while it ran.
+
+--workload FAMILY:SEED runs one workload of bench/workloads.py (the generator bench-policy-sim
+reports Goodput on, its held-out seeds among them) for the fleet instead of the traces, Goodput
+only unless --runs names others, and prints each run's goodput beside what bench/fleetsim.py's
+model predicts for the same workload, fleet and policy (goal: within 10%). --dry-run writes the
+workload's requests and prints the model's prediction without starting a cluster."""
 from __future__ import annotations
 
 import argparse
 import base64
 import json
+import math
 import os
 import signal
 import subprocess
@@ -72,14 +80,50 @@ def cpu_times() -> tuple[float, float]:
     return sum(f) - idle, sum(f)
 
 
+def parse_workload(kind: str) -> tuple[str, int] | None:
+    """(family, seed) of a workload named FAMILY:SEED (bench/workloads.py), None for a trace."""
+    if ":" not in kind:
+        return None
+    import workloads as wl
+    family, seed = kind.split(":", 1)
+    if family not in wl.FAMILIES or not seed.isdigit():
+        raise SystemExit(f"--workload {kind!r}: FAMILY:SEED with FAMILY one of {', '.join(wl.FAMILIES)}")
+    return family, int(seed)
+
+
+def title(kind: str) -> str:
+    return sc.TRACES.get(kind) or f"workload {kind} (bench/workloads.py)"
+
+
+def workload_rows(family: str, seed: int, engines: int) -> list[dict]:
+    """The requests of one generated workload for a fleet of `engines`, as a trace's rows (what
+    bench-policy-sim models for the same family, seed and fleet, over the traces' duration)."""
+    import workloads as wl
+    return [{"timestamp": round(t * 1000), "input_length": p, "output_length": o}
+            for t, p, o in wl.generate(family, seed, engines, sc.DURATION_S, sc.MAX_BATCH)]
+
+
+def model_goodput(kind: str, engines: int, names: list[str], switch_s: float = 0.4) -> dict[str, float]:
+    """Each run's goodput (req/s) as bench/fleetsim.py's model predicts it for this workload and fleet."""
+    from bench_policy_sim import _wl_run
+    family, seed = parse_workload(kind) or ("", 0)
+    return {name: _wl_run((engines, family, seed, float(sc.DURATION_S), name, switch_s))[1]["goodput_rps"]
+            for name in names}
+
+
 def trace_file(kind: str, engines: int) -> Path:
-    """The shipped 4-engine trace, or the same generator's trace for `engines` (what bench-policy-sim models)."""
-    if engines == 4:
+    """The shipped 4-engine trace, or the same generator's trace for `engines` (what bench-policy-sim
+    models), or a generated workload (FAMILY:SEED)."""
+    wl = parse_workload(kind)
+    if wl is None and engines == 4:
         return sc.trace_path(kind)
-    from pd_agent import traces
-    rows, _ = traces.generate(kind, traces.Fleet(engines // 2, engines // 2, sc.MAX_BATCH), sc.DURATION_S,
-                              sc.PERIOD_S, seed=1)
-    path = RESULTS / "work" / f"{kind}-{engines}.jsonl"
+    if wl is not None:
+        rows = workload_rows(wl[0], wl[1], engines)
+    else:
+        from pd_agent import traces
+        rows, _ = traces.generate(kind, traces.Fleet(engines // 2, engines // 2, sc.MAX_BATCH), sc.DURATION_S,
+                                  sc.PERIOD_S, seed=1)
+    path = RESULTS / "work" / f"{kind.replace(':', '-')}-{engines}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -87,7 +131,7 @@ def trace_file(kind: str, engines: int) -> Path:
 
 def run_trace(bench: Bench, kind: str, compress: float, only: list[str] | None, token_of,
               engines: int = 4) -> dict:
-    ns = f"bench-rb-{kind}-{uuid.uuid4().hex[:5]}"
+    ns = f"bench-rb-{kind.replace(':', '-')}-{uuid.uuid4().hex[:5]}"
     bench.namespace(ns)
     op, _ = bench.operator(ns, f"bench-rebalance-{kind}-operator.log")
     loads: dict[str, list[subprocess.Popen]] = {}
@@ -224,7 +268,7 @@ def plot(kind: str, rows: dict[str, dict], path: Path, compress: float, engines:
     first = next(iter(rows.values()))["timeline"]
     ax[0].plot([b["t"] for b in first], [b["rate"] for b in first], color="black")
     ax[0].set_ylabel("arrivals / s")
-    ax[0].set_title(f"trace {kind}: {sc.TRACES[kind]} ({engines} engines, compressed x{compress:g}, trace time)")
+    ax[0].set_title(f"trace {kind}: {title(kind)} ({engines} engines, compressed x{compress:g}, trace time)")
     for name, s in rows.items():
         tl = s["timeline"]
         ts = [b["t"] for b in tl]
@@ -245,6 +289,39 @@ def plot(kind: str, rows: dict[str, dict], path: Path, compress: float, engines:
     plt.close(fig)
 
 
+def run_names(names: list[str], engines: int, kind: str) -> list[str]:
+    """The runs named (any case, as `make bench-rebalance RUNS=goodput` spells them) as the scenarios do."""
+    known = {r.name.lower(): r.name for r in sc.runs(engines, 0, 1.0, kind)}
+    unknown = [n for n in names if n.lower() not in known]
+    if unknown:
+        raise SystemExit(f"no run {unknown} at {engines} engines: {', '.join(known.values())}")
+    return [known[n.lower()] for n in names]
+
+
+def beside_model(kind: str, engines: int, rows: dict[str, dict]) -> dict[str, dict]:
+    """Each run's cluster goodput beside the model's for the same workload, fleet and policy (goal: 10%)."""
+    model = model_goodput(kind, engines, list(rows))
+    out = {}
+    for name, m in model.items():
+        got = rows[name]["goodput_rps"]
+        diff = abs(got - m) / m if m else math.inf
+        out[name] = {"cluster_goodput_rps": got, "model_goodput_rps": m, "diff": diff}
+        print(f"  {name}: cluster {got:.3f} req/s, model {m:.3f} req/s ({diff:.1%}); goal: within 10% of the "
+              f"model: {'met' if diff <= 0.10 else 'NOT met'}")
+    return out
+
+
+def dry_run(kind: str, engines: int, names: list[str]) -> dict[str, float]:
+    """What a --workload run would send and what the model predicts of it, without a cluster."""
+    path = trace_file(kind, engines)
+    n = sum(1 for _ in path.open())
+    print(f"workload {kind}, {engines} engines: {n} requests over {sc.DURATION_S} s in {path}")
+    model = model_goodput(kind, engines, names)
+    for name, m in model.items():
+        print(f"  {name}: the model predicts {m:.3f} req/s goodput")
+    return model
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--compress", type=float, default=1.0,
@@ -258,9 +335,21 @@ def main() -> None:
     ap.add_argument("--engines", type=int, default=4, help="engines per fleet (the trace's rates scale with it)")
     ap.add_argument("--one-at-a-time", action="store_true",
                     help="the fleets one after another (each alone on the machine), not side by side")
+    ap.add_argument("--workload", default=None,
+                    help="FAMILY:SEED: one generated workload (bench/workloads.py) instead of the traces; "
+                         "Goodput only unless --runs says otherwise; the model's goodput printed beside")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="with --workload: write its requests and print the model's prediction; no cluster")
     args = ap.parse_args()
-    kinds = ["shift"] if args.quick else args.traces.split(",")
+    kinds = [args.workload] if args.workload else ["shift"] if args.quick else args.traces.split(",")
     only = QUICK_RUNS if args.quick else (args.runs.split(",") if args.runs else None)
+    if args.workload:
+        if only and "best-fixed" in only:
+            raise SystemExit("--workload: name the fixed split (bench-policy-sim's workload table has the best)")
+        only = run_names(only or ["Goodput"], args.engines, args.workload)
+        if args.dry_run:
+            dry_run(args.workload, args.engines, only)
+            return
     if only and "best-fixed" in only:
         # every fixed split of a large fleet is too many fleets for this machine: the one the model
         # finds best in hindsight stands for them (bench-policy-sim shows the whole grid)
@@ -270,6 +359,7 @@ def main() -> None:
         print(f"best fixed split of {args.engines} engines on trace {kinds[0]} (model): {best}", flush=True)
         only = [best if r == "best-fixed" else r for r in only]
     suffix = ("" if args.engines == 4 else f"-{args.engines}") + ("" if args.compress == 1 else f"-x{args.compress:g}")
+    suffix += f"-{args.workload.replace(':', '-')}" if args.workload else ""
     out_path = Path(args.out) if args.out else RESULTS / f"rebalance{suffix}.json"
     other = json.loads(Path(args.compare).read_text()) if args.compare else None
     bench = Bench()
@@ -301,18 +391,20 @@ def main() -> None:
                 rows = run_trace(bench, kind, args.compress, only, token_of, args.engines)
             result["traces"][kind] = {"runs": rows, "wall_s": round(time.monotonic() - t0)}
             o = other["traces"].get(kind, {}).get("runs") if other else None
-            print(sc.table(f"trace {kind} {sc.TRACES[kind]}: {args.engines} engines, compressed x{args.compress:g}, "
+            print(sc.table(f"trace {kind} {title(kind)}: {args.engines} engines, compressed x{args.compress:g}, "
                            "in trace time",
                            rows, o, f"x{other['compress']:g} goodput" if other else ""))
             for goal, met, why in sc.goodput_goals(rows, kind):
                 print(f"  goal: {goal}: {'met' if met else 'NOT met'} ({why})")
+            if parse_workload(kind):
+                result["traces"][kind]["model"] = beside_model(kind, args.engines, rows)
             if o:
                 diffs = [abs(rows[n]["goodput_rps"] - o[n]["goodput_rps"]) / o[n]["goodput_rps"]
                          for n in rows if n in o and o[n]["goodput_rps"]]
                 worst = max(diffs) if diffs else float("nan")
                 print(f"  goal: goodput within 10% of x{other['compress']:g} for every run: "
                       f"{'met' if worst <= 0.10 else 'NOT met'} (worst {worst:.1%})")
-            png = RESULTS / f"rebalance-{kind}{suffix}.png"
+            png = RESULTS / (f"rebalance{suffix}.png" if parse_workload(kind) else f"rebalance-{kind}{suffix}.png")
             plot(kind, rows, png, args.compress, args.engines)
             print(f"  plot: {png.relative_to(REPO)}  ({time.monotonic() - t0:.0f} s)\n", flush=True)
             out_path.write_text(json.dumps(result, indent=1))
