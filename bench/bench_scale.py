@@ -55,6 +55,7 @@ from pd_localcluster.__main__ import bin_dir_default  # noqa: E402
 from pd_localcluster.cluster import LocalCluster, free_port, write_kubeconfig  # noqa: E402
 from pd_localcluster.devices import DEFAULT_RESOURCE  # noqa: E402
 from pd_localcluster.pki import PKI, _name  # noqa: E402
+from pd_operator.shards import shard_of  # noqa: E402
 
 GROUP, VERSION, PLURAL = "pdoperator.io", "v1alpha1", "pddeployments"
 NODE = "scale-fake-node"
@@ -94,6 +95,13 @@ def scrape(url: str) -> list:
     return [s for fam in text_string_to_metric_families(text) for s in fam.samples]
 
 
+def safe_scrape(url: str) -> list:
+    try:
+        return scrape(url)
+    except (httpx.HTTPError, ValueError):
+        return []
+
+
 def total(samples: list, name: str, **labels: str) -> float:
     return sum(s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
@@ -129,9 +137,9 @@ def settled_by(samples: list, names: list[str]) -> set[str]:
             and d.get("expected", 0) > 0 and d.get("up") == d.get("expected")}
 
 
-def read_passes(path: Path, since: float, until: float) -> list[float]:
-    """Pass durations (ms) the operator traced between two wall-clock times."""
-    out = []
+def traced(path: Path, since: float, until: float) -> list[tuple[float, str, float]]:
+    """(wall time, deployment name, ms) of every pass the operator traced between two wall-clock times."""
+    out: list[tuple[float, str, float]] = []
     if not path.exists():
         return out
     for line in path.read_text(errors="replace").splitlines():
@@ -139,8 +147,22 @@ def read_passes(path: Path, since: float, until: float) -> list[float]:
         if m:
             t = dt.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
             if since <= t <= until:
-                out.append(float(m.group(5)))
+                out.append((t, m.group(3), float(m.group(5))))
     return out
+
+
+def read_passes(path: Path, since: float, until: float) -> list[float]:
+    """Pass durations (ms) the operator traced between two wall-clock times."""
+    return [ms for _, _, ms in traced(path, since, until)]
+
+
+def longest_gap(passes: list[tuple[float, str, float]], names: set[str], since: float, until: float) -> float:
+    """The longest time (s) any of `names` went without a pass between `since` and `until`."""
+    times: dict[str, list[float]] = {n: [since] for n in names}
+    for t, n, _ in sorted(passes):
+        if n in times:
+            times[n].append(t)
+    return max((max(b - a for a, b in zip(ts, [*ts[1:], until])) for ts in times.values()), default=0.0)
 
 
 @dataclass
@@ -254,10 +276,10 @@ class Harness:
             text = httpx.get(f"{self.apiserver}/metrics", verify=ctx, timeout=20, trust_env=False).text
         except httpx.HTTPError:
             return {}
-        out = {r: 0.0 for r in REPLICAS}
+        out = {r: 0.0 for r in self.replicas}
         for line in text.splitlines():
             if line.startswith("apiserver_flowcontrol_dispatched_requests_total{"):
-                m = re.search(r'flow_schema="pd-operator-scale-(\w)"', line)
+                m = re.search(r'flow_schema="pd-operator-scale-(\w+)"', line)
                 if m and m.group(1) in out:
                     out[m.group(1)] += float(line.rsplit(" ", 1)[1])
         return out
@@ -287,14 +309,103 @@ class Harness:
                     "PD_OPERATOR_LEASE_NAMESPACE": self.ns, "PD_OPERATOR_LEASE_DURATION_S": str(a.lease_duration),
                     "PD_OPERATOR_RENEW_DEADLINE_S": str(a.renew_deadline),
                     "PD_OPERATOR_RETRY_PERIOD_S": str(a.retry_period)}
-        for r in REPLICAS:
-            self.operators[r] = Operator(r, self.identity(r), self.work / f"operator-{r}.log", election,
+        if a.shards > 1:
+            election.update(PD_OPERATOR_SHARDS=str(a.shards))
+        for r in self.replicas:
+            self.operators[r] = Operator(r, self.identity(r), self.work / f"operator-{r}.log",
+                                         {**election, "POD_NAME": f"scale-{r}"},
                                          profile=self.work / "operator-b.prof" if a.profile and r == "b" else None)
+        if a.shards > 1:   # every replica at once; they share the shards out between them
+            for op in self.operators.values():
+                op.start()
+            self.wait("every shard led, each replica its share",
+                      lambda: None not in (h := self.shard_holders()).values()
+                      and set(h.values()) == set(self.replicas[:a.shards]), 180)
+            log(f"shards: {self.shard_holders()}")
+            return
         lead, standby = self.operators["a"], self.operators["b"]
         lead.start()
         self.wait("operator a leading", lambda: self.leader(lead), 60)
         standby.start()
         self.wait("operator b up", lambda: self.leader(standby) is False, 60)
+
+    @property
+    def replicas(self) -> tuple[str, ...]:
+        return REPLICAS if self.args.shards <= 1 else tuple(f"r{i}" for i in range(self.args.replicas))
+
+    def shard_holders(self) -> dict[int, str | None]:
+        """shard -> the replica that holds its Lease (its identity starts with the replica's POD_NAME)."""
+        try:
+            leases = self.kubectl_json("get", "lease", "-n", self.ns)["items"]
+        except (subprocess.CalledProcessError, KeyError, ValueError):
+            return {i: None for i in range(self.args.shards)}
+        by = {o["metadata"]["name"]: (o.get("spec") or {}).get("holderIdentity") or "" for o in leases}
+        out: dict[int, str | None] = {}
+        for i in range(self.args.shards):
+            h = by.get(f"pd-operator-leader-shard-{i}", "")
+            out[i] = h.split("_")[0].removeprefix("scale-") if h else None
+        return out
+
+    def idle_sharded(self) -> dict:
+        """At rest with every replica leading its shards: passes of them all, CPU and RSS of each."""
+        a = self.args
+        ops = list(self.operators.values())
+        cpu0, w0, m0 = {op.name: cpu_seconds(op.proc.pid) for op in ops}, time.time(), time.monotonic()
+        time.sleep(a.idle_seconds)
+        span = time.monotonic() - m0
+        passes = [ms for op in ops for ms in read_passes(op.log_path, w0, time.time())]
+        return {"seconds": round(span, 1), "shards": self.shard_holders(), "pass": summary(passes),
+                "operator_cpu_percent": {op.name: round((cpu_seconds(op.proc.pid) - cpu0[op.name]) / span * 100, 1)
+                                         for op in ops},
+                "operator_rss_bytes": {op.name: rss_bytes(op.proc.pid) for op in ops}}
+
+    def shard_takeover(self) -> dict:
+        """SIGKILL the replica that holds shard 0: its shards move to the others, the others' shards
+        stay where they are, and the deployments of the shards that did not move go on being passed
+        as before (their passes and the longest time one went without a pass, before and during)."""
+        a = self.args
+        holders0 = self.shard_holders()
+        victim = self.operators[str(holders0[0])]
+        moved = {i for i, r in holders0.items() if r == victim.name}
+        everyone = self.names + self.loaded
+        theirs = [n for n in everyone if shard_of((self.ns, n), a.shards) in moved]
+        others = set(everyone) - set(theirs)
+        survivors = [op for op in self.operators.values() if op is not victim]
+        loads = {n: self.load(n) for n in self.loaded}
+        time.sleep(max(30.0, a.load_lead_seconds))   # a baseline of the others' passes, with traffic flowing
+        w_kill, t_kill = time.time(), time.monotonic()
+        victim.stop(signal.SIGKILL)
+        t_taken, done = None, set()
+        while time.monotonic() < t_kill + a.takeover_timeout:
+            if t_taken is None:
+                now_held = self.shard_holders()
+                if all(now_held[i] not in (victim.name, None) for i in moved):
+                    t_taken = time.monotonic()
+            if t_taken is not None:
+                done = set().union(*(settled_by(safe_scrape(op.metrics_url), theirs) for op in survivors))
+                if len(done) == len(theirs):
+                    break
+            time.sleep(0.25)
+        t_settled, w_settled = time.monotonic(), time.time()
+        time.sleep(max(2.0, (t_settled - t_kill) if loads else 0))
+        load = self.load_results(loads) if loads else None
+        holders1 = self.shard_holders()
+        before = [p for op in survivors for p in traced(op.log_path, w_kill - 30, w_kill)]
+        during = [p for op in survivors for p in traced(op.log_path, w_kill, w_settled)]
+        out = {"killed": victim.name, "shards_moved": sorted(moved), "shards_before": holders0,
+               "shards_after": holders1,
+               "other_shards_moved": sorted(i for i in holders0 if i not in moved and holders1[i] != holders0[i]),
+               "leader_killed_to_shard_taken_s": round(t_taken - t_kill, 2) if t_taken else None,
+               "leader_killed_to_all_settled_s": round(t_settled - t_kill, 2) if len(done) == len(theirs) else None,
+               "settled": f"{len(done)}/{len(theirs)}", "status_settled_in_api": self.all_settled(), "load": load,
+               "moved_deployments": len(theirs),
+               "moved_pass": summary([ms for _, n, ms in during if n not in others]),
+               "other_pass_before": summary([ms for _, n, ms in before if n in others]),
+               "other_pass_during": summary([ms for _, n, ms in during if n in others]),
+               "other_longest_gap_before_s": round(longest_gap(before, others, w_kill - 30, w_kill), 2),
+               "other_longest_gap_during_s": round(longest_gap(during, others, w_kill, w_settled), 2)}
+        log(f"shard takeover: {json.dumps(out)}")
+        return out
 
     def roles(self) -> tuple[Operator, Operator]:
         """(leader, standby), as their own metrics say once exactly one leads."""
@@ -418,7 +529,6 @@ class Harness:
         self.wait("the default ServiceAccount", lambda: self.core.list_namespaced_service_account(self.ns).items, 60)
         self.start_fleet()
         self.start_operators()
-        lead = self.operators["a"]
         t0 = time.monotonic()
         self.create()
         report["loaded"] = self.loaded
@@ -429,9 +539,10 @@ class Harness:
         while not self.all_settled():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"not every deployment settled within {a.settle_timeout:.0f}s: {self.progress()}")
-            if not lead.alive():
-                raise RuntimeError(f"operator a exited ({lead.proc.returncode if lead.proc else '?'}); "
-                                   f"see {lead.log_path}")
+            for op in self.operators.values():
+                if not op.alive():
+                    raise RuntimeError(f"operator {op.name} exited ({op.proc.returncode if op.proc else '?'}); "
+                                       f"see {op.log_path}")
             if time.monotonic() - last > 15:
                 log(self.progress())
                 last = time.monotonic()
@@ -440,10 +551,25 @@ class Harness:
         log(f"every deployment settled {report['bring_up_s']} s after they were created")
         # the Lease may have moved meanwhile (a leader that misses its renew deadline steps down)
         report["lease_transitions_during_bring_up"] = self.lease().get("leaseTransitions", 0)
-        lead, standby = self.roles()
-
-        # idle: everything settled, nothing changes; no polling of ours meanwhile
         time.sleep(a.warmup_seconds)
+        report["idle"] = self.idle_sharded() if a.shards > 1 else self.idle()
+        sizes = {o["metadata"]["name"]: len(json.dumps(o.get("status") or {}, separators=(",", ":")))
+                 for o in self.deployments() if o["metadata"]["name"] in self.names}
+        report["status_bytes"] = {"min": min(sizes.values()), "median": int(statistics.median(sizes.values())),
+                                  "max": max(sizes.values()), "total": sum(sizes.values()), "each": sizes}
+        log(f"idle: {json.dumps({k: v for k, v in report['idle'].items() if k != 'agent_calls_per_s_by_op'})}")
+
+        if a.takeover:
+            report["takeover"] = self.shard_takeover() if a.shards > 1 else self.takeover()
+        report["operator_cpu_seconds"] = {r: round(cpu_seconds(op.proc.pid), 1) for r, op in self.operators.items()
+                                          if op.alive()}
+        report["fleet_errors"] = (self.stats() or {}).get("errors", {})
+        return report
+
+    def idle(self) -> dict:
+        """Everything settled, nothing changes, no polling of ours meanwhile: the leader at rest."""
+        a = self.args
+        lead, standby = self.roles()
         samples0, api0, calls0 = scrape(lead.metrics_url), self.api_calls(), (self.stats() or {}).get("calls", {})
         cpu0, fcpu0, w0, m0 = cpu_seconds(lead.proc.pid), cpu_seconds(self.fleet.pid), time.time(), time.monotonic()
         time.sleep(a.idle_seconds)
@@ -452,7 +578,7 @@ class Harness:
             time.monotonic() - m0
         agent_calls = {op: round((calls1.get(op, 0) - calls0.get(op, 0)) / span, 2) for op in calls1
                        if calls1.get(op, 0) != calls0.get(op, 0)}
-        report["idle"] = {
+        return {
             "seconds": round(span, 1),
             "leader": lead.name,
             "pass": summary(read_passes(lead.log_path, w0, w1)),
@@ -470,18 +596,6 @@ class Harness:
                                    - total(samples0, "pd_operator_reconcile_duration_seconds_count")) / span, 2),
             "fake_agents_cpu_percent": round((fcpu1 - fcpu0) / span * 100, 1),
         }
-        sizes = {o["metadata"]["name"]: len(json.dumps(o.get("status") or {}, separators=(",", ":")))
-                 for o in self.deployments() if o["metadata"]["name"] in self.names}
-        report["status_bytes"] = {"min": min(sizes.values()), "median": int(statistics.median(sizes.values())),
-                                  "max": max(sizes.values()), "total": sum(sizes.values()), "each": sizes}
-        log(f"idle: {json.dumps({k: v for k, v in report['idle'].items() if k != 'agent_calls_per_s_by_op'})}")
-
-        if a.takeover:
-            report["takeover"] = self.takeover()
-        report["operator_cpu_seconds"] = {r: round(cpu_seconds(op.proc.pid), 1) for r, op in self.operators.items()
-                                          if op.alive()}
-        report["fleet_errors"] = (self.stats() or {}).get("errors", {})
-        return report
 
     def takeover(self) -> dict:
         """SIGKILL the leader; time until the standby leads, and until every deployment is settled
@@ -573,18 +687,37 @@ def table(r: dict) -> str:
                                                  f"{r['lease_transitions_during_bring_up']})"),
             ("idle pass p50 / p99 / max", f"{ms(idle['pass']['p50_ms'])} / {ms(idle['pass']['p99_ms'])} / "
                                           f"{ms(idle['pass']['max_ms'])} ({idle['pass']['passes']} passes)"),
-            ("idle operator CPU", f"{idle['operator_cpu_percent']}% of a core"),
-            ("operator RSS (leader / standby)",
-             f"{mib(idle['operator_rss_bytes'])} / {mib(idle['standby_rss_bytes'])}"),
-            ("idle API calls/s (leader / standby)",
-             "-" if idle["api_calls_per_s"] is None else
-             f"{idle['api_calls_per_s']['leader']} / {idle['api_calls_per_s']['standby']}"),
-            ("idle agent calls/s", f"{idle['agent_calls_per_s']} (operator's count: "
-                                   f"{idle['agent_calls_per_s_operator_metric']})"),
             ("status bytes min / median / max", f"{r['status_bytes']['min']} / {r['status_bytes']['median']} / "
                                                 f"{r['status_bytes']['max']}")]
+    if "shards" in idle:
+        rows += [("shards (shard: replica)", ", ".join(f"{k}: {v}" for k, v in idle["shards"].items())),
+                 ("idle CPU by replica", ", ".join(f"{k} {v}%" for k, v in idle["operator_cpu_percent"].items())),
+                 ("RSS by replica", ", ".join(f"{k} {mib(v)}" for k, v in idle["operator_rss_bytes"].items()))]
+    else:
+        rows += [("idle operator CPU", f"{idle['operator_cpu_percent']}% of a core"),
+                 ("operator RSS (leader / standby)",
+                  f"{mib(idle['operator_rss_bytes'])} / {mib(idle['standby_rss_bytes'])}"),
+                 ("idle API calls/s (leader / standby)",
+                  "-" if idle["api_calls_per_s"] is None else
+                  f"{idle['api_calls_per_s']['leader']} / {idle['api_calls_per_s']['standby']}"),
+                 ("idle agent calls/s", f"{idle['agent_calls_per_s']} (operator's count: "
+                                        f"{idle['agent_calls_per_s_operator_metric']})")]
     t = r.get("takeover")
-    if t:
+    if t and "shards_moved" in t:
+        rows += [("replica killed (SIGKILL)", f"{t['killed']}: shards {t['shards_moved']} moved "
+                                              f"({t['moved_deployments']} deployments); other shards moved: "
+                                              f"{t['other_shards_moved'] or 'none'}"),
+                 ("killed -> its shards taken / settled", f"{t['leader_killed_to_shard_taken_s']} s / "
+                                                          f"{t['leader_killed_to_all_settled_s']} s ({t['settled']})"),
+                 ("requests across the takeover", "-" if not t.get("load") else
+                  f"{t['load']['completed']}/{t['load']['requests']} completed, {t['load']['failed']} failed"),
+                 ("other shards' pass max, before / during",
+                  f"{ms(t['other_pass_before']['max_ms'])} / {ms(t['other_pass_during']['max_ms'])}"),
+                 ("other shards' longest gap, before / during", f"{t['other_longest_gap_before_s']} s / "
+                                                                f"{t['other_longest_gap_during_s']} s"),
+                 ("moved deployments' pass p50 / max", f"{ms(t['moved_pass']['p50_ms'])} / "
+                                                       f"{ms(t['moved_pass']['max_ms'])}")]
+    elif t:
         rows += [("leader killed -> standby leads", f"{t['leader_killed_to_new_leader_s']} s (Lease transitions: "
                                                     f"{t['lease_transitions']})"),
                  ("leader killed -> all settled", f"{t['leader_killed_to_all_settled_s']} s ({t['settled']})"),
@@ -616,6 +749,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--lease-duration", type=float, default=15)
     ap.add_argument("--renew-deadline", type=float, default=10)
     ap.add_argument("--retry-period", type=float, default=2)
+    ap.add_argument("--shards", type=int, default=1, help="shards (the chart's `shards`); with more than one, "
+                    "--replicas replicas share them and the takeover kills the one holding shard 0")
+    ap.add_argument("--replicas", type=int, default=4, help="operator replicas when sharded")
     ap.add_argument("--profile", action="store_true", help="run the standby under cProfile (it leads after the "
                     "takeover): operator-b.prof in the work directory")
     ap.add_argument("--cluster-dir", default=None, help=f"default $PD_LOCALCLUSTER_DIR, else {DEFAULT_DIR}")
