@@ -56,7 +56,10 @@ class Actor:
         """The status first; once it is written, the decided memory is the memory."""
         key = snap.key
         mem = plan.memory
-        if plan.status != mem.last_status:
+        # after a start or a takeover nothing is remembered as written: the status as stored
+        # (the warm cache) stands for it, so a fleet taken over is not rewritten to the same
+        written = mem.last_status if mem.last_status is not None else snap.body.get("status")
+        if plan.status != written:
             try:
                 await self._write_status(key, plan.status)
             except Exception:
