@@ -5,6 +5,7 @@ engine, and the gateway's latency figures where the SLO policy reads them. What 
 is bookkeeping of its own calls (the agents' backoff, the token it read), never a decision."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 
@@ -128,8 +129,10 @@ class Observer:
                 and self.clock.monotonic() - seen.token_read_at < TOKEN_TTL_S:
             return seen.token
         ns, name = key
-        found = {role: await self.kube.get("v1", "Secret", ns, secret_name(name))
-                 for role, secret_name in tk.SECRETS.items()}
+        # read at once: a takeover's first passes each wait on these before asking any agent
+        got = await asyncio.gather(*(self.kube.get("v1", "Secret", ns, secret_name(name))
+                                     for secret_name in tk.SECRETS.values()))
+        found = dict(zip(tk.SECRETS, got, strict=True))
         # what this operator wrote last is newer than the cached object's status
         v = tk.judge(name, ns, uid, found, mem.last_status or status, seen.token_create)
         if v.foreign and mem.last_status is None:
