@@ -17,7 +17,7 @@ log = logging.getLogger("pd_operator.runtime")
 Key = tuple[str, str]
 COALESCE_S = 0.02   # after a wake-up: let a burst of watch events land before the pass
 ERROR_FALLBACK_S = 5.0
-FIRST_PASSES = 16    # first passes run at once, at most (a start or a takeover of many deployments)
+FIRST_PASSES = 12    # first passes run at once, at most (a start or a takeover of many deployments)
 
 
 class Clock(Protocol):
