@@ -17,6 +17,7 @@ log = logging.getLogger("pd_operator.runtime")
 Key = tuple[str, str]
 COALESCE_S = 0.02   # after a wake-up: let a burst of watch events land before the pass
 ERROR_FALLBACK_S = 5.0
+RESTART_CANCELS, RESTART_WAIT_S = 5, 0.2   # leadership lost: a worker is cancelled this often, this long apart
 FIRST_PASSES = 12    # first passes run at once, at most (a start or a takeover of many deployments)
 
 
@@ -118,9 +119,19 @@ class Runtime:
         their workers again, to wait until this process leads them."""
         chosen = None if keys is None else set(keys)
         tasks = [(k, t) for k, t in self.tasks.items() if chosen is None or k in chosen]
-        for _, t in tasks:
-            t.cancel()
-        await asyncio.gather(*(t for _, t in tasks), return_exceptions=True)
+        # bounded: a cancellation can be swallowed on its way down (asyncio.wait_for before 3.12,
+        # a library's cancel scope), and the caller is the leader election, whose other Leases
+        # must go on being renewed. A worker that lived through it is asked again; one that still
+        # runs waits at its leadership check before any further pass, so it is left to that.
+        pending = {t for _, t in tasks}
+        for _ in range(RESTART_CANCELS):
+            for t in pending:
+                t.cancel()
+            _, pending = await asyncio.wait(pending, timeout=RESTART_WAIT_S) if pending else (set(), set())
+            if not pending:
+                break
+        if pending:
+            log.warning("%s: %d workers did not end when cancelled; they wait to lead again", self.name, len(pending))
         for key, _ in tasks:
             if self.tasks.get(key) is not None and self.tasks[key].done():
                 del self.tasks[key]

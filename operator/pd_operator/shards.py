@@ -79,9 +79,14 @@ class ShardElection:
             live = max(1, len(self.held()))
         fair = math.ceil(self.shards / max(1, live))
         now = self.clock.monotonic()
+        # the shards held are renewed at once: one after another, a slow API server made a round
+        # of four longer than the renew deadline, and shards were lost that nobody else wanted
+        await asyncio.gather(*(e.round() for e in self.electors if e.leading))
         for j in range(self.shards):
             i = (self.offset + j) % self.shards
             e = self.electors[i]
+            if e.leading:
+                continue
             mine = len(self.held())
             await e.round(may_take=e.leading or (mine <= fair and now >= self._handed_back.get(i, 0.0)),
                           extra_wait=0.0 if mine < fair else self.s.lease_duration)

@@ -124,6 +124,37 @@ async def test_leadership_loss_cancels_the_pass_in_flight_and_the_worker_waits_t
     assert ("ns", "b") not in rt.tasks
 
 
+async def test_a_worker_that_swallows_its_cancellation_does_not_hold_up_leadership_loss(leading):
+    """A cancellation lost on its way down (asyncio.wait_for before 3.12 can drop one) must not
+    hang follow(): the leader election awaits it, and its other Leases are due for renewal."""
+    swallowed = asyncio.Event()
+    calls: list[str] = []
+
+    async def run(key):
+        calls.append("run")
+        if swallowed.is_set():
+            await asyncio.sleep(3600)
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            swallowed.set()            # lost once; the pass goes on as if nothing happened
+        await asyncio.sleep(3600)
+
+    async def on_error(key, e):
+        return None
+
+    rt = Runtime("t", run, on_error, leading)
+    rt.ensure(KEY)
+    await until(lambda: calls == ["run"])
+    leading.clear()
+    await asyncio.wait_for(rt.restart(), 5.0)
+    assert swallowed.is_set() and calls == ["run"], "cancelled again until it ended; no further pass"
+    leading.set()
+    rt.poke_all()
+    await until(lambda: calls == ["run", "run"])
+    await rt.stop()
+
+
 async def test_first_passes_run_a_few_at_a_time_and_later_passes_are_not_held(leading):
     from pd_operator.runtime import FIRST_PASSES
     running, most, gate = 0, 0, asyncio.Event()
