@@ -110,7 +110,8 @@ class _UntilGoodputKnown(FleetSim):
 
 def _wl_run(job: tuple) -> tuple[str, dict]:
     """One run of one workload: goodput, moves and the requests meeting both SLOs per window."""
-    n, family, seed, duration, name, switch_s = job
+    n, family, seed, duration, name, switch_s, *more = job
+    routers = more[0] if more else 1   # senders, each routing on its own view (bench-rebalance's load generators)
     rows = wl.generate(family, seed, n, duration, sc.MAX_BATCH)
     run = next(r for r in sc.runs(n, 0, 1.0, "sine") if r.name == name)
     doc = sc.pddeployment(run, "sim", "bench")
@@ -118,7 +119,7 @@ def _wl_run(job: tuple) -> tuple[str, dict]:
     bpt = derive(spec.model.kv_cache).bytes_per_token
     sim = (_UntilGoodputKnown if run.rebalance is None else FleetSim)(
         spec, rows, TimingModel(), sc.MAX_BATCH, bpt, duration, seed=seed, switch_s=switch_s,
-        engine_start_s=sc.ENGINE_START_S, wall_start=WALL0)
+        engine_start_s=sc.ENGINE_START_S, wall_start=WALL0, routers=routers)
     sim.cut = duration + (sc.SLO_TTFT_MS + 1024 * sc.SLO_TBT_MS) / 1000 + 1
     res = sim.run()
     windows = [0] * max(1, math.ceil(duration / WINDOW_S))

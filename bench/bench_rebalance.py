@@ -104,11 +104,18 @@ def workload_rows(family: str, seed: int, engines: int) -> list[dict]:
 
 
 def model_goodput(kind: str, engines: int, names: list[str], switch_s: float = 0.4) -> dict[str, float]:
-    """Each run's goodput (req/s) as bench/fleetsim.py's model predicts it for this workload and fleet."""
+    """Each run's goodput (req/s) as bench/fleetsim.py's model predicts it for this workload and fleet,
+    sent as the run sends it (a load generator per 4 engines, each routing its share)."""
     from bench_policy_sim import _wl_run
     family, seed = parse_workload(kind) or ("", 0)
-    return {name: _wl_run((engines, family, seed, float(sc.DURATION_S), name, switch_s))[1]["goodput_rps"]
+    job = (engines, family, seed, float(sc.DURATION_S))
+    return {name: _wl_run((*job, name, switch_s, load_generators(engines)))[1]["goodput_rps"]
             for name in names}
+
+
+def load_generators(engines: int) -> int:
+    """One load generator per 4 engines: one process carries only so many streams."""
+    return max(1, engines // 4)
 
 
 def trace_file(kind: str, engines: int) -> Path:
@@ -136,7 +143,7 @@ def run_trace(bench: Bench, kind: str, compress: float, only: list[str] | None, 
     op, _ = bench.operator(ns, f"bench-rebalance-{kind}-operator.log")
     loads: dict[str, list[subprocess.Popen]] = {}
     outputs: list = []   # the load generators' stdout/stderr files, closed at the end
-    shards = max(1, engines // 4)   # one load generator per 4 engines: one process carries only so many streams
+    shards = load_generators(engines)
     samples: dict[str, list[dict]] = {}
     work = RESULTS / "work"
     work.mkdir(parents=True, exist_ok=True)

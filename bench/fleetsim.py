@@ -12,8 +12,9 @@ It models what the simulated serving (pd_agent.inference) does, with the same ti
   model's clock, and the policies read it through the operator's own mapping (rebalance.
   prefill_load, decoder_load), so Goodput measures demand and capacity as on a cluster;
 - routing as pd-gateway routes (pd_contract.routing): engine loads as of the last refresh (every
-  second), the prefill with the least queued prompt tokens, then the decoder with the least
-  running + queued, ties broken at random; draining engines are not chosen.
+  second) plus what the router sent each engine since, the prefill with the least queued prompt
+  tokens, then the decoder with the least running + queued, ties broken at random; draining
+  engines are not chosen. `routers` senders each route their share on their own refreshes.
 - switching as the operator does it: the policy is evaluated every pass (Manual, Schedule) or
   every evaluationIntervalSeconds (the others) on signals read from the engines (rebalance.
   decide_target, with its cooldown between decisions); switch.retarget stops what still drains
@@ -108,8 +109,11 @@ class Result:
 class FleetSim:
     def __init__(self, spec: PDDeploymentSpec, rows: list[tuple[float, int, int]], timing: TimingModel,
                  max_batch: int, bytes_per_token: int, duration: float, seed: int = 1, switch_s: float = 0.4,
-                 engine_start_s: float = 60.0, wall_start: float = 0.0):
+                 engine_start_s: float = 60.0, wall_start: float = 0.0, routers: int = 1):
         self.spec, self.t, self.mb = spec, timing, max_batch
+        # senders routing on their own view of the loads, refreshed a second apart each but not
+        # together (bench-rebalance's load generators: request i is sent by generator i % routers)
+        self.routers = max(1, routers)
         self.bpt, self.duration, self.switch_s, self.start_s = bytes_per_token, duration, switch_s, engine_start_s
         self.wall0 = wall_start
         self.rng = random.Random(seed)
@@ -120,15 +124,14 @@ class FleetSim:
         self.engines = [Engine(f"prefill-{i}", "prefill", "prefill") for i in range(sizes["prefill"])] + \
                        [Engine(f"decoder-{i}", "decoder", "decoder") for i in range(sizes["decoder"])]
         self.reqs = [Req(i, a, p, o) for i, (a, p, o) in enumerate(rows) if a < duration]
-        self.snapshot: dict[str, tuple] = {}
-        self.ranked: dict[str, list[list[Engine]]] = {}
+        self.ranked: list[dict[str, list[tuple]]] = [{} for _ in range(self.routers)]   # heaps per router
         self.book = sw.Book()
         self.switching: dict[str, tuple[sw.Switch, float | None]] = {}   # pod -> (switch, drained at)
         self.sizes: dict | None = None
         self.n_switches = self.n_replaced = 0
         self.timeline: list[dict] = []
         self.decisions: list[dict] = []
-        self.pending: list[Req] = []        # no pair to take them yet: retried every refresh
+        self.pending: list[list[Req]] = [[] for _ in range(self.routers)]   # no pair yet: retried every refresh
 
     # ---- the event queue ----------------------------------------------------------------------
     def at(self, when: float, kind: str, *args) -> None:
@@ -137,7 +140,8 @@ class FleetSim:
     def run(self) -> Result:
         for r in self.reqs:
             self.at(r.arrival, "arrive", r)
-        self.at(0.0, "refresh")
+        for k in range(self.routers):
+            self.at(k * REFRESH_S / self.routers, "refresh", k)
         self.at(0.0, "pass")
         self.at(0.0, "sample")
         horizon = self.duration * 4 + 600      # requests admitted before the end may finish after it
@@ -155,32 +159,40 @@ class FleetSim:
         return all(r.last is not None for r in self.reqs)
 
     # ---- routing ------------------------------------------------------------------------------
-    def _refresh(self) -> None:
-        self.snapshot = {e.name: (sum(r.prompt for r in e.queue), len(e.queue) + len(e.wait),
-                                  len(e.running) + e.batch_n) for e in self.engines if e.serving(self.now)}
-        # the loads stay as of this refresh until the next: rank once, pick from the best
-        self.ranked = {}
-        for role, load in (("prefill", lambda e: (self.snapshot[e.name][0], self.snapshot[e.name][1])),
-                           ("decoder", lambda e: (self.snapshot[e.name][2] + self.snapshot[e.name][1],))):
-            ok = sorted((e for e in self.engines if e.role == role and e.name in self.snapshot), key=load)
-            self.ranked[role] = [[e for e in ok if load(e) == k] for k in sorted({load(e) for e in ok})]
-        retry, self.pending = self.pending, []
+    def _refresh(self, k: int = 0) -> None:
+        # the loads as the agents report them, plus what this sender has sent each engine since
+        # (pd_contract.routing.Fleet's tally): a heap per role, the least loaded on top
+        heaps = self.ranked[k] = {"prefill": [], "decoder": []}
+        for e in self.engines:
+            if e.serving(self.now) and e.role in heaps:
+                load = (sum(r.prompt for r in e.queue), len(e.queue) + len(e.wait)) if e.role == "prefill" \
+                    else (len(e.running) + e.batch_n + len(e.queue) + len(e.wait), 0)
+                heaps[e.role].append((load, self.rng.random(), e.name, e))
+        for h in heaps.values():
+            heapq.heapify(h)
+        retry, self.pending[k] = self.pending[k], []
         for r in retry:
             self._arrive(r)
         if self.now < self.duration or not self._all_done():
-            self.at(self.now + REFRESH_S, "refresh")
+            self.at(self.now + REFRESH_S, "refresh", k)
 
-    def _pick(self, role: str) -> Engine | None:
-        for tier in self.ranked.get(role, []):
-            ok = [e for e in tier if e.role == role and e.serving(self.now)]
-            if ok:
-                return self.rng.choice(ok)
+    def _pick(self, role: str, r: Req, take: bool = True) -> Engine | None:
+        h = self.ranked[r.id % self.routers].get(role, [])
+        while h:
+            load, _, _, e = h[0]
+            if e.role != role or not e.serving(self.now):
+                heapq.heappop(h)    # switched or draining since the refresh: not until the next
+                continue
+            if take:
+                sent = (load[0] + r.prompt, load[1] + 1) if role == "prefill" else (load[0] + 1, 0)
+                heapq.heapreplace(h, (sent, self.rng.random(), e.name, e))
+            return e
         return None
 
     def _arrive(self, r: Req) -> None:
-        p = self._pick("prefill")
-        if p is None or self._pick("decoder") is None:
-            self.pending.append(r)
+        p = self._pick("prefill", r) if self._pick("decoder", r, take=False) is not None else None
+        if p is None:
+            self.pending[r.id % self.routers].append(r)
             return
         p.queue.append(r)
         p.meter.arrived(r.prompt, self.now)
@@ -202,7 +214,7 @@ class FleetSim:
         e.batch_n = 0
         e.meter.prefilled(sum(r.prompt for r in batch), dt, self.now)
         for r in batch:
-            d = self._pick("decoder")
+            d = self._pick("decoder", r)
             if d is None:      # every decoder went away meanwhile: the cache waits for the next refresh
                 d = min((x for x in self.engines if x.role == "decoder" and not x.gone), key=Engine.in_flight)
             e.unpulled += 1

@@ -84,6 +84,10 @@ class Fleet:
         self.bad: dict[str, str] = {}   # pod -> why its last status answer was not used
         self.on_bad_report = on_bad_report   # (pod, why), at every bad answer: a counter
         self.token_gap_timeout = token_gap_timeout
+        # what this router sent each engine (url -> [prompt tokens, requests]) since the loads it
+        # routes on were asked for: without it every request of a second goes to the engine that
+        # was least loaded at the refresh, and a fleet of few prefills queues on one at a time
+        self.sent: dict[str, list[int]] = {}
 
     async def status(self, url: str) -> dict:
         """A pod's /v1/status checked against the contract (AgentStatus), so what routing reads
@@ -110,6 +114,7 @@ class Fleet:
         self.bad[pod] = why
 
     async def refresh(self) -> None:
+        asked = {url: list(n) for url, n in self.sent.items()}   # the answers count what was sent until now
         try:
             pods = await asyncio.to_thread(self.discover)
         except Exception as e:  # noqa: BLE001 - keep routing on the last view; the API server may be away
@@ -147,6 +152,8 @@ class Fleet:
         self.bad = {k: v for k, v in self.bad.items() if k in names}
         self.prefills = [s for s in sts if s["role"] == "prompt" and not s["draining"]]
         self.decoders = [s for s in sts if s["role"] == "decoder" and not s["draining"]]
+        self.sent = {url: [n[0] - asked.get(url, [0, 0])[0], n[1] - asked.get(url, [0, 0])[1]]
+                     for url, n in self.sent.items() if n != asked.get(url)}
         self.refreshed_at = time.monotonic()
 
     async def run(self, interval: float = 1.0) -> None:
@@ -168,22 +175,44 @@ class Fleet:
     def linked(p: dict, d: dict) -> bool:
         return any(link["cluster_id"] == p["cluster_id"] and link.get("healthy", True) for link in d["links"])
 
-    def pick_prefill(self, avoid: set[str]) -> dict | None:
+    def _sent(self, url: str) -> list[int]:
+        return self.sent.get(url, [0, 0])
+
+    def _took(self, url: str, tokens: int) -> None:
+        n = self.sent.setdefault(url, [0, 0])
+        n[0] += tokens
+        n[1] += 1
+
+    def pick_prefill(self, avoid: set[str], tokens: int = 0) -> dict | None:
+        """The least-loaded prefill (queued prompt tokens, then queue depth, as reported plus what
+        was sent it since) that has a decoder to pass the cache to; counted as sent `tokens`."""
         ok = [p for p in self.prefills if p["url"] not in avoid
               and any(self.linked(p, d) for d in self.decoders if d["url"] not in avoid)]
         if not ok:
             return None
-        load = lambda s: (s["load"].get("queued_prompt_tokens", 0), s["load"]["queue_depth"])  # noqa: E731
+
+        def load(s: dict) -> tuple[int, int]:
+            sent = self._sent(s["url"])
+            return s["load"].get("queued_prompt_tokens", 0) + sent[0], s["load"]["queue_depth"] + sent[1]
         best = min(load(p) for p in ok)
-        return random.choice([p for p in ok if load(p) == best])
+        p = random.choice([p for p in ok if load(p) == best])
+        self._took(p["url"], tokens)
+        return p
 
     def pick_decoder(self, p: dict, avoid: set[str]) -> dict | None:
+        """The least-loaded decoder linked to p (requests running and waiting, as reported plus
+        what was sent it since, then KV in use)."""
         ok = [d for d in self.decoders if d["url"] not in avoid and self.linked(p, d)]
         if not ok:
             return None
-        load = lambda s: (s["load"]["running"] + s["load"]["queue_depth"], s["load"]["kv_used_bytes"])  # noqa: E731
+
+        def load(s: dict) -> tuple[int, int]:
+            return (s["load"]["running"] + s["load"]["queue_depth"] + self._sent(s["url"])[1],
+                    s["load"]["kv_used_bytes"])
         best = min(load(d) for d in ok)
-        return random.choice([d for d in ok if load(d) == best])
+        d = random.choice([d for d in ok if load(d) == best])
+        self._took(d["url"], 0)
+        return d
 
     def drop(self, url: str) -> None:
         """A pod refused (draining, gone): stop choosing it until the next refresh says otherwise."""
@@ -308,7 +337,7 @@ async def generate(fleet: Fleet, req_id: int, prompt_tokens: int, output_tokens:
     timing_body = {"req_id": req_id, "prompt_tokens": prompt_tokens}
     first_token = None
     while True:
-        p = fleet.pick_prefill(avoid)
+        p = fleet.pick_prefill(avoid, prompt_tokens)
         if p is None:
             refuse("NoLinkedPair", None)
             await wait()

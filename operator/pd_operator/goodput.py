@@ -2,7 +2,8 @@
 per second predicted to meet both targets (their own TTFT within ttftP90Ms, their mean TBT within
 tbtP90Ms), from the demand measured in each role's own units and each engine's measured capacity.
 
-Each engine is modelled as its own queue, as routing on loads a second old makes it:
+Each engine is modelled as its own queue, as routing on loads a second old (plus what one router
+sent since) makes it:
 - a prefill as one server whose service time is a prompt's tokens over its measured tokens per
   busy second; the wait beyond a time x is rho * exp(-(mu - lambda) x) (M/M/1);
 - a decoder as max_batch slots, each request holding one for its output tokens times the step
@@ -12,8 +13,8 @@ Each engine is modelled as its own queue, as routing on loads a second old makes
   stays within the TTFT budget are the ones counted;
 - the TTFT budget is shared by both waits (their sum is what a request sees);
 - the mean TBT is the step time at that batch;
-- what the queues miss (how prompt and output lengths spread, routing on loads a second old, which
-  sends a second's requests to the engines that were least loaded) is measured, not modelled: each
+- what the queues miss (how prompt and output lengths spread, routing on loads a second old, by
+  several routers that do not see what the others sent) is measured, not modelled: each
   role's waits are scaled by how much longer its queues ran than the model said (Capacity's
   prefill_wait_scale, decode_wait_scale; `queues` is the model's side of that comparison).
 
