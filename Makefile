@@ -118,8 +118,8 @@ else ifeq ($(or $(ENGINES),4),4)
 else
 	$(PY) bench/bench_rebalance.py --engines $(ENGINES) --traces shift --runs best-fixed,Goodput,Load+Replace \
 		--one-at-a-time && \
-	$(PY) bench/bench_policy_sim.py --sizes $(ENGINES) --traces shift --no-plot --out bench/results/policy-sim-$(ENGINES).json \
-		--compare bench/results/rebalance-$(ENGINES).json
+	$(PY) bench/bench_policy_sim.py --sizes $(ENGINES) --traces shift --workloads "" --routers $$(( $(ENGINES) / 4 )) \
+		--no-plot --out bench/results/policy-sim-$(ENGINES).json --compare bench/results/rebalance-$(ENGINES).json
 endif
 
 bench-policy-sim: $(BENCH_STAMP) ## the policies and a grid of fixed ratios on a discrete-event model of 4, 32 and 256 engines (about an hour)

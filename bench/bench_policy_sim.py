@@ -39,7 +39,8 @@ def trace_rows(kind: str, n: int) -> list[tuple[float, int, int]]:
     return [(r["timestamp"] / 1000, r["input_length"], r["output_length"]) for r in rows]
 
 
-def simulate(kind: str, n: int, only: list[str] | None = None, switch_s: float = 0.4) -> dict[str, dict]:
+def simulate(kind: str, n: int, only: list[str] | None = None, switch_s: float = 0.4, routers: int = 1
+             ) -> dict[str, dict]:
     rows = trace_rows(kind, n)
     out = {}
     for run in sc.runs(n, 0, 1.0, kind):
@@ -50,7 +51,7 @@ def simulate(kind: str, n: int, only: list[str] | None = None, switch_s: float =
         bpt = derive(spec.model.kv_cache).bytes_per_token
         t0 = time.monotonic()
         res = FleetSim(spec, rows, TimingModel(), sc.MAX_BATCH, bpt, sc.DURATION_S, seed=1, switch_s=switch_s,
-                       engine_start_s=sc.ENGINE_START_S, wall_start=WALL0).run()
+                       engine_start_s=sc.ENGINE_START_S, wall_start=WALL0, routers=routers).run()
         s = summarize(res, sc.SLO_TTFT_MS, sc.SLO_TBT_MS)
         s["model_s"] = round(time.monotonic() - t0, 2)
         out[run.name] = s
@@ -279,6 +280,9 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=480.0, help="seconds of each workload")
     ap.add_argument("--big-seeds", type=int, default=1, help="seeds run from 128 engines up (the first ones)")
     ap.add_argument("--jobs", type=int, default=2, help="workload runs modelled at once")
+    ap.add_argument("--routers", type=int, default=1,
+                    help="senders routing the traces, each its share on its own refreshes (a gateway: 1; "
+                         "bench-rebalance's load generators: one per 4 engines)")
     ap.add_argument("--workload-sizes", default=None, help="fleet sizes of the workloads (default: --sizes)")
     args = ap.parse_args()
     cluster = json.loads(Path(args.compare).read_text()) if args.compare else {}
@@ -287,7 +291,7 @@ def main() -> None:
     for kind in filter(None, args.traces.split(",")):
         for n in (int(x) for x in args.sizes.split(",")):
             t0 = time.monotonic()
-            rows = simulate(kind, n, only, args.switch_s)
+            rows = simulate(kind, n, only, args.switch_s, args.routers)
             result.setdefault(kind, {})[str(n)] = rows
             print(sc.table(f"trace {kind} {sc.TRACES[kind]}, {n} engines (model)", rows,
                            cluster.get("traces", {}).get(kind, {}).get("runs") if cluster.get("engines", 4) == n

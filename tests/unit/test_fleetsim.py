@@ -70,3 +70,15 @@ def test_every_request_of_a_trace_finishes_under_a_policy():
     assert all(r.last is not None for r in res.requests)
     s = fleetsim.summarize(res, 3000, 60)
     assert s["failed"] == 0 and s["requests"] == 400
+
+
+@pytest.mark.parametrize("routers", [1, 2])
+def test_requests_of_one_second_spread_over_the_prefills_as_the_gateway_sends_them(routers):
+    # ten prompts in the same second, both prefills idle at the refresh: the router counts what it
+    # sent each since, so both compute (herding would queue all ten on one)
+    rows = [(0.5 + i * 0.01, 1000, 1) for i in range(10)]
+    sim = fleetsim.FleetSim(spec(2, 1), rows, T, 4, 64, 10, routers=routers)
+    res = sim.run()
+    assert all(r.last is not None for r in res.requests)
+    prefills = [e for e in sim.engines if e.role == "prefill"]
+    assert all(len(e.busy) >= 2 for e in prefills), [e.busy for e in prefills]
