@@ -281,8 +281,8 @@ def main() -> None:
     ap.add_argument("--big-seeds", type=int, default=1, help="seeds run from 128 engines up (the first ones)")
     ap.add_argument("--jobs", type=int, default=2, help="workload runs modelled at once")
     ap.add_argument("--routers", type=int, default=1,
-                    help="senders routing the traces, each its share on its own refreshes (a gateway: 1; "
-                         "bench-rebalance's load generators: one per 4 engines)")
+                    help="senders routing the traces (not the workloads), each its share on its own refreshes "
+                         "(a gateway: 1; bench-rebalance's load generators: one per 4 engines)")
     ap.add_argument("--workload-sizes", default=None, help="fleet sizes of the workloads (default: --sizes)")
     args = ap.parse_args()
     cluster = json.loads(Path(args.compare).read_text()) if args.compare else {}

@@ -4,7 +4,8 @@ goes through them.
 The fleet is the deployment's pods (listed through the API, so pods that come and go are
 followed) and what each agent reports (`/v1/status`, with the data-scope token). A request
 is prefilled on a prefill-role engine (least queued prompt tokens) and decoded on a decoder
-linked to it (least running batch, then KV use). Pods that are draining, switching, leaving
+linked to it (least running and waiting decodes, then KV use), the loads as last reported plus
+what this router sent each engine since. Pods that are draining, switching, leaving
 or not linked are never chosen. A refusal before the first token (draining, a role that
 just changed, a pod that went away) sends the request to another pair; after the first
 token a failure ends the request."""
@@ -114,7 +115,6 @@ class Fleet:
         self.bad[pod] = why
 
     async def refresh(self) -> None:
-        asked = {url: list(n) for url, n in self.sent.items()}   # the answers count what was sent until now
         try:
             pods = await asyncio.to_thread(self.discover)
         except Exception as e:  # noqa: BLE001 - keep routing on the last view; the API server may be away
@@ -147,12 +147,13 @@ class Fleet:
             if not st["initialized"]:
                 return None
             return {**st, "url": url, "name": p["name"]}
+        asked = {url: list(n) for url, n in self.sent.items()}   # the answers count what was sent until now
         sts = [s for s in await asyncio.gather(*(one(p) for p in pods)) if s]
         names = {p["name"] for p in pods}
         self.bad = {k: v for k, v in self.bad.items() if k in names}
         self.prefills = [s for s in sts if s["role"] == "prompt" and not s["draining"]]
         self.decoders = [s for s in sts if s["role"] == "decoder" and not s["draining"]]
-        self.sent = {url: [n[0] - asked.get(url, [0, 0])[0], n[1] - asked.get(url, [0, 0])[1]]
+        self.sent = {url: [max(0, n[0] - asked.get(url, [0, 0])[0]), max(0, n[1] - asked.get(url, [0, 0])[1])]
                      for url, n in self.sent.items() if n != asked.get(url)}
         self.refreshed_at = time.monotonic()
 
@@ -183,7 +184,7 @@ class Fleet:
         n[0] += tokens
         n[1] += 1
 
-    def pick_prefill(self, avoid: set[str], tokens: int = 0) -> dict | None:
+    def pick_prefill(self, avoid: set[str], tokens: int) -> dict | None:
         """The least-loaded prefill (queued prompt tokens, then queue depth, as reported plus what
         was sent it since) that has a decoder to pass the cache to; counted as sent `tokens`."""
         ok = [p for p in self.prefills if p["url"] not in avoid

@@ -82,8 +82,10 @@ class Runtime:
         self.first_passes = asyncio.Semaphore(FIRST_PASSES)
 
     def ensure(self, key: Key) -> None:
-        """A worker for `key`, if it has none (and the runtime is not stopping)."""
-        if key not in self.tasks and not self.stopping and self.workers:
+        """A worker for `key`, if it has none running (and the runtime is not stopping). A worker
+        that outlived restart's cancels and ended later counts as none."""
+        task = self.tasks.get(key)
+        if (task is None or task.done()) and not self.stopping and self.workers:
             self.fresh.add(key)
             self.wake[key] = asyncio.Event()
             self.tasks[key] = asyncio.create_task(self._worker(key), name=f"{self.name}/{key[0]}/{key[1]}")

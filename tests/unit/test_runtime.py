@@ -155,6 +155,41 @@ async def test_a_worker_that_swallows_its_cancellation_does_not_hold_up_leadersh
     await rt.stop()
 
 
+async def test_a_worker_that_outlived_every_cancel_and_ended_later_is_started_again(leading):
+    """restart leaves a worker that swallowed all its cancels; if it ends later, the key must not
+    keep a dead task that ensure() takes for a running worker (the deployment would get no pass)."""
+    release = asyncio.Event()
+    calls: list[str] = []
+
+    async def run(key):
+        calls.append("run")
+        if len(calls) == 1:
+            while True:
+                try:
+                    await release.wait()
+                    break
+                except asyncio.CancelledError:
+                    pass           # every cancel lost...
+            raise asyncio.CancelledError   # ... and a late one ends it
+        await asyncio.sleep(3600)
+
+    async def on_error(key, e):
+        return None
+
+    rt = Runtime("t", run, on_error, leading)
+    rt.ensure(KEY)
+    await until(lambda: calls == ["run"])
+    leading.clear()
+    await asyncio.wait_for(rt.restart(), 5.0)
+    release.set()
+    await until(lambda: rt.tasks[KEY].done())
+    leading.set()
+    rt.ensure(KEY)                 # what a watch event or a takeover does
+    rt.poke_all()
+    await until(lambda: calls == ["run", "run"])
+    await rt.stop()
+
+
 async def test_first_passes_run_a_few_at_a_time_and_later_passes_are_not_held(leading):
     from pd_operator.runtime import FIRST_PASSES
     running, most, gate = 0, 0, asyncio.Event()
