@@ -124,6 +124,19 @@ async def test_leadership_loss_cancels_the_pass_in_flight_and_the_worker_waits_t
     assert ("ns", "b") not in rt.tasks
 
 
+async def _lost_leadership_in_a_pass(run, calls: list[str], leading: asyncio.Event) -> Runtime:
+    """A runtime whose worker is in its first pass when leadership is lost (restart has returned)."""
+    async def on_error(key, e):
+        return None
+
+    rt = Runtime("t", run, on_error, leading)
+    rt.ensure(KEY)
+    await until(lambda: calls == ["run"])
+    leading.clear()
+    await asyncio.wait_for(rt.restart(), 5.0)
+    return rt
+
+
 async def test_a_worker_that_swallows_its_cancellation_does_not_hold_up_leadership_loss(leading):
     """A cancellation lost on its way down (asyncio.wait_for before 3.12 can drop one) must not
     hang follow(): the leader election awaits it, and its other Leases are due for renewal."""
@@ -140,14 +153,7 @@ async def test_a_worker_that_swallows_its_cancellation_does_not_hold_up_leadersh
             swallowed.set()            # lost once; the pass goes on as if nothing happened
         await asyncio.sleep(3600)
 
-    async def on_error(key, e):
-        return None
-
-    rt = Runtime("t", run, on_error, leading)
-    rt.ensure(KEY)
-    await until(lambda: calls == ["run"])
-    leading.clear()
-    await asyncio.wait_for(rt.restart(), 5.0)
+    rt = await _lost_leadership_in_a_pass(run, calls, leading)
     assert swallowed.is_set() and calls == ["run"], "cancelled again until it ended; no further pass"
     leading.set()
     rt.poke_all()
@@ -173,14 +179,7 @@ async def test_a_worker_that_outlived_every_cancel_and_ended_later_is_started_ag
             raise asyncio.CancelledError   # ... and a late one ends it
         await asyncio.sleep(3600)
 
-    async def on_error(key, e):
-        return None
-
-    rt = Runtime("t", run, on_error, leading)
-    rt.ensure(KEY)
-    await until(lambda: calls == ["run"])
-    leading.clear()
-    await asyncio.wait_for(rt.restart(), 5.0)
+    rt = await _lost_leadership_in_a_pass(run, calls, leading)
     release.set()
     await until(lambda: rt.tasks[KEY].done())
     leading.set()
