@@ -393,8 +393,8 @@ class FleetSim:
                 if e.idle():
                     self.switching[name] = (s, self.now)
             elif self.now >= drained + self.switch_s:
-                e.role, e.draining = s.to, False
-                e.meter.reset(self.now)   # as the agent's: the new role's window starts empty
+                old, e.role, e.draining = e.role, s.to, False
+                e.meter.reset(self.now, left=old)   # as the agent's: the new role's window starts empty
                 del self.switching[name]
                 self.n_switches += 1
                 started = s.started - self.wall0

@@ -2,10 +2,11 @@
 the Goodput policy keeps between its evaluations: the demand's history (for the forecast) and the
 capacity it measured last (for when no engine was busy enough to measure it again).
 
-- requests/s and their prompt tokens: what arrived at the prefills in the report's window (what
-  the clients ask for, whether or not the fleet keeps up);
+- requests/s and their prompt tokens: what arrived at the prefills over the reports' window (what
+  the clients ask for, whether or not the fleet keeps up), counted once for the fleet: what each
+  engine took on as a prefill, in its role now or one it has left since, over the whole window;
 - output tokens per request: the tokens the decoders generated over the decodes they finished
-  (a request's output is known once it is done);
+  (a request's output is known once it is done), counted the same way;
 - backlogs: the prompt tokens queued at the prefills and the decodes waiting for a batch slot;
 - capacity: capacity.measure over the prefills' (tokens computed, busy seconds) and the decoders'
   recent steps."""
@@ -47,12 +48,20 @@ def measure(sig: Signals, learned: Learned | None, now: float, keep_s: float) ->
     if not any(p.window_s > 0 for p in pre) or not any(d.window_s > 0 for d in dec):
         return Measured(None, Learned(prev.history, cap), max_batch, concurrency, context,
                         "the engines report no load window (agents older than the Goodput policy)")
-    rps = sum(p.arrived / p.window_s for p in pre if p.window_s > 0)
-    arrived = sum(p.arrived for p in pre)
-    done = sum(d.completed for d in dec)
+    # one window for the fleet, not each engine's own: one that took the prefill role a few seconds
+    # ago is filled first (routing prefers the emptiest queue), and its count over its short window
+    # would count those seconds at the rate of a whole one; one that left took its count with it
+    # (what it reports as `earlier` now)
+    every = [x.earlier for x in pre + dec]
+    window = max([p.window_s for p in pre] + [e.full_window_s for e in every])
+    arrived = sum(p.arrived for p in pre) + sum(e.prompts for e in every)
+    rps = arrived / window
+    done = sum(d.completed for d in dec) + sum(e.completed for e in every)
     last = prev.history[-1] if prev.history else None
-    prompt = sum(p.arrived_tokens for p in pre) / arrived if arrived else (last[2] if last else None)
-    output = sum(d.output_tokens for d in dec) / done if done else (last[3] if last else None)
+    prompt = (sum(p.arrived_tokens for p in pre) + sum(e.prompt_tokens for e in every)) / arrived if arrived \
+        else (last[2] if last else None)
+    output = (sum(d.output_tokens for d in dec) + sum(e.output_tokens for e in every)) / done if done \
+        else (last[3] if last else None)
     if prompt is None or output is None:
         return Measured(None, Learned(prev.history, cap), max_batch, concurrency, context,
                         "no request has arrived yet" if prompt is None else "no decode has finished yet")

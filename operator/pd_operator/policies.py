@@ -307,7 +307,8 @@ def _forecast_demand(rb: Rebalance, sig: Signals, d: gp.Demand, hist: tuple, at:
     # the rate over the whole window: what arrives at the prefills wavers with the moves themselves
     # (requests held while no pair takes them), which a change point would follow
     floors = [None, noise[1], noise[2]]
-    how = [min(((_error(p, x, g.window_seconds, period, f), p) for p in (g.predictor, LEVEL)),
+    how = [(UNMEASURED, LATEST) if _unmeasured(x, f) else
+           min(((_error(p, x, g.window_seconds, period, f), p) for p in (g.predictor, LEVEL)),
                key=lambda h: (h[0], h[1] != g.predictor)) for x, f in zip(series, floors)]
     ahead = [_forecast(p, x, at, g.window_seconds, period, f) for (_, p), x, f in zip(how, series, floors)]
     err = [max(h, e) for (h, _), e in zip(how, noise)]
@@ -501,6 +502,7 @@ REVERSE_K = 2.0       # ... and by this many times more to undo the last move (h
 MIN_DWELL_S = 30.0    # no reversal sooner than this (or the horizon) after a move, unless the demand changed
 FAILING = 0.5         # ... or the split serves less than this fraction of the demand
 LEVEL = "Level"       # the forecast that the demand stays at its mean since it last changed
+LATEST = "Latest"     # ... at its latest sample: the mix until the errors since its change are measured
 CHANGE_Z = 4.0        # a change: the recent samples' mean this many standard errors from the earlier ones'
 MIN_ERRORS = 3        # one-step errors needed to measure the forecast's error
 MAX_ERROR = 0.5       # an error beyond this counts as this (the margin is wide enough by then)
@@ -549,6 +551,14 @@ def _change_point(series: list[tuple[float, float]], floor: float = 0.01) -> int
     return start
 
 
+def _unmeasured(series: list[tuple[float, float]], floor: float | None) -> bool:
+    """Too few samples of the mix since it last changed to measure a forecast's error: the latest
+    is the forecast then. A trend fitted to the two or three windows since a change extrapolates
+    how far each of them still held the old mix (outputs of 80, 46, 43 tokens after a jump from 150
+    to 44 were forecast at 23), and with no error measured the gate cannot tell."""
+    return floor is not None and len(series) - _change_point(series, floor) <= MIN_ERRORS
+
+
 def _forecast(predictor: str, series: list[tuple[float, float]], at: float, window: float, period: float,
               floor: float | None = 0.01) -> float:
     """The forecast over the samples since the last change (none looked for with floor None;
@@ -557,6 +567,8 @@ def _forecast(predictor: str, series: list[tuple[float, float]], at: float, wind
         return 0.0
     since = series if floor is None or predictor == "Seasonal" and period > 0 else \
         series[_change_point(series, floor):]
+    if predictor == LATEST:
+        return series[-1][1]
     if predictor == LEVEL:
         return statistics.fmean(v for t, v in since if t >= since[-1][0] - window)
     return fc.forecast(predictor, since, at, window, period)

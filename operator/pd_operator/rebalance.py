@@ -17,6 +17,7 @@ from pd_contract.names import LABEL_ROLE
 from . import links as lk
 from . import policies
 from .api import PDDeploymentSpec
+from .signals import Earlier
 from .switch import ABORT, SWITCHING, Book, Candidate, Decision, Intent, Limits, Switch, View, iso, planning_role
 
 # Verdicts that freeze the ratio say so in the Rebalancing condition while nothing switches.
@@ -63,7 +64,7 @@ def prefill_load(ld: Load) -> policies.PrefillLoad:
     return policies.PrefillLoad(busy=ld.prefill_busy, queue=ld.queue_depth, queued_tokens=ld.queued_prompt_tokens,
                                 window_s=ld.window_s, arrived=ld.requests_arrived,
                                 arrived_tokens=ld.prompt_tokens_arrived, computed_tokens=ld.prefill_tokens,
-                                busy_s=ld.prefill_busy_s)
+                                busy_s=ld.prefill_busy_s, earlier=earlier(ld))
 
 
 def decoder_load(ld: Load) -> policies.DecoderLoad:
@@ -72,7 +73,15 @@ def decoder_load(ld: Load) -> policies.DecoderLoad:
                                 kv_used=ld.kv_used_bytes, kv_capacity=ld.kv_capacity_bytes, window_s=ld.window_s,
                                 output_tokens=ld.output_tokens, completed=ld.decodes_completed,
                                 context_tokens=ld.context_tokens,
-                                steps=tuple((x.batch, x.context_tokens, x.ms) for x in ld.steps))
+                                steps=tuple((x.batch, x.context_tokens, x.ms) for x in ld.steps),
+                                earlier=earlier(ld))
+
+
+def earlier(ld: Load) -> Earlier:
+    """What a load report says the engine took on in a role it has since left."""
+    return Earlier(full_window_s=ld.full_window_s, prompts=ld.earlier_prompts_arrived,
+                   prompt_tokens=ld.earlier_prompt_tokens_arrived, output_tokens=ld.earlier_output_tokens,
+                   completed=ld.earlier_decodes_completed)
 
 
 def decide_target(spec: PDDeploymentSpec, book: Book, sig: policies.Signals, current: int, wall: float

@@ -5,6 +5,17 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
+class Earlier:
+    """What an engine took on in a role it has left, over the last `full_window_s` (either role
+    reports it): the demand the fleet saw that its current role's window does not hold."""
+    full_window_s: float = 0.0
+    prompts: int = 0              # prompts taken on as a prefill, and their tokens
+    prompt_tokens: int = 0
+    output_tokens: int = 0        # tokens generated as a decoder, and decodes finished
+    completed: int = 0
+
+
+@dataclass(frozen=True)
 class PrefillLoad:
     busy: float = 0.0            # fraction of the last 10 s computing
     queue: int = 0               # requests waiting
@@ -16,6 +27,7 @@ class PrefillLoad:
     arrived_tokens: int = 0
     computed_tokens: int = 0
     busy_s: float = 0.0
+    earlier: Earlier = Earlier()
 
 
 @dataclass(frozen=True)
@@ -32,6 +44,7 @@ class DecoderLoad:
     completed: int = 0
     context_tokens: int = 0
     steps: tuple[tuple[int, int, float], ...] = ()
+    earlier: Earlier = Earlier()
 
 
 @dataclass(frozen=True)

@@ -326,7 +326,7 @@ class AgentCore:
             self.link_since.clear()
             self.link_codes.clear()
             self.linked_by.clear()
-            self.meter.reset()
+            self.meter.reset(left="prefill" if old == "prompt" else "decoder")
             await self._ensure_blocks_cache()
             for hook in self.after_switch:
                 await hook(old, role)

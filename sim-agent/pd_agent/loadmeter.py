@@ -6,7 +6,13 @@ The agent core owns one (`core.meter`); whatever serves requests tells it what h
 simulated serving does, and an inference server that embeds the core calls the same methods
 from its scheduler (a prompt taken on, a prefill batch done, a decode step, a decode finished).
 Every method takes the time it happened at (monotonic seconds), so a model of a fleet can feed
-it its own clock."""
+it its own clock.
+
+A role switch starts the role's window empty, but what the engine took on in the role it left
+stays counted, as `earlier_*`, until it ages out of the window: a request arrives at one engine,
+and the fleet's demand over the window is every engine's count of it, in whichever role it has
+now (else an engine that just left a role takes the demand it saw with it, and one that just took
+a role, filled first by routing, counts its short window's arrivals at the rate of a whole one)."""
 from __future__ import annotations
 
 import collections
@@ -29,9 +35,20 @@ class LoadMeter:
         self.steps: collections.deque[StepSample] = collections.deque(maxlen=STEPS_KEPT)
         self.context_tokens = 0
         self._since: float | None = None   # the window starts here (a role switch), if later than window_s ago
+        # what it took on in roles it has left (demand the fleet saw): prompts as a prefill (at,
+        # tokens), tokens generated and decodes finished as a decoder
+        self._earlier_prompts: collections.deque[tuple[float, int]] = collections.deque()
+        self._earlier_generated: collections.deque[tuple[float, int]] = collections.deque()
+        self._earlier_completed: collections.deque[float] = collections.deque()
 
-    def reset(self, at: float | None = None) -> None:
-        """The engine changed role: what it saw in the old one is not the new role's load."""
+    def reset(self, at: float | None = None, left: str | None = None) -> None:
+        """The engine changed role: what it saw in the old one is not the new role's load. `left`:
+        the role it left ("prefill" or "decoder"), whose demand it keeps as earlier_*."""
+        if left == "prefill":
+            self._earlier_prompts.extend(self._arrived)
+        elif left == "decoder":
+            self._earlier_generated.extend(self._generated)
+            self._earlier_completed.extend(self._completed)
         for q in (self._arrived, self._prefilled, self._generated, self._completed, self.steps):
             q.clear()
         self.context_tokens = 0
@@ -63,11 +80,12 @@ class LoadMeter:
         """`load` with the window's counts set (in place, and returned)."""
         now = _now(at)
         since = now - self.window_s
-        for q in (self._arrived, self._prefilled, self._generated):
+        for q in (self._arrived, self._prefilled, self._generated, self._earlier_prompts, self._earlier_generated):
             while q and q[0][0] < since:
                 q.popleft()
-        while self._completed and self._completed[0] < since:
-            self._completed.popleft()
+        for c in (self._completed, self._earlier_completed):
+            while c and c[0] < since:
+                c.popleft()
         # a window that started at a switch is as long as it is (at least MIN_WINDOW_S: a rate over
         # a fraction of a second is noise)
         load.window_s = self.window_s if self._since is None else \
@@ -80,6 +98,11 @@ class LoadMeter:
         load.decodes_completed = len(self._completed)
         load.context_tokens = self.context_tokens
         load.steps = list(self.steps)
+        load.earlier_prompts_arrived = len(self._earlier_prompts)
+        load.earlier_prompt_tokens_arrived = sum(t for _, t in self._earlier_prompts)
+        load.earlier_output_tokens = sum(t for _, t in self._earlier_generated)
+        load.earlier_decodes_completed = len(self._earlier_completed)
+        load.full_window_s = self.window_s
         return load
 
 

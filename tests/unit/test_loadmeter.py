@@ -37,3 +37,30 @@ def test_a_role_switch_starts_an_empty_window_as_long_as_it_is():
     later = m.fill(Load(), at=14.0)
     assert (later.window_s, later.requests_arrived) == (5.0, 1)
     assert m.fill(Load(), at=30.0).window_s == 10
+
+
+def test_what_it_took_on_in_the_role_it_left_stays_counted_until_it_ages_out():
+    """The fleet's demand over the window: the prompts an engine took on before it left the prefill
+    role, and the decodes it finished before it left the decoder role, are still reported (as
+    earlier_*), apart from the new role's own window, until they are older than the window."""
+    m = LoadMeter(window_s=10)
+    for i in range(6):
+        m.arrived(1000, at=2.0 + i)       # prompts taken on as a prefill
+    m.reset(at=8.0, left="prefill")       # now a decoder
+    m.arrived(1000, at=9.0)               # a decode taken on
+    m.step(2, 2400, 20.0, at=9.5)
+    m.completed(at=9.6)
+    now = m.fill(Load(), at=10.0)
+    assert (now.window_s, now.requests_arrived, now.decodes_completed) == (2.0, 1, 1)
+    assert (now.full_window_s, now.earlier_prompts_arrived, now.earlier_prompt_tokens_arrived) == (10, 6, 6000)
+    assert (now.earlier_output_tokens, now.earlier_decodes_completed) == (0, 0)
+    m.reset(at=11.0, left="decoder")      # a prefill again: the decode it finished stays counted too
+    back = m.fill(Load(), at=12.0)
+    assert (back.requests_arrived, back.earlier_prompts_arrived) == (0, 6)
+    assert (back.earlier_output_tokens, back.earlier_decodes_completed) == (2, 1)
+    aged = m.fill(Load(), at=14.5)        # the prompts of 2.0-4.0 s are out of the window
+    assert aged.earlier_prompts_arrived == 3
+    assert m.fill(Load(), at=30.0).earlier_prompts_arrived == 0
+    m.arrived(500, at=31.0)
+    m.reset(at=32.0)                      # a reset that does not say the role drops what it saw
+    assert m.fill(Load(), at=33.0).earlier_prompts_arrived == 0

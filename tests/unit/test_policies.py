@@ -42,6 +42,27 @@ def test_demand_counts_what_draining_engines_saw():
     assert moving.requests_per_s == whole.requests_per_s and moving.output_tokens == whole.output_tokens
 
 
+def test_demand_counts_each_request_once_over_one_window_across_switches():
+    """Two prefills took 15 prompts each over the 10 s window; a third took the role 2 s ago and,
+    filled first by routing, took 10 since; a decoder was a prefill until 3 s ago and took 12
+    then. 52 prompts in 10 s: 5.2 requests/s, not 10/2 + 1.5 + 1.5 = 8 (each over its own window),
+    nor 4.0 (without what the decoder saw)."""
+    from pd_operator import demand
+    from pd_operator.signals import Earlier
+    s = measured(3.0, 300, 150)
+    settled = replace(s.prefills[0], window_s=10.0, arrived=15, arrived_tokens=15 * 300)
+    new = replace(settled, window_s=2.0, arrived=10, arrived_tokens=10 * 300)
+    was = replace(s.decoders[0], earlier=Earlier(full_window_s=10.0, prompts=12, prompt_tokens=12 * 1000,
+                                                 output_tokens=600, completed=3))
+    d = demand.measure(replace(s, prefills=[settled, settled, new], decoders=[was, *s.decoders[1:]]),
+                       None, 1000.0, 60).demand
+    assert d is not None
+    assert d.requests_per_s == pytest.approx(5.2)
+    assert d.prompt_tokens == pytest.approx((40 * 300 + 12 * 1000) / 52)
+    done = sum(x.completed for x in s.decoders) + 3
+    assert d.output_tokens == pytest.approx((sum(x.output_tokens for x in s.decoders) + 600) / done)
+
+
 @pytest.mark.parametrize("case, signals, current, want, reason", [
     ("prefill pressed, decoders idle", sig(p_busy=0.95, d_run=1), 3, 4, "PrefillBound"),
     ("queue builds on prefills", sig(p_busy=0.5, p_queue=3, d_run=1), 3, 4, "PrefillBound"),
@@ -449,6 +470,24 @@ def test_the_forecast_catches_a_turn_a_line_through_the_window_lags():
     series = [(10.0 * i, 1.0 + 0.5 * min(i, 6)) for i in range(9)]   # 1.0 .. 4.0, flat from the 7th
     assert fc.trend(series, 100.0, 120.0) > 4.5
     assert policies._forecast("Trend", series, 100.0, 120.0, 0.0) == pytest.approx(4.0, abs=0.01)
+
+
+def test_the_mix_is_forecast_at_its_latest_sample_until_its_errors_since_a_change_are_measured():
+    """Outputs of 150 tokens, then a jump: the windows since say 80, 46 and (now) 43 as they hold
+    less and less of the old mix. A line through those three would go on down (below 40); the
+    forecast is the latest, until enough samples since the change measure a predictor's error."""
+    from pd_operator import forecast as fc
+    out = lambda t: 150.0 if t < 960 else (80.0 if t < 970 else 46.0)  # noqa: E731
+    hist = history(3.5, 600, out, start=900.0, n=8)
+    assert fc.trend([(t, o) for t, _, _, o in hist[-2:]] + [(980.0, 43.0)], 985.0) < 40
+    v = policies.evaluate(GOODPUT, measured(3.5, 600, 43), 3, limits(GOODPUT, 0), 980.0, remembered(hist))
+    assert v.numbers["forecastBy"].split("/")[2] == "Latest", v.numbers
+    assert v.numbers["forecastOutputTokens"] == 43
+    assert float(v.numbers["forecastError"].split("/")[2]) >= policies.UNMEASURED
+    # once there are samples enough since the change, a predictor is chosen by its error again
+    later = history(3.5, 600, lambda t: 150.0 if t < 900 else 43.0, start=860.0, n=12)
+    v = policies.evaluate(GOODPUT, measured(3.5, 600, 43), 3, limits(GOODPUT, 0), 980.0, remembered(later))
+    assert v.numbers["forecastBy"].split("/")[2] != policies.LATEST, v.numbers
 
 
 def test_goodput_scales_each_roles_waits_by_how_long_its_queues_ran():
