@@ -72,7 +72,8 @@ def plot(kind: str, n: int, rows: dict[str, dict], path: Path) -> None:
     ax[0].set_ylabel("arrivals / s")
     ax[0].set_title(f"trace {kind}: {sc.TRACES[kind]} ({n} engines, model)")
     for name in shown:
-        tl = rows[name]["timeline"]
+        # a fixed ratio's timeline is not kept past 4 engines: its prefill count is its name's
+        tl = rows[name].get("timeline") or [{"t": b["t"], "prefill": int(name[6:].split("P")[0])} for b in first]
         label = f"{name} ({rows[name]['goodput_rps']:.1f} req/s)"
         ax[1].step([b["t"] for b in tl], [b["prefill"] for b in tl], "--" if name == best else "-", where="post",
                    label=label)
