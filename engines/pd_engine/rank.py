@@ -253,7 +253,9 @@ class _AdapterServing:
             for i, tok in enumerate(tokens):
                 if out is not None:
                     out.put_nowait({"token": i, "ms": round(ms, 2), "id": tok})
-            self.core.meter.completed(time.monotonic())
+            now = time.monotonic()
+            self.core.meter.generated(len(tokens), now)   # Goodput's output tokens per request
+            self.core.meter.completed(now)
             return api.DecodeResponse(tokens=len(tokens), token_ids=list(tokens), pull_ms=pull_ms,
                                       first_token_ms=ms, tbt_ms_mean=0.0, tbt_ms_max=0.0, total_ms=ms)
         finally:

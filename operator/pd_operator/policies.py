@@ -307,7 +307,8 @@ def _forecast_demand(rb: Rebalance, sig: Signals, d: gp.Demand, hist: tuple, at:
     # the rate over the whole window: what arrives at the prefills wavers with the moves themselves
     # (requests held while no pair takes them), which a change point would follow
     floors = [None, noise[1], noise[2]]
-    how = [(UNMEASURED, LATEST) if _unmeasured(x, f) else
+    seasonal = g.predictor == "Seasonal" and period > 0   # measured over every sample: it knows the season
+    how = [(UNMEASURED, LATEST) if not seasonal and _unmeasured(x, f) else
            min(((_error(p, x, g.window_seconds, period, f), p) for p in (g.predictor, LEVEL)),
                key=lambda h: (h[0], h[1] != g.predictor)) for x, f in zip(series, floors)]
     ahead = [_forecast(p, x, at, g.window_seconds, period, f) for (_, p), x, f in zip(how, series, floors)]
@@ -552,10 +553,11 @@ def _change_point(series: list[tuple[float, float]], floor: float = 0.01) -> int
 
 
 def _unmeasured(series: list[tuple[float, float]], floor: float | None) -> bool:
-    """Too few samples of the mix since it last changed to measure a forecast's error: the latest
-    is the forecast then. A trend fitted to the two or three windows since a change extrapolates
-    how far each of them still held the old mix (outputs of 80, 46, 43 tokens after a jump from 150
-    to 44 were forecast at 23), and with no error measured the gate cannot tell."""
+    """Too few samples of the mix since it last changed to measure a forecast's error (MIN_ERRORS
+    one-step errors need MIN_ERRORS + 1 samples): the latest is the forecast then. A trend fitted
+    to the two or three windows since a change extrapolates how far each of them still held the
+    old mix (outputs of 80, 46, 43 tokens after a jump from 150 to 44 were forecast at 23), and
+    with no error measured the gate cannot tell."""
     return floor is not None and len(series) - _change_point(series, floor) <= MIN_ERRORS
 
 
@@ -565,10 +567,10 @@ def _forecast(predictor: str, series: list[tuple[float, float]], at: float, wind
     Seasonal: over all, it knows the season; LEVEL: their mean over the window)."""
     if not series:
         return 0.0
-    since = series if floor is None or predictor == "Seasonal" and period > 0 else \
-        series[_change_point(series, floor):]
     if predictor == LATEST:
         return series[-1][1]
+    since = series if floor is None or predictor == "Seasonal" and period > 0 else \
+        series[_change_point(series, floor):]
     if predictor == LEVEL:
         return statistics.fmean(v for t, v in since if t >= since[-1][0] - window)
     return fc.forecast(predictor, since, at, window, period)

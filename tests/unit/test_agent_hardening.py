@@ -35,6 +35,7 @@ from pd_agent.inference import Inference
 from pd_agent.metrics import AgentMetrics
 from pd_agent.server import build_app
 from pd_agent.timing import TimingModel
+from pd_contract.agent_api import NotifyRequest
 from tests.conftest import DEADLINE_SCALE, wait_for
 from tests.unit.test_sim import PromptPeer  # a prompt engine in its own process
 
@@ -495,3 +496,18 @@ async def test_the_load_report_counts_what_the_serving_took_on_and_computed(agen
         load = (await c.get("/v1/status")).json()["load"]
     assert (load["requests_arrived"], load["prompt_tokens_arrived"], load["prefill_tokens"]) == (1, 200, 200)
     assert load["prefill_busy_s"] > 0 and load["window_s"] == 10.0
+
+
+async def test_what_a_prefill_took_on_stays_in_its_report_after_it_switches_to_decoder(agent):
+    """The agent tells its meter which role it left: the prompt it took on as a prefill is still
+    the fleet's demand after the switch (earlier_*), not the decoder window's."""
+    a = await agent(switchable=True)
+    async with a.client(DATA) as c:
+        r = await c.post("/v1/prefill", json={"req_id": 7, "prompt_tokens": 200})
+        assert r.status_code == 200, r.text
+        a.core.notify(NotifyRequest(decoder_cluster_id=1000, released=[7]))   # nobody pulls it: drained
+        await a.core.switch_role("decoder")
+        load = (await c.get("/v1/status")).json()["load"]
+    assert (load["requests_arrived"], load["earlier_prompts_arrived"], load["earlier_prompt_tokens_arrived"]) == \
+        (0, 1, 200)
+    assert load["full_window_s"] == 10.0 and load["window_s"] < 10.0

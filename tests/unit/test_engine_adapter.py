@@ -122,6 +122,10 @@ def test_the_agent_api_of_an_adapter_rank_serves_prefill_and_decode(ranks):
                                                   "output_tokens": 6, "first_token": first})
         assert r.status_code == 200, r.text
         assert r.json()["token_ids"] == Model.get(Profile.from_json(PROFILE)).generate(prompt, 6, 0.0, 1.0, 0)
+        # the load report counts it as Goodput reads the mix: prompts at the prefill, tokens and decodes here
+        load = http.get(f"{d.url}/v1/status").json()["load"]
+        assert (load["output_tokens"], load["decodes_completed"]) == (6, 1), load
+        assert http.get(f"{p.url}/v1/status").json()["load"]["prompt_tokens_arrived"] == 5
         # a decode from a prefill this decoder is not linked to: NOT_LINKED, nothing pulled
         r = http.post(f"{d.url}/v1/decode", json={"req_id": 6, "prompt_cluster_id": 77, "prompt_tokens": 5,
                                                   "output_tokens": 2, "first_token": first})
