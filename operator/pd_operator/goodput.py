@@ -260,6 +260,17 @@ def choose(total: int, current: int, lo: int, hi: int, demand: Demand, cap: Capa
     return Choice(now, best, m.best.prefill, m.gain, m.cost, m.move_s, "Move", whole_s)
 
 
+def move(to: int, current: int, total: int, demand: Demand, cap: Capacity, max_batch: int, targets: Targets,
+         horizon: float, move_s: float, drains: bool = True, max_in_flight: int | None = None,
+         round_s: dict[str, float] | None = None) -> Choice:
+    """The move from `current` prefills to `to` (its gain and cost over the horizon, as choose
+    weighs the moves it considers)."""
+    now = predict(current, total - current, demand, cap, max_batch, targets, horizon)
+    to_x = predict(to, total - to, demand, cap, max_batch, targets, horizon)
+    return _move(to_x, current, now, total, demand, cap, max_batch, targets, horizon, move_s, drains,
+                 max_in_flight, round_s)
+
+
 def _move(to_x: Prediction, current: int, now: Prediction, total: int, demand: Demand, cap: Capacity,
           max_batch: int, targets: Targets, horizon: float, move_s: float, drains: bool,
           max_in_flight: int | None, round_s: dict[str, float] | None) -> Choice:

@@ -269,7 +269,7 @@ def goodput(spec: PDDeploymentSpec, sig: Signals, current: int, total: int, limi
     move_s = float(g.replace_seconds) if round_s is None else max(round_s.values())
     ahead = _forecast_demand(rb, sig, d, hist, now + move_s, period)
     horizon, c = _choose(rb, limits, total, current, ahead.demand, scaled, m.max_batch, move_s, round_s)
-    return _gate(Step(rb, limits, total, current, now, d, ahead, scaled, m, move_s, horizon, c, mem))
+    return _gate(Step(rb, limits, total, current, now, d, ahead, scaled, m, move_s, horizon, c, mem, round_s))
 
 
 def _goodput_guard(rb: Rebalance, sig: Signals, learned: dm.Learned | None) -> Verdict | None:
@@ -357,13 +357,15 @@ class Step:
     horizon: float
     c: gp.Choice
     mem: "Memory"
+    round_s: dict[str, float] | None = None
 
 
 def _gate(s: Step) -> Verdict:
     """The move the model chose, if it pays under every demand the forecast's error allows (each of
     rate, prompt and output off by `k` times its error, either way). Undoing the last move while the
     demand has not changed since (a change point after it) needs REVERSE_K times the margin
-    (hysteresis), and is not done within the dwell at all unless the split fails its demand."""
+    (hysteresis), and is not done within the dwell at all unless the split fails its demand. A move
+    unsure the whole way is made part of the way if that much is sure (_part_way)."""
     c, mem, current, now = s.c, s.mem, s.current, s.now
     assert s.rb.targets is not None
     direction = 0 if c.target == current else (1 if c.target > current else -1)
@@ -374,22 +376,27 @@ def _gate(s: Step) -> Verdict:
     robust = _robust_gain(c, current, s.total, s.ahead.demand, s.cap, s.m.max_batch, targets, s.horizon,
                           s.ahead.err, k)
     dwell_until = (mem.moved_at or 0.0) + s.horizon
+    failing = c.now.goodput < FAILING * s.ahead.demand.requests_per_s
+    if c.reason in ("Move", "Relieve") and reverse and now < dwell_until and not failing:
+        return Verdict(None, "Dwell", f"{_text(s)}: would reverse the move made {now - (mem.moved_at or now):.0f}s "
+                                      f"ago before its dwell ends and the demand has not changed since; holding",
+                       _numbers(s, k, robust, dwell_until), learned=mem)
+    whole = c
+    if c.reason == "Move" and (robust <= c.cost or robust <= 0):
+        c, robust = _part_way(s, c, robust, targets, k)
+        s = replace(s, c=c)
     nums = _numbers(s, k, robust, dwell_until)
     text = _text(s)
     moved = replace(mem, moved_at=now, moved_dir=direction)
-    failing = c.now.goodput < FAILING * s.ahead.demand.requests_per_s
-    if c.reason in ("Move", "Relieve") and reverse and now < dwell_until and not failing:
-        return Verdict(None, "Dwell", f"{text}: would reverse the move made {now - (mem.moved_at or now):.0f}s ago "
-                                      f"before its dwell ends and the demand has not changed since; holding", nums,
-                       learned=mem)
     if c.reason == "Move" and (robust <= c.cost or robust <= 0):
         return Verdict(None, "ForecastUnsure", f"{text}: gains {c.gain:.0f} requests over {s.horizon:.0f}s, but "
                                                f"{robust:.0f} if the demand is off by {k:g}x the forecast's error; "
                                                f"the drains cost {c.cost:.0f}; holding", nums, learned=mem)
     if c.reason == "Move":
         return _bounded(c.target, s.total, s.limits, Verdict(
-            c.target, "GoodputGain", f"{text}: gains {c.gain:.0f} requests over {s.horizon:.0f}s ({robust:.0f} at "
-                                     f"{k:g}x the forecast's error), the drains cost {c.cost:.0f}", nums,
+            c.target, "GoodputGain", f"{text}: {_way(c, whole)}gains {c.gain:.0f} requests over "
+                                     f"{s.horizon:.0f}s ({robust:.0f} at {k:g}x the forecast's error), the drains "
+                                     f"cost {c.cost:.0f}", nums,
             learned=moved))
     if c.reason == "Relieve":
         return _bounded(c.target, s.total, s.limits, Verdict(
@@ -399,6 +406,31 @@ def _gate(s: Step) -> Verdict:
         return Verdict(None, "AtBest", f"{text}: as good as it gets", nums, learned=mem)
     return Verdict(None, "MoveDoesNotPay", f"{text}: gains {c.gain:.0f} requests over {s.horizon:.0f}s, the drains "
                                            f"cost {c.cost:.0f}; holding", nums, learned=mem)
+
+
+def _part_way(s: Step, c: gp.Choice, robust: float, targets: gp.Targets, k: float) -> tuple[gp.Choice, float]:
+    """When the move the model chose is unsure, the largest part of the way (halving the distance)
+    that pays under every demand the forecast's error allows; else the move as it was."""
+    d = c.target - s.current
+    while abs(d) > 1:
+        d = int(d / 2)
+        part = gp.move(s.current + d, s.current, s.total, s.ahead.demand, s.cap, s.m.max_batch, targets, s.horizon,
+                       s.move_s, s.rb.method != "Replace", s.limits.max_in_flight, s.round_s)
+        part = replace(part, reason="Move", whole_s=c.whole_s)
+        if part.gain <= part.cost:
+            continue
+        r = _robust_gain(part, s.current, s.total, s.ahead.demand, s.cap, s.m.max_batch, targets, s.horizon,
+                         s.ahead.err, k)
+        if r > part.cost and r > 0:
+            return replace(part, best=c.best), r
+    return c, robust
+
+
+def _way(c: gp.Choice, whole: gp.Choice) -> str:
+    if c is whole:
+        return ""
+    return (f"part of the way, to {c.target} prefills (the whole way to {whole.target} is unsure at the forecast's "
+            f"error), ")
 
 
 def _full_ms(s: Step) -> float:

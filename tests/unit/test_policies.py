@@ -434,6 +434,27 @@ def test_goodput_moves_only_when_the_gain_outlasts_the_forecasts_own_error(monke
     assert min(err(n)) > max(err(q)), "the noisy history's forecast error is the larger"
 
 
+def test_goodput_goes_part_of_the_way_when_only_that_is_sure(monkeypatch):
+    """16 engines, 4 of them prefills, serving about 1 of 17.6 requests/s of a decode-heavy mix,
+    after a history the forecast followed badly: the whole way (one prefill) does not pay under
+    every demand its error allows, one prefill fewer does; it moves that far, and says so."""
+    monkeypatch.setattr(policies, "QUEUE_FLOOR", 1e9)   # the gate alone: waits as the model has them
+    g = parse_spec({**BASE, "prefill": {"replicas": 8}, "decoder": {"replicas": 8},
+                    "rebalance": {"policy": "Goodput", "targets": {"ttftP90Ms": 3000, "tbtP90Ms": 60},
+                                  "evaluationIntervalSeconds": 10, "cooldownSeconds": 20}})
+    now = measured(17.6, 300, 150, n_p=4, n_d=12)
+    cap = policies.evaluate(g, now, 4, limits(g, 0), 890.0).learned.capacity
+    v = policies.evaluate(g, now, 4, limits(g, 0), 990.0,
+                          policies.Memory(history(17.6, 300, 150, noise=0.35), cap))
+    n = v.numbers
+    assert v.reason == "GoodputGain" and v.target == 3 and n["bestPrefill"] == 1, v.message
+    assert float(n["robustGain"]) > float(n["cost"]) and "part of the way" in v.message, v.message
+    # weighed the whole way only, it holds
+    monkeypatch.setattr(policies, "_part_way", lambda s, c, robust, targets, k: (c, robust))
+    w = policies.evaluate(g, now, 4, limits(g, 0), 990.0, policies.Memory(history(17.6, 300, 150, noise=0.35), cap))
+    assert w.reason == "ForecastUnsure" and w.target is None, w.message
+
+
 def test_goodput_does_not_reverse_a_move_within_its_dwell_unless_the_demand_changed(monkeypatch):
     monkeypatch.setattr(policies, "QUEUE_FLOOR", 1e9)   # the gate alone: waits as the model has them
     now = measured(3.5, 600, 120)
