@@ -308,10 +308,13 @@ def _forecast_demand(rb: Rebalance, sig: Signals, d: gp.Demand, hist: tuple, at:
     # (requests held while no pair takes them), which a change point would follow
     floors = [None, noise[1], noise[2]]
     seasonal = g.predictor == "Seasonal" and period > 0   # measured over every sample: it knows the season
-    how = [(UNMEASURED, LATEST) if not seasonal and _unmeasured(x, f) else
-           min(((_error(p, x, g.window_seconds, period, f), p) for p in (g.predictor, LEVEL)),
+    # a sample's window that straddles a change is neither demand: the samples since one count from
+    # the first whose window starts after it
+    settle = max((p.window_s for p in sig.prefills + sig.idle_prefills), default=0.0)
+    how = [(UNMEASURED, LATEST) if not seasonal and _unmeasured(x, f, settle) else
+           min(((_error(p, x, g.window_seconds, period, f, settle), p) for p in (g.predictor, LEVEL)),
                key=lambda h: (h[0], h[1] != g.predictor)) for x, f in zip(series, floors)]
-    ahead = [_forecast(p, x, at, g.window_seconds, period, f) for (_, p), x, f in zip(how, series, floors)]
+    ahead = [_forecast(p, x, at, g.window_seconds, period, f, settle) for (_, p), x, f in zip(how, series, floors)]
     err = [max(h, e) for (h, _), e in zip(how, noise)]
     # when the mix last changed (a change point; the start of the history is none)
     changed = [x[i][0] if i else -math.inf for x, i in ((x, _change_point(x, f)) for x, f in
@@ -584,17 +587,28 @@ def _change_point(series: list[tuple[float, float]], floor: float = 0.01) -> int
     return start
 
 
-def _unmeasured(series: list[tuple[float, float]], floor: float | None) -> bool:
+def _settled(series: list[tuple[float, float]], floor: float, settle: float) -> int:
+    """The index of the first sample measured wholly since the demand last changed: of the samples
+    since the change point, the first whose window (`settle` seconds, the reports') starts after
+    the last sample before the change was taken; the ones before it saw some of the old demand
+    (0: no change seen)."""
+    i = _change_point(series, floor)
+    if i == 0:
+        return 0
+    return next((j for j in range(i, len(series)) if series[j][0] - settle >= series[i - 1][0]), len(series))
+
+
+def _unmeasured(series: list[tuple[float, float]], floor: float | None, settle: float = 0.0) -> bool:
     """Too few samples of the mix since it last changed to measure a forecast's error (MIN_ERRORS
     one-step errors need MIN_ERRORS + 1 samples): the latest is the forecast then. A trend fitted
     to the two or three windows since a change extrapolates how far each of them still held the
     old mix (outputs of 80, 46, 43 tokens after a jump from 150 to 44 were forecast at 23), and
     with no error measured the gate cannot tell."""
-    return floor is not None and len(series) - _change_point(series, floor) <= MIN_ERRORS
+    return floor is not None and len(series) - _settled(series, floor, settle) <= MIN_ERRORS
 
 
 def _forecast(predictor: str, series: list[tuple[float, float]], at: float, window: float, period: float,
-              floor: float | None = 0.01) -> float:
+              floor: float | None = 0.01, settle: float = 0.0) -> float:
     """The forecast over the samples since the last change (none looked for with floor None;
     Seasonal: over all, it knows the season; LEVEL: their mean over the window)."""
     if not series:
@@ -602,25 +616,25 @@ def _forecast(predictor: str, series: list[tuple[float, float]], at: float, wind
     if predictor == LATEST:
         return series[-1][1]
     since = series if floor is None or predictor == "Seasonal" and period > 0 else \
-        series[_change_point(series, floor):]
+        series[_settled(series, floor, settle):] or series[-1:]
     if predictor == LEVEL:
         return statistics.fmean(v for t, v in since if t >= since[-1][0] - window)
     return fc.forecast(predictor, since, at, window, period)
 
 
 def _error(predictor: str, series: list[tuple[float, float]], window: float, period: float,
-           floor: float | None = 0.01) -> float:
+           floor: float | None = 0.01, settle: float = 0.0) -> float:
     """The forecast's relative error, as measured: the root mean square of what it said of each
     recent sample from the ones before, over the sample; 0 until MIN_ERRORS were measured."""
     last = series[-1][0] if series else 0.0
     # of the samples since the last change only (Seasonal: all): a forecast that missed the change
     # itself says nothing of how well it follows the demand since
-    since = 0 if floor is None or predictor == "Seasonal" and period > 0 else _change_point(series, floor)
+    since = 0 if floor is None or predictor == "Seasonal" and period > 0 else _settled(series, floor, settle)
     errs = []
     for j in range(since + 1, len(series)):
         if series[j][0] < last - window:
             continue
-        f = _forecast(predictor, series[:j], series[j][0], window, period, floor)
+        f = _forecast(predictor, series[:j], series[j][0], window, period, floor, settle)
         if f > 0:
             errs.append(((series[j][1] - f) / f) ** 2)
     return min(MAX_ERROR, math.sqrt(statistics.fmean(errs))) if len(errs) >= MIN_ERRORS else UNMEASURED
