@@ -588,14 +588,14 @@ def _change_point(series: list[tuple[float, float]], floor: float = 0.01) -> int
 
 
 def _settled(series: list[tuple[float, float]], floor: float, settle: float) -> int:
-    """The index of the first sample measured wholly since the demand last changed: of the samples
-    since the change point, the first whose window (`settle` seconds, the reports') starts after
-    the last sample before the change was taken; the ones before it saw some of the old demand
-    (0: no change seen)."""
+    """The index of the first sample measured wholly since the demand last changed: the first whose
+    window (`settle` seconds, the reports') starts at or after the change point's sample, by when
+    the change had happened; the change point's sample and the ones whose windows began before it
+    may still hold some of the old demand (0: no change seen)."""
     i = _change_point(series, floor)
     if i == 0:
         return 0
-    return next((j for j in range(i, len(series)) if series[j][0] - settle >= series[i - 1][0]), len(series))
+    return next((j for j in range(i, len(series)) if series[j][0] - settle >= series[i][0]), len(series))
 
 
 def _unmeasured(series: list[tuple[float, float]], floor: float | None, settle: float = 0.0) -> bool:

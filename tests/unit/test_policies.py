@@ -506,8 +506,10 @@ def test_the_mix_is_forecast_at_its_latest_sample_until_its_errors_since_a_chang
     assert v.numbers["forecastOutputTokens"] == 43
     assert float(v.numbers["forecastError"].split("/")[2]) >= policies.UNMEASURED
     # with MIN_ERRORS one-step errors since the change (this evaluation's sample the last), a
-    # predictor is chosen by its error again; one sample fewer, still the latest
-    for since, want in ((policies.MIN_ERRORS + 1, False), (policies.MIN_ERRORS, True)):
+    # predictor is chosen by its error again; one sample fewer, still the latest. The samples are
+    # 10 s windows 10 s apart: the first at the new mix may still hold some of the old one, so the
+    # samples measured wholly since the change start at the second
+    for since, want in ((policies.MIN_ERRORS + 2, False), (policies.MIN_ERRORS + 1, True)):
         step = 980.0 - 10 * (since - 1)
         hist = history(3.5, 600, lambda t: 150.0 if t < step else 43.0, start=980.0 - 10 * 12, n=12)
         v = policies.evaluate(GOODPUT, measured(3.5, 600, 43), 3, limits(GOODPUT, 0), 980.0, remembered(hist))
@@ -522,9 +524,9 @@ def test_samples_whose_window_straddles_a_change_count_neither_in_the_forecast_n
     measure it as it is."""
     vals = [150.0] * 6 + [118.0, 65.0] + [44.0, 44.5, 43.5, 44.0, 44.2, 43.8]
     series = [(5.0 * i, v) for i, v in enumerate(vals)]
-    # the change point falls on the first sample at the new level; the window of that one began
-    # before the last old sample was taken, so the next is the first measured wholly since
-    assert policies._change_point(series, 0.01) == 8 and policies._settled(series, 0.01, 10.0) == 9
+    # the change point falls on the first sample at the new level (t=40); the first window that
+    # starts at or after it is the one of t=50, the first that cannot hold any of the old mix
+    assert policies._change_point(series, 0.01) == 8 and policies._settled(series, 0.01, 10.0) == 10
     straddled = policies._error("Trend", series, 60.0, 0.0, 0.01, 0.0)
     settled = policies._error("Trend", series, 60.0, 0.0, 0.01, 10.0)
     assert straddled > 0.15 and settled < 0.03, (straddled, settled)
