@@ -33,6 +33,7 @@ class Measured:
     decode_concurrency: int = 0    # decodes running and waiting, now
     context_tokens: float = 0.0    # mean context a running decode holds
     missing: str = ""
+    window_s: float = 0.0          # the longest window the demand's sample was measured over
 
 
 def measure(sig: Signals, learned: Learned | None, now: float, keep_s: float) -> Measured:
@@ -72,4 +73,5 @@ def measure(sig: Signals, learned: Learned | None, now: float, keep_s: float) ->
     missing = "" if cap.prefill_tokens_per_s is not None and cap.step is not None else \
         ("no prefill was busy long enough to time" if cap.prefill_tokens_per_s is None else
          "no decoder has reported a step")
-    return Measured(demand, Learned(history, cap), max_batch, concurrency, context, missing)
+    return Measured(demand, Learned(history, cap), max_batch, concurrency, context, missing,
+                    max([window] + [d.window_s for d in dec]))

@@ -264,8 +264,10 @@ def move(to: int, current: int, total: int, demand: Demand, cap: Capacity, max_b
          horizon: float, move_s: float, drains: bool = True, max_in_flight: int | None = None,
          round_s: dict[str, float] | None = None) -> Choice:
     """The move from `current` prefills to `to` (its gain and cost over the horizon, as choose
-    weighs the moves it considers)."""
+    weighs the moves it considers; none to the current count)."""
     now = predict(current, total - current, demand, cap, max_batch, targets, horizon)
+    if to == current:
+        return Choice(now, now, current, 0.0, 0.0, 0.0, "AtBest")
     to_x = predict(to, total - to, demand, cap, max_batch, targets, horizon)
     return _move(to_x, current, now, total, demand, cap, max_batch, targets, horizon, move_s, drains,
                  max_in_flight, round_s)

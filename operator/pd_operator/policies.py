@@ -267,7 +267,7 @@ def goodput(spec: PDDeploymentSpec, sig: Signals, current: int, total: int, limi
         to, d, cap, current, total - current, m.max_batch) for to in ("prefill", "decoder")}
     # one round of a move, either way: when the forecast is for (the gate times the move it weighs)
     move_s = float(g.replace_seconds) if round_s is None else max(round_s.values())
-    ahead = _forecast_demand(rb, sig, d, hist, now + move_s, period)
+    ahead = _forecast_demand(rb, sig, d, hist, now + move_s, period, m.window_s)
     horizon, c = _choose(rb, limits, total, current, ahead.demand, scaled, m.max_batch, move_s, round_s)
     return _gate(Step(rb, limits, total, current, now, d, ahead, scaled, m, move_s, horizon, c, mem, round_s))
 
@@ -296,7 +296,8 @@ class Ahead:
     changed: list[float]
 
 
-def _forecast_demand(rb: Rebalance, sig: Signals, d: gp.Demand, hist: tuple, at: float, period: float) -> Ahead:
+def _forecast_demand(rb: Rebalance, sig: Signals, d: gp.Demand, hist: tuple, at: float, period: float,
+                     settle: float = 0.0) -> Ahead:
     """Each of the rate and the mix (prompt, output tokens per request) forecast from the samples
     since its last change (so a turn is caught within an evaluation or two) by the predictor or the
     level since the change, whichever forecast its own past samples better; its error is that
@@ -308,9 +309,9 @@ def _forecast_demand(rb: Rebalance, sig: Signals, d: gp.Demand, hist: tuple, at:
     # (requests held while no pair takes them), which a change point would follow
     floors = [None, noise[1], noise[2]]
     seasonal = g.predictor == "Seasonal" and period > 0   # measured over every sample: it knows the season
-    # a sample's window that straddles a change is neither demand: the samples since one count from
-    # the first whose window starts after it
-    settle = max((p.window_s for p in sig.prefills + sig.idle_prefills), default=0.0)
+    # a sample whose window (`settle`: the longest a sample was measured over) straddles a change
+    # is neither demand: the samples since one count from the first whose window starts at or
+    # after the change point's sample (_settled)
     how = [(UNMEASURED, LATEST) if not seasonal and _unmeasured(x, f, settle) else
            min(((_error(p, x, g.window_seconds, period, f, settle), p) for p in (g.predictor, LEVEL)),
                key=lambda h: (h[0], h[1] != g.predictor)) for x, f in zip(series, floors)]
@@ -419,7 +420,7 @@ def _part_way(s: Step, c: gp.Choice, robust: float, targets: gp.Targets, k: floa
         d = int(d / 2)
         part = gp.move(s.current + d, s.current, s.total, s.ahead.demand, s.cap, s.m.max_batch, targets, s.horizon,
                        s.move_s, s.rb.method != "Replace", s.limits.max_in_flight, s.round_s)
-        part = replace(part, reason="Move", whole_s=c.whole_s)
+        part = replace(part, whole_s=c.whole_s)
         if part.gain <= part.cost:
             continue
         r = _robust_gain(part, s.current, s.total, s.ahead.demand, s.cap, s.m.max_batch, targets, s.horizon,
@@ -432,8 +433,7 @@ def _part_way(s: Step, c: gp.Choice, robust: float, targets: gp.Targets, k: floa
 def _way(c: gp.Choice, whole: gp.Choice) -> str:
     if c is whole:
         return ""
-    return (f"part of the way, to {c.target} prefills (the whole way to {whole.target} is unsure at the forecast's "
-            f"error), ")
+    return f"part of the way, to {c.target} prefills (the move to {whole.target} is unsure at the forecast's error), "
 
 
 def _full_ms(s: Step) -> float:

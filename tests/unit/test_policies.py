@@ -61,6 +61,10 @@ def test_demand_counts_each_request_once_over_one_window_across_switches():
     assert d.prompt_tokens == pytest.approx((40 * 300 + 12 * 1000) / 52)
     done = sum(x.completed for x in s.decoders) + 3
     assert d.output_tokens == pytest.approx((sum(x.output_tokens for x in s.decoders) + 600) / done)
+    # every prefill new to the role: the sample was still measured over the 10 s the decoder's
+    # earlier role and the decoders' own windows cover (what tells a sample straddling a change)
+    m = demand.measure(replace(s, prefills=[new, new], decoders=[was, *s.decoders[1:]]), None, 1000.0, 60)
+    assert m.window_s == 10.0
 
 
 @pytest.mark.parametrize("case, signals, current, want, reason", [
@@ -520,13 +524,15 @@ def test_samples_whose_window_straddles_a_change_count_neither_in_the_forecast_n
     """Outputs of 150 tokens, a jump to 44: sampled every 5 s over 10 s windows, the two samples
     after it (118, 65) still hold some of the old mix. Counted as the new demand, they make the
     forecasts since the change look wrong (an error near 0.2, which keeps a move unsure for a
-    minute); the samples from the first whose window starts after the last one before the change
+    minute); the samples from the first whose window starts at or after the change point's sample
     measure it as it is."""
     vals = [150.0] * 6 + [118.0, 65.0] + [44.0, 44.5, 43.5, 44.0, 44.2, 43.8]
     series = [(5.0 * i, v) for i, v in enumerate(vals)]
     # the change point falls on the first sample at the new level (t=40); the first window that
     # starts at or after it is the one of t=50, the first that cannot hold any of the old mix
     assert policies._change_point(series, 0.01) == 8 and policies._settled(series, 0.01, 10.0) == 10
+    # a 12 s window: t=55 (t=50's began at 38, before the change point's sample at 40)
+    assert policies._settled(series, 0.01, 12.0) == 11
     straddled = policies._error("Trend", series, 60.0, 0.0, 0.01, 0.0)
     settled = policies._error("Trend", series, 60.0, 0.0, 0.01, 10.0)
     assert straddled > 0.15 and settled < 0.03, (straddled, settled)
