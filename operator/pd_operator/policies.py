@@ -267,7 +267,9 @@ def goodput(spec: PDDeploymentSpec, sig: Signals, current: int, total: int, limi
         to, d, cap, current, total - current, m.max_batch) for to in ("prefill", "decoder")}
     # one round of a move, either way: when the forecast is for (the gate times the move it weighs)
     move_s = float(g.replace_seconds) if round_s is None else max(round_s.values())
-    ahead = _forecast_demand(rb, sig, d, hist, now + move_s, period, m.window_s)
+    # an agent's report sets the window; one no longer than the forecast's own (NaN: that) bounds it
+    settle = m.window_s if m.window_s <= g.window_seconds else float(g.window_seconds)
+    ahead = _forecast_demand(rb, sig, d, hist, now + move_s, period, settle)
     horizon, c = _choose(rb, limits, total, current, ahead.demand, scaled, m.max_batch, move_s, round_s)
     return _gate(Step(rb, limits, total, current, now, d, ahead, scaled, m, move_s, horizon, c, mem, round_s))
 

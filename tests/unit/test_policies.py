@@ -542,6 +542,25 @@ def test_samples_whose_window_straddles_a_change_count_neither_in_the_forecast_n
     assert policies._settled([(5.0 * i, 1.0) for i in range(6)], 0.01, 10.0) == 0, "no change: every sample"
 
 
+def test_a_decoders_absurd_report_window_does_not_stop_goodput(monkeypatch):
+    """A decoder reporting a window of 1e12 s or NaN: the samples since a change are counted over
+    at most the forecast's own window, and the policy decides as with an honest report."""
+    seen = []
+    real = policies._forecast_demand
+
+    def spy(*args):
+        seen.append(args[-1])
+        return real(*args)
+    honest, mem = measured(3.5, 600, 120), remembered(history(3.5, 600, 120))
+    monkeypatch.setattr(policies, "_forecast_demand", spy)
+    base = policies.evaluate(GOODPUT, honest, 3, limits(GOODPUT, 0), 990.0, mem)
+    for bad in (1e12, float("nan")):
+        sig = replace(honest, decoders=[replace(honest.decoders[0], window_s=bad), *honest.decoders[1:]])
+        v = policies.evaluate(GOODPUT, sig, 3, limits(GOODPUT, 0), 990.0, mem)
+        assert (v.reason, v.target) == (base.reason, base.target), v.message
+    assert seen[:2] == [10.0, GOODPUT.rebalance.goodput.window_seconds] and seen[2] <= seen[1], seen
+
+
 def test_goodput_scales_each_roles_waits_by_how_long_its_queues_ran():
     """Decoders that keep reporting decodes waiting where the model has almost none: the decode
     waits grow over the evaluations (bounded), the prefills' stay; the numbers say so."""
