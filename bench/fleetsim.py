@@ -84,7 +84,9 @@ class Engine:
     version: int = 0
     ttft: collections.deque = field(default_factory=lambda: collections.deque(maxlen=2000))   # (at, ms)
     tbt: collections.deque = field(default_factory=lambda: collections.deque(maxlen=8000))
-    meter: LoadMeter = field(default_factory=LoadMeter)   # the agent's load report window, on the model's clock
+    # the agent's load report window, on the model's clock; the first engines' started long before
+    # the traffic, as on a cluster (their first windows hold the seconds before it arrived)
+    meter: LoadMeter = field(default_factory=LoadMeter)
 
     def serving(self, now: float) -> bool:
         return not self.gone and not self.draining and not self.leaving and now >= self.serving_at
@@ -414,7 +416,9 @@ class FleetSim:
         if new.get("growing"):
             g = new["growing"]
             for _ in range(new["prefill"] + new["decoder"] - self.spec.total):
-                self.engines.append(Engine(f"{g}-r{len(self.engines)}", g, g, serving_at=self.now + self.start_s))
+                e = Engine(f"{g}-r{len(self.engines)}", g, g, serving_at=self.now + self.start_s)
+                e.meter = LoadMeter(started=e.serving_at)   # as the agent's: no window before it started
+                self.engines.append(e)
         else:
             shrink = "decoder" if sizes.get("growing") == "prefill" else "prefill"
             k = sizes["prefill"] + sizes["decoder"] - self.spec.total

@@ -308,8 +308,9 @@ class Load(_Reply):
     decodes_completed: int = 0       # decoder: decodes finished
     context_tokens: int = 0          # decoder: context tokens the running decodes hold now
     steps: list[StepSample] = []     # decoder: recent decode steps (the newest, at most 32)
-    # over the last `full_window_s`, what it took on in a role it has since left (the window
-    # above starts at the switch): prompts as a prefill, and as a decoder tokens and decodes done
+    # over the last `full_window_s` (the whole window, or as long as the engine has run), what it
+    # took on in a role it has since left (the window above starts at the switch): prompts as a
+    # prefill, and as a decoder tokens and decodes done
     full_window_s: float = 0.0
     earlier_prompts_arrived: int = 0
     earlier_prompt_tokens_arrived: int = 0

@@ -114,7 +114,7 @@ class AgentCore:
         self.linked_by: set[int] = set()          # prompt: decoders that told us they linked
         self.notifier: Notifier | None = None     # set by the server
         self.inference: Serving | None = None     # set by pd_agent.inference (or an adapter) when serving
-        self.meter = LoadMeter()                  # what the serving did lately (the load report's window)
+        self.meter = LoadMeter(started=time.monotonic())   # what the serving did lately (the report's window)
         self.device_ips = ""                      # where the device IP came from (devices.resolve)
         self.device_error = ""
         # The host's scheduler follows the engine's role: before-hooks may refuse a switch

@@ -26,7 +26,10 @@ STEPS_KEPT = 32
 
 
 class LoadMeter:
-    def __init__(self, window_s: float = WINDOW_S):
+    def __init__(self, window_s: float = WINDOW_S, started: float | None = None):
+        """`started`: when the engine started (None: long enough ago). No window is longer than
+        the engine has run: an agent restarted under traffic would otherwise report its first
+        seconds' arrivals as a whole window's, at a fraction of the rate."""
         self.window_s = window_s
         self._arrived: collections.deque[tuple[float, int]] = collections.deque()      # (at, prompt tokens)
         self._prefilled: collections.deque[tuple[float, int, float]] = collections.deque()  # (at, tokens, s)
@@ -34,7 +37,8 @@ class LoadMeter:
         self._completed: collections.deque[float] = collections.deque()
         self.steps: collections.deque[StepSample] = collections.deque(maxlen=STEPS_KEPT)
         self.context_tokens = 0
-        self._since: float | None = None   # the window starts here (a role switch), if later than window_s ago
+        self._started = started            # the engine's start: no window is longer than it has run
+        self._since: float | None = started   # the role's window starts here (start, role switch)
         # what it took on in roles it has left (demand the fleet saw): prompts as a prefill (at,
         # tokens), tokens generated and decodes finished as a decoder
         self._earlier_prompts: collections.deque[tuple[float, int]] = collections.deque()
@@ -86,10 +90,9 @@ class LoadMeter:
         for c in (self._completed, self._earlier_completed):
             while c and c[0] < since:
                 c.popleft()
-        # a window that started at a switch is as long as it is (at least MIN_WINDOW_S: a rate over
-        # a fraction of a second is noise)
-        load.window_s = self.window_s if self._since is None else \
-            max(MIN_WINDOW_S, min(self.window_s, now - self._since))
+        # a window that started at the start or a switch is as long as it is (at least MIN_WINDOW_S: a
+        # rate over a fraction of a second is noise)
+        load.window_s = self._length(self._since, now)
         load.requests_arrived = len(self._arrived)
         load.prompt_tokens_arrived = sum(t for _, t in self._arrived)
         load.prefill_tokens = sum(t for _, t, _ in self._prefilled)
@@ -102,8 +105,11 @@ class LoadMeter:
         load.earlier_prompt_tokens_arrived = sum(t for _, t in self._earlier_prompts)
         load.earlier_output_tokens = sum(t for _, t in self._earlier_generated)
         load.earlier_decodes_completed = len(self._earlier_completed)
-        load.full_window_s = self.window_s
+        load.full_window_s = self._length(self._started, now)
         return load
+
+    def _length(self, since: float | None, now: float) -> float:
+        return self.window_s if since is None else max(MIN_WINDOW_S, min(self.window_s, now - since))
 
 
 def _now(at: float | None) -> float:

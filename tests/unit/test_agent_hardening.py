@@ -495,7 +495,8 @@ async def test_the_load_report_counts_what_the_serving_took_on_and_computed(agen
         assert r.status_code == 200, r.text
         load = (await c.get("/v1/status")).json()["load"]
     assert (load["requests_arrived"], load["prompt_tokens_arrived"], load["prefill_tokens"]) == (1, 200, 200)
-    assert load["prefill_busy_s"] > 0 and load["window_s"] == 10.0
+    assert load["prefill_busy_s"] > 0 and load["window_s"] == load["full_window_s"] <= 10.0, \
+        "the agent just started: the window is as long as it has run"
 
 
 async def test_what_a_prefill_took_on_stays_in_its_report_after_it_switches_to_decoder(agent):
@@ -510,4 +511,4 @@ async def test_what_a_prefill_took_on_stays_in_its_report_after_it_switches_to_d
         load = (await c.get("/v1/status")).json()["load"]
     assert (load["requests_arrived"], load["earlier_prompts_arrived"], load["earlier_prompt_tokens_arrived"]) == \
         (0, 1, 200)
-    assert load["full_window_s"] == 10.0 and load["window_s"] < 10.0
+    assert load["window_s"] <= load["full_window_s"] <= 10.0

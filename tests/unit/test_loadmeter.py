@@ -64,3 +64,17 @@ def test_what_it_took_on_in_the_role_it_left_stays_counted_until_it_ages_out():
     m.arrived(500, at=31.0)
     m.reset(at=32.0)                      # a reset that does not say the role drops what it saw
     assert m.fill(Load(), at=33.0).earlier_prompts_arrived == 0
+
+
+def test_an_engine_that_just_started_counts_over_as_long_as_it_has_run():
+    """Five seconds of arrivals over a whole ten-second window would be half the rate: the first
+    windows, the role's and the fleet's, are as long as the engine has run."""
+    m = LoadMeter(window_s=10, started=100.0)
+    for i in range(50):
+        m.arrived(300, at=100.0 + i * 0.1)
+    first = m.fill(Load(), at=105.0)
+    assert (first.window_s, first.full_window_s, first.requests_arrived) == (5.0, 5.0, 50)
+    assert m.fill(Load(), at=100.5).full_window_s == 2.0, "at least MIN_WINDOW_S"
+    m.reset(at=108.0, left="prefill")
+    switched = m.fill(Load(), at=112.0)
+    assert (switched.window_s, switched.full_window_s, switched.earlier_prompts_arrived) == (4.0, 10, 30)
