@@ -417,7 +417,7 @@ class FleetSim:
             g = new["growing"]
             for _ in range(new["prefill"] + new["decoder"] - self.spec.total):
                 e = Engine(f"{g}-r{len(self.engines)}", g, g, serving_at=self.now + self.start_s)
-                e.meter = LoadMeter(started=e.serving_at)   # as the agent's: no window before it started
+                e.meter = LoadMeter(started=e.serving_at)   # no window before it serves (its peers' are longer)
                 self.engines.append(e)
         else:
             shrink = "decoder" if sizes.get("growing") == "prefill" else "prefill"

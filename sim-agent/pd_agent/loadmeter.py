@@ -56,7 +56,8 @@ class LoadMeter:
         for q in (self._arrived, self._prefilled, self._generated, self._completed, self.steps):
             q.clear()
         self.context_tokens = 0
-        self._since = _now(at)
+        # never before the start: no role's window is longer than the engine has run
+        self._since = _now(at) if self._started is None else max(self._started, _now(at))
 
     # ---- what happened --------------------------------------------------------------------------
     def arrived(self, prompt_tokens: int, at: float | None = None) -> None:

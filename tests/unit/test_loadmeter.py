@@ -74,7 +74,11 @@ def test_an_engine_that_just_started_counts_over_as_long_as_it_has_run():
         m.arrived(300, at=100.0 + i * 0.1)
     first = m.fill(Load(), at=105.0)
     assert (first.window_s, first.full_window_s, first.requests_arrived) == (5.0, 5.0, 50)
-    assert m.fill(Load(), at=100.5).full_window_s == 2.0, "at least MIN_WINDOW_S"
+    assert LoadMeter(window_s=10, started=100.0).fill(Load(), at=100.5).full_window_s == 2.0, \
+        "at least MIN_WINDOW_S"
     m.reset(at=108.0, left="prefill")
     switched = m.fill(Load(), at=112.0)
     assert (switched.window_s, switched.full_window_s, switched.earlier_prompts_arrived) == (4.0, 10, 30)
+    early = LoadMeter(window_s=10, started=100.0)
+    early.reset(at=97.0)              # a switch timed before the start counts from the start
+    assert early.fill(Load(), at=104.0).window_s == early.fill(Load(), at=104.0).full_window_s == 4.0
