@@ -68,11 +68,11 @@ def test_fault_diagnosis_and_recovery(cluster: Cluster, namespace: str, operator
 
     # a prefill that refuses links: EndpointUnreachable, naming the pod
     agent_post(cluster, ns, "sim-small-prefill-1", "/v1/admin/faults", {"refuse_links": True})
+    # each decoder finds its link to it broken on its own probe: wait for both, not the first
     obj = wait_phase(cluster, ns, "Degraded", extra=lambda o: condition(o, "LinksReady").get("reason") ==
-                     "EndpointUnreachable")
+                     "EndpointUnreachable" and o["status"].get("links", {}).get("up") == 2)
     msg = condition(obj, "LinksReady")["message"]
     assert "sim-small-prefill-1" in msg and "26000" in msg
-    assert obj["status"]["links"]["up"] == 2
     assert any(e["reason"] == "EndpointUnreachable" and e["type"] == "Warning" for e in events(cluster, ns))
     # retried with backoff; the repeats bump one Event per decoder, they do not add Events
     wait_for("retries", lambda: operator.metric("pd_operator_link_operations_total", op="link",
