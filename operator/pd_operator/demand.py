@@ -12,6 +12,7 @@ capacity it measured last (for when no engine was busy enough to measure it agai
   recent steps."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from . import capacity as cp
@@ -46,7 +47,7 @@ def measure(sig: Signals, learned: Learned | None, now: float, keep_s: float) ->
     running = sum(d.running for d in sig.decoders)
     context = sum(d.context_tokens for d in sig.decoders) / running if running else 0.0
     concurrency = running + sum(d.waiting for d in sig.decoders)
-    if not any(p.window_s > 0 for p in pre) or not any(d.window_s > 0 for d in dec):
+    if not _windows([p.window_s for p in pre]) or not _windows([d.window_s for d in dec]):
         return Measured(None, Learned(prev.history, cap), max_batch, concurrency, context,
                         "the engines report no load window (agents older than the Goodput policy)")
     # one window for the fleet, not each engine's own: one that took the prefill role a few seconds
@@ -54,7 +55,7 @@ def measure(sig: Signals, learned: Learned | None, now: float, keep_s: float) ->
     # would count those seconds at the rate of a whole one; one that left took its count with it
     # (what it reports as `earlier` now)
     every = [x.earlier for x in pre + dec]
-    window = max([p.window_s for p in pre] + [e.full_window_s for e in every])
+    window = max(_windows([p.window_s for p in pre] + [e.full_window_s for e in every]))
     arrived = sum(p.arrived for p in pre) + sum(e.prompts for e in every)
     rps = arrived / window
     done = sum(d.completed for d in dec) + sum(e.completed for e in every)
@@ -74,4 +75,10 @@ def measure(sig: Signals, learned: Learned | None, now: float, keep_s: float) ->
         ("no prefill was busy long enough to time" if cap.prefill_tokens_per_s is None else
          "no decoder has reported a step")
     return Measured(demand, Learned(history, cap), max_batch, concurrency, context, missing,
-                    max([window] + [d.window_s for d in dec]))
+                    max([window] + _windows([d.window_s for d in dec])))
+
+
+def _windows(reported: list[float]) -> list[float]:
+    """The windows an engine can have counted over: a report of NaN, infinity or none is no
+    window (it would make the fleet's rate NaN or 0)."""
+    return [w for w in reported if math.isfinite(w) and w > 0]

@@ -9,6 +9,7 @@ from pd_operator import policies
 from pd_operator.api import parse_spec
 from pd_operator.policies import DecoderLoad, PrefillLoad, Signals
 from pd_operator.rebalance import decide_target, limits
+from pd_operator.signals import Earlier
 from pd_operator.switch import Book
 from tests.conftest import REPO
 
@@ -48,7 +49,6 @@ def test_demand_counts_each_request_once_over_one_window_across_switches():
     then. 52 prompts in 10 s: 5.2 requests/s, not 10/2 + 1.5 + 1.5 = 8 (each over its own window),
     nor 4.0 (without what the decoder saw)."""
     from pd_operator import demand
-    from pd_operator.signals import Earlier
     s = measured(3.0, 300, 150)
     settled = replace(s.prefills[0], window_s=10.0, arrived=15, arrived_tokens=15 * 300)
     new = replace(settled, window_s=2.0, arrived=10, arrived_tokens=10 * 300)
@@ -559,6 +559,21 @@ def test_a_decoders_absurd_report_window_does_not_stop_goodput(monkeypatch):
         v = policies.evaluate(GOODPUT, sig, 3, limits(GOODPUT, 0), 990.0, mem)
         assert (v.reason, v.target) == (base.reason, base.target), v.message
     assert seen[:2] == [10.0, GOODPUT.rebalance.goodput.window_seconds] and seen[2] <= seen[1], seen
+
+
+def test_a_report_window_of_nan_or_infinity_counts_as_none():
+    """A prefill reporting its window, or its window over a role it left, as NaN or infinity: the
+    fleet's rate is measured over the others' windows (NaN made it NaN and the evaluation raise;
+    infinity made it 0, so the policy held as if nothing arrived)."""
+    honest, mem = measured(3.5, 600, 120), remembered(history(3.5, 600, 120))
+    base = policies.evaluate(GOODPUT, honest, 3, limits(GOODPUT, 0), 990.0, mem)
+    first = honest.prefills[0]
+    for bad in (float("nan"), float("inf")):
+        for p0 in (replace(first, window_s=bad), replace(first, earlier=Earlier(full_window_s=bad))):
+            v = policies.evaluate(GOODPUT, replace(honest, prefills=[p0, *honest.prefills[1:]]), 3,
+                                  limits(GOODPUT, 0), 990.0, mem)
+            assert (v.reason, v.target, v.numbers["requestsPerS"]) == \
+                (base.reason, base.target, base.numbers["requestsPerS"]), v.message
 
 
 def test_goodput_scales_each_roles_waits_by_how_long_its_queues_ran():
