@@ -114,7 +114,8 @@ ifneq ($(WORKLOAD),)
 		--one-at-a-time
 else ifeq ($(or $(ENGINES),4),4)
 	$(PY) bench/bench_rebalance.py $(if $(QUICK),--quick,) && \
-	$(PY) bench/bench_policy_sim.py --sizes 4 --compare bench/results/rebalance.json
+	$(PY) bench/bench_policy_sim.py --sizes 4 --workloads "" --no-plot --out bench/results/policy-sim-4.json \
+		--compare bench/results/rebalance.json
 else
 	$(PY) bench/bench_rebalance.py --engines $(ENGINES) --traces shift --runs best-fixed,Goodput,Load+Replace \
 		--one-at-a-time && \
@@ -122,7 +123,7 @@ else
 		--no-plot --out bench/results/policy-sim-$(ENGINES).json --compare bench/results/rebalance-$(ENGINES).json
 endif
 
-bench-policy-sim: $(BENCH_STAMP) ## the policies and a grid of fixed ratios on a discrete-event model of 4, 32 and 256 engines (about an hour)
+bench-policy-sim: $(BENCH_STAMP) ## the policies and a grid of fixed ratios on a discrete-event model of 4, 32 and 256 engines (over an hour)
 	$(PY) bench/bench_policy_sim.py $(if $(wildcard bench/results/rebalance.json),--compare bench/results/rebalance.json,)
 
 soak: venv k8s-bins ## pods, containers and operators killed, switches and scaling, malformed requests, under load (30 min; MINUTES=5: shorter)

@@ -14,6 +14,7 @@ import math
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -140,13 +141,21 @@ def _wl_run(job: tuple) -> tuple[str, dict]:
         "moves": res.switches + res.replacements, "windows": windows, "decisions": len(decided)}
 
 
-def seeds_for(n: int, seeds: list[int], big_seeds: int) -> list[int]:
-    """The seeds a fleet of n runs: all of them, or the first `big_seeds` from 128 engines up."""
-    return seeds if n < 128 else seeds[:big_seeds]
+@dataclass(frozen=True)
+class Big:
+    """From 128 engines up a workload costs its fleet size in model time: the first `seeds` of
+    them, each `duration` seconds long."""
+    seeds: int = 5
+    duration: float = 240.0
 
 
-def workloads(sizes: list[int], families: list[str], seeds: list[int], duration: float, jobs: int,
-              switch_s: float, cache_path: Path, big_seeds: int = 1) -> dict:
+def plan(n: int, seeds: list[int], duration: float, big: Big) -> tuple[list[int], float]:
+    """The seeds a fleet of n runs and for how long each."""
+    return (seeds, duration) if n < 128 else (seeds[:big.seeds], big.duration)
+
+
+def workloads(sizes: list[int], families: list[str], all_seeds: list[int], all_duration: float, jobs: int,
+              switch_s: float, cache_path: Path, big: Big = Big()) -> dict:
     """Every (size, family, seed): the fixed grid (cached: it does not depend on the policies), Load
     and Goodput, and how Goodput compares."""
     cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
@@ -156,8 +165,9 @@ def workloads(sizes: list[int], families: list[str], seeds: list[int], duration:
     todo, out = [], {}
     for n in sizes:
         names = [sc.fixed_name(p, n) for p in sc.fixed_splits(n)] + list(WORKLOAD_RUNS)
+        seeds, duration = plan(n, all_seeds, all_duration, big)
         for family in families:
-            for seed in seeds_for(n, seeds, big_seeds):
+            for seed in seeds:
                 for name in names:
                     k = f"{n}/{family}/{seed}/{duration:g}/{name}"
                     if name == "Goodput" or k not in cache["runs"]:
@@ -181,8 +191,9 @@ def workloads(sizes: list[int], families: list[str], seeds: list[int], duration:
     print(f"({len(todo)} runs modelled in {time.monotonic() - t0:.0f} s; the fixed grid and Load cached in "
           f"{cache_path})")
     for n in sizes:
+        seeds, duration = plan(n, all_seeds, all_duration, big)
         for family in families:
-            for seed in seeds_for(n, seeds, big_seeds):
+            for seed in seeds:
                 names = [sc.fixed_name(p, n) for p in sc.fixed_splits(n)] + list(WORKLOAD_RUNS)
                 out[(n, family, seed)] = {name: cache["runs"][f"{n}/{family}/{seed}/{duration:g}/{name}"]
                                           for name in names}
@@ -208,12 +219,12 @@ def compare(rows: dict[str, dict], n: int, duration: float) -> dict:
             "failed": rows["Goodput"]["failed"]}
 
 
-def report(result: dict, sizes: list[int], families: list[str], all_seeds: list[int], duration: float,
-           big_seeds: int = 1) -> dict:
+def report(result: dict, sizes: list[int], families: list[str], all_seeds: list[int], all_duration: float,
+           big: Big = Big()) -> dict:
     """Per size: each workload's numbers, then the median and worst over the seeds, and the goals."""
     summary: dict = {}
     for n in sizes:
-        seeds = seeds_for(n, all_seeds, big_seeds)
+        seeds, duration = plan(n, all_seeds, all_duration, big)
         print(f"workloads at {n} engines, {duration:g} s each, seeds {','.join(map(str, seeds))} "
               f"({'held out' if not set(seeds) & set(wl.TUNE_SEEDS) else 'INCLUDES TUNING SEEDS'})")
         print(f"{'family':8s} {'seed':>4s} {'Goodput':>8s} {'best fixed':>16s} {'xbest':>6s} {'xwindow':>7s} "
@@ -264,7 +275,8 @@ def report(result: dict, sizes: list[int], families: list[str], all_seeds: list[
         for goal, met, why in goals:
             print(f"  goal: {goal}: {'met' if met else 'NOT met'} ({why})")
         print(flush=True)
-        summary[str(n)] = {"workloads": {f"{f}/{s}": c for (f, s), c in cs.items()},
+        summary[str(n)] = {"duration_s": duration, "seeds": seeds,
+                           "workloads": {f"{f}/{s}": c for (f, s), c in cs.items()},
                            "vs_best_fixed": {"median": statistics.median(xb), "worst": min(xb)},
                            "vs_per_window": {"median": statistics.median(xw), "worst": min(xw)},
                            "ceiling": {"median": statistics.median(ceil),
@@ -288,8 +300,10 @@ def main() -> None:
                     help="the workload families (bench/workloads.py) to run after the traces ('' for none)")
     ap.add_argument("--seeds", default=",".join(map(str, wl.HELD_OUT_SEEDS)),
                     help="workload seeds (default: the held-out ones, never used for tuning)")
-    ap.add_argument("--duration", type=float, default=480.0, help="seconds of each workload")
-    ap.add_argument("--big-seeds", type=int, default=1, help="seeds run from 128 engines up (the first ones)")
+    ap.add_argument("--duration", type=float, default=480.0, help="seconds of each workload (below 128 engines)")
+    ap.add_argument("--big-seeds", type=int, default=Big.seeds, help="seeds run from 128 engines up (the first ones)")
+    ap.add_argument("--big-duration", type=float, default=Big.duration,
+                    help="seconds of each workload from 128 engines up")
     ap.add_argument("--jobs", type=int, default=2, help="workload runs modelled at once")
     ap.add_argument("--routers", type=int, default=1,
                     help="senders routing the traces (not the workloads), each its share on its own refreshes "
@@ -325,9 +339,15 @@ def main() -> None:
     if args.workloads:
         sizes = [int(x) for x in (args.workload_sizes or args.sizes).split(",")]
         families, seeds = args.workloads.split(","), [int(x) for x in args.seeds.split(",")]
+        big = Big(args.big_seeds, args.big_duration)
         runs = workloads(sizes, families, seeds, args.duration, args.jobs, args.switch_s,
-                         Path(args.out).parent / "workloads-cache.json", args.big_seeds)
-        result["workloads"] = report(runs, sizes, families, seeds, args.duration, args.big_seeds)
+                         Path(args.out).parent / "workloads-cache.json", big)
+        result["workloads"] = report(runs, sizes, families, seeds, args.duration, big)
+        result["workloads"]["about"] = "; ".join(
+            f"{n} engines: {'held-out' if not set(v['seeds']) & set(wl.TUNE_SEEDS) else 'with tuning'} seeds "
+            f"{','.join(map(str, v['seeds']))}, {v['duration_s']:g} s each"
+            for n, v in result["workloads"].items()) + \
+            "; see docs/benchmarks.md, 'Goodput on workloads it was not tuned on'"
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}")
 
