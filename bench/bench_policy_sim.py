@@ -324,13 +324,13 @@ def main() -> None:
             for goal, met, why in sc.goodput_goals(rows, kind):
                 print(f"  goal: {goal}: {'met' if met else 'NOT met'} ({why})")
             print(f"  ({time.monotonic() - t0:.1f} s to model)\n", flush=True)
-    big = max(int(x) for x in args.sizes.split(","))
+    largest = max(int(x) for x in args.sizes.split(","))
     traced = list(result)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     for kind in traced:
-        if not args.no_plot and big > 4:
-            png = Path(args.out).parent / f"policy-sim-{kind}-{big}.png"
-            plot(kind, big, result[kind][str(big)], png)
+        if not args.no_plot and largest > 4:
+            png = Path(args.out).parent / f"policy-sim-{kind}-{largest}.png"
+            plot(kind, largest, result[kind][str(largest)], png)
             print(f"plot: {png}")
         for n in result[kind]:
             for name, r in result[kind][n].items():
