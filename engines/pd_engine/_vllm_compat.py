@@ -7,10 +7,19 @@ connector against vLLM's own class."""
 from __future__ import annotations
 
 import enum
+import inspect
 from abc import ABC, abstractmethod
 from typing import Any
 
 VLLM_VERSION = "0.33.0"
+
+
+def base_init_args(base: type, vllm_config: Any, role: Any, kv_cache_config: Any) -> tuple[Any, ...]:
+    """The arguments `base.__init__` takes: `(vllm_config, role)` in vLLM before 0.11.2,
+    `(vllm_config, role, kv_cache_config)` since (a third parameter, with or without a default)."""
+    params = [p for p in inspect.signature(base.__init__).parameters.values()  # type: ignore[misc]
+              if p.name != "self" and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return (vllm_config, role, kv_cache_config) if len(params) >= 3 else (vllm_config, role)
 
 
 class KVConnectorRole(enum.Enum):

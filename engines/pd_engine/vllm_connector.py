@@ -9,17 +9,18 @@ importable, else a stand-in with the same signatures (pd_engine._vllm_compat).
 
 How a request flows (the kv_transfer_params convention of vLLM's P-D connectors):
 - The router sends the prompt to a prefill pod with `kv_transfer_params: {"do_remote_decode": true}`.
-  Scheduler side, `update_state_after_alloc` notes the request's blocks and `build_connector_meta`
-  tells the workers to save them; worker side, `save_kv_layer` copies each layer's blocks into the
-  rank's LLM-DataDist blocks cache (keyed `BlocksCacheKey(cluster_id, model_id)`).
-  `request_finished` keeps the blocks (returns True) and returns kv_transfer_params naming the
-  remote: `remote_cluster_id` (rank 0's; rank r is + r), `remote_host`/`remote_port` (its
-  datadist address, for diagnostics), `remote_block_ids`, `remote_tp_size`, `remote_request_id`.
+  Worker side, `register_kv_caches` registered vLLM's own KV cache tensors with LLM-DataDist by
+  address (`register_blocks_cache`, keyed `BlocksCacheKey(cluster_id, model_id)` on a prefill): no
+  cache of the connector's own, no copy. vLLM's forward pass writes the request's blocks;
+  `request_finished` keeps them (returns True) and returns kv_transfer_params naming the remote:
+  `remote_cluster_id` (rank 0's; rank r is + r), `remote_host`/`remote_port` (its datadist address,
+  for diagnostics), `remote_block_ids`, `remote_tp_size`, `remote_request_id`.
 - The router passes them to a decoder pod with `do_remote_prefill: true`.
   `get_num_new_matched_tokens` reports the prompt's tokens as loadable (asynchronously),
   `update_state_after_alloc` pairs the local blocks with the remote ones, and each worker's
   `start_load_kv` pulls its rank's blocks with `pull_blocks` from the prefill rank it is linked
-  to, then copies them into vLLM's caches; `get_finished` reports the request loaded.
+  to, straight into the decoder's vLLM blocks (registered the same way, without a key);
+  `get_finished` reports the request loaded.
 - The decoder never dials: it pulls only over the links the operator made (rank r to the
   prefill's rank r). An unlinked remote is a `NotLinked` error naming the cluster id: logged,
   kept in `load_errors`, and its blocks reported by `get_block_ids_with_load_errors` (vLLM then
@@ -30,11 +31,13 @@ How a request flows (the kv_transfer_params convention of vLLM's P-D connectors)
 Each worker is one rank process: it opens its LLM-DataDist engine from the env the operator
 injects (`pd_agent.front.rank_env` for vLLM's TP rank), serves that rank's agent API and
 registers it with the pod's agent (`pd_engine.rank.AgentClient`, URL from PD_AGENT_URL), so the
-operator's link, verify and switch calls reach it.
+operator's link, verify and switch calls reach it. A role switch gives the registration back
+(`deallocate_cache`) and registers the same tensors again in the new role.
 
-Limits: the staging copy reads and writes cache memory from Python: CPU tensors and the simulator's
-caches. On NPUs the copy needs device memory access (torch_npu, or registering vLLM's cache
-addresses with LLM-DataDist's CacheManager mode), which is not written yet.
+The tensors are registered by address whatever device holds them (`data_ptr()` of a torch tensor on
+an NPU, the buffer of a numpy array in tests and the stand-in): the code path is one. The base class
+is vLLM's from 0.9 on: its `__init__` took `(vllm_config, role)` before 0.11.2 and
+`(vllm_config, role, kv_cache_config)` since; the connector calls it the way the installed vLLM takes.
 """
 from __future__ import annotations
 
@@ -62,6 +65,7 @@ from pd_contract.engine_env import (
 )
 from pd_contract.names import DATADIST_PORT
 
+from ._vllm_compat import base_init_args
 from .adapter import BlockInfo, KVLayout, NotLinked, Rank, check_layout
 from .rank import AgentClient, RankServer, open_rank, rank_env_for
 
@@ -125,19 +129,18 @@ def _tensors_of(value: Any) -> list[Any]:
     return [value]
 
 
-def _bytes_view(t: Any) -> np.ndarray:
-    """[num_blocks, block bytes] uint8, sharing the tensor's memory."""
-    if hasattr(t, "detach"):   # torch
-        if t.device.type != "cpu":
-            raise NotImplementedError(f"the staging copy reads host memory; this cache is on {t.device}")
-        import torch  # type: ignore[import-not-found]
-        arr = t.detach().view(torch.uint8).numpy()
-    else:
-        arr = np.asarray(t)
-        if not arr.flags.c_contiguous:
-            raise ValueError("KV cache tensors must be contiguous")
-        arr = arr.view(np.uint8)
-    return arr.reshape(arr.shape[0], -1)
+def _address(t: Any) -> int:
+    """Where a KV tensor's memory starts, for registering it with LLM-DataDist: `data_ptr()` of a
+    torch tensor (host or device memory alike), the buffer of a numpy array. Blocks must lie back
+    to back (contiguous), as LLM-DataDist addresses block b at address + b * block bytes."""
+    if hasattr(t, "data_ptr"):
+        if not t.is_contiguous():
+            raise ValueError("KV cache tensors must be contiguous to be registered by address")
+        return int(t.data_ptr())
+    arr = np.asarray(t)
+    if not arr.flags.c_contiguous:
+        raise ValueError("KV cache tensors must be contiguous to be registered by address")
+    return int(arr.ctypes.data)
 
 
 def _dtype_name(t: Any) -> str:
@@ -155,7 +158,7 @@ class PDOperatorConnector(KVConnectorBase_V1):
         """vLLM passes the first three. The keyword arguments are for tests and embedding: the
         pod's env (default os.environ), the agent client, the llm_datadist module, the TP rank
         (default vLLM's), where the rank's agent API listens."""
-        super().__init__(vllm_config, role, kv_cache_config)
+        super().__init__(*base_init_args(KVConnectorBase_V1, vllm_config, role, kv_cache_config))
         self.env = dict(os.environ if env is None else env)
         extra = getattr(self._kv_transfer_config, "kv_connector_extra_config", None) or {}
         self.tp = int(self.env.get(PD_TENSOR_PARALLEL) or extra.get("tensor_parallel") or 1)
@@ -169,9 +172,9 @@ class PDOperatorConnector(KVConnectorBase_V1):
         self.server: RankServer | None = None
         self.rank: Rank | None = None
         self.layout: KVLayout | None = None
-        self._staging: Any = None
-        self._layers: dict[str, list[int]] = {}          # layer name -> its tensor indexes
-        self._views: list[np.ndarray] = []                # tensor index -> [blocks, bytes] of vLLM's cache
+        self._cache: Any = None                           # vLLM's tensors, registered with LLM-DataDist
+        self._addrs: list[int] = []                       # tensor index -> its address
+        self._tensors: list[Any] = []                     # kept alive while registered
         self._recved: set[str] = set()
         self._sending: dict[str, float] = {}
         self._failed_blocks: set[int] = set()
@@ -251,20 +254,16 @@ class PDOperatorConnector(KVConnectorBase_V1):
         return rank_env_for(self.env, r, self.tp)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]):
-        views: list[np.ndarray] = []
-        first = None
-        for name, value in kv_caches.items():
-            self._layers[name] = []
-            for t in _tensors_of(value):
-                first = first if first is not None else t
-                self._layers[name].append(len(views))
-                views.append(_bytes_view(t))
-        if first is None:
+        tensors = [t for value in kv_caches.values() for t in _tensors_of(value)]
+        if not tensors:
             raise ValueError("no KV caches to register")
+        first = tensors[0]
         shape = tuple(int(x) for x in first.shape)
+        if any(tuple(int(x) for x in t.shape) != shape or str(t.dtype) != str(first.dtype) for t in tensors):
+            raise ValueError("every KV tensor must have the first one's shape and dtype to be one blocks cache")
         heads, dim = (shape[2], shape[3]) if len(shape) == 4 else (1, shape[2])
-        self._views = views
-        self.layout = KVLayout(len(views), (shape[0], shape[1], heads, dim), _dtype_name(first),
+        self._tensors, self._addrs = tensors, [_address(t) for t in tensors]
+        self.layout = KVLayout(len(tensors), (shape[0], shape[1], heads, dim), _dtype_name(first),
                                BlockInfo(shape[0], shape[1]))
         env = self._rank_env()
         identity, rank, core = open_rank(env, self._llm)
@@ -274,7 +273,7 @@ class PDOperatorConnector(KVConnectorBase_V1):
         try:
             if env.get(LLM_DATADIST_CACHE_DESC):
                 check_layout(self.layout, identity.cache_desc)
-            self._allocate_staging()
+            self._register()
             core.after_switch.append(self._after_switch)
             core.before_switch.append(self._before_switch)
             url = self.server.start_api(self._api_host)
@@ -282,30 +281,45 @@ class PDOperatorConnector(KVConnectorBase_V1):
         except BaseException:
             self.server.stop()
             raise
-        log.info("rank %d: %d KV tensors of %s registered with LLM-DataDist (cluster %d, %s)", identity.rank,
-                 len(views), self.layout.to_json(), identity.cluster_id, rank.role)
+        log.info("rank %d: %d KV tensors of %s registered with LLM-DataDist in place (cluster %d, %s)",
+                 identity.rank, len(tensors), self.layout.to_json(), identity.cluster_id, rank.role)
 
-    def _allocate_staging(self) -> None:
+    def _manager(self) -> Any:
+        """The engine's cache manager that registers memory by address: CANN's CacheManager
+        (`llm.EnableCacheManager=1`) or the simulator's manager, which has the same calls."""
+        rank = self.rank
+        assert rank is not None
+        try:
+            v2 = rank.engine.cache_manager      # CANN raises unless the engine is in CacheManager mode
+        except Exception:  # noqa: BLE001
+            v2 = None
+        for mgr in (v2, rank.kv_cache_manager):
+            if mgr is not None and hasattr(mgr, "register_blocks_cache"):
+                return mgr
+        raise RuntimeError("this llm_datadist has no register_blocks_cache: registering vLLM's KV cache in place "
+                           "needs CANN's CacheManager mode (llm.EnableCacheManager=1)")
+
+    def _register(self) -> None:
+        """vLLM's tensors as this rank's blocks cache, by address: keyed on a prefill (decoders pull
+        its blocks), without a key on a decoder (pulls write into it)."""
         rank, layout = self.rank, self.layout
         assert rank is not None and layout is not None
-        mgr = rank.kv_cache_manager
-        desc = layout.cache_desc(rank.llm)
         key = rank.llm.BlocksCacheKey(rank.cluster_id, rank.model_id) if rank.role == "prompt" else None
-        self._staging = mgr.allocate_blocks_cache(desc, key)
-        if self._staging.slot(0, 0).nbytes != self._views[0].shape[1]:
-            raise ValueError(f"LLM-DataDist blocks of {self._staging.slot(0, 0).nbytes} B for vLLM blocks of "
-                             f"{self._views[0].shape[1]} B (the simulator needs PD_SIM_MEMORY_SCALE=1)")
+        self._cache = self._manager().register_blocks_cache(layout.cache_desc(rank.llm), self._addrs, key)
+
+    def _unregister(self) -> None:
+        if self._cache is not None:
+            self._manager().unregister_cache(self._cache.cache_id)
+            self._cache = None
 
     async def _before_switch(self, old: str, new: str) -> None:
         if self._sending:
             from pd_agent.core import AgentError
             raise AgentError("SWITCH_REFUSED", f"{len(self._sending)} KV caches wait to be pulled", 409)
-        if self._staging is not None:
-            self.rank.kv_cache_manager.deallocate_cache(self._staging)   # type: ignore[union-attr]
-            self._staging = None
+        self._unregister()
 
     async def _after_switch(self, old: str, new: str) -> None:
-        self._allocate_staging()
+        self._register()
 
     def _meta(self) -> PDConnectorMetadata:
         meta = self._get_connector_metadata()
@@ -347,15 +361,12 @@ class PDOperatorConnector(KVConnectorBase_V1):
         remote = self._remote(spec)
         llm = rank.llm
         try:
-            rank.kv_cache_manager.pull_blocks(llm.BlocksCacheKey(remote, spec.remote_model_id), self._staging,
+            rank.kv_cache_manager.pull_blocks(llm.BlocksCacheKey(remote, spec.remote_model_id), self._cache,
                                               spec.remote_block_ids, spec.local_block_ids)
         except llm.LLMException as e:
             if e.status_code == llm.LLMStatusCode.LLM_NOT_YET_LINK:
                 raise NotLinked(remote, str(e)) from e
             raise
-        for t, view in enumerate(self._views):
-            for b in spec.local_block_ids:
-                view[b] = np.frombuffer(self._staging.slot(t, b), dtype=np.uint8)
         self._notify_pulled(remote, spec.remote_request_id)
 
     def _load_failed(self, rid: str, spec: RecvSpec, why: str) -> None:
@@ -377,18 +388,10 @@ class PDOperatorConnector(KVConnectorBase_V1):
         return None   # start_load_kv loads whole requests
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        meta = self._meta()
-        if not meta.reqs_to_save or self._staging is None:
-            return
-        tensors = _tensors_of(kv_layer)
-        for t, tensor in zip(self._layers[layer_name], tensors):
-            src = _bytes_view(tensor)
-            for blocks in meta.reqs_to_save.values():
-                for b in blocks:
-                    self._staging.slot(t, b)[:] = src[b].tobytes()
+        return None   # the blocks are registered in place: a decoder's pull reads them where vLLM wrote them
 
     def wait_for_save(self):
-        return None   # save_kv_layer copies synchronously
+        return None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         recved, self._recved = self._recved, set()
@@ -407,6 +410,10 @@ class PDOperatorConnector(KVConnectorBase_V1):
 
     def shutdown(self):
         if self.server is not None:
+            try:
+                self._unregister()
+            except Exception:  # noqa: BLE001 - the engine may be finalized already
+                log.debug("unregistering the KV cache at shutdown", exc_info=True)
             self.server.stop()
             self.server = None
 

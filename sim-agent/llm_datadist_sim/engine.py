@@ -7,6 +7,7 @@ library returns. Cache memory may be scaled down (``PD_SIM_MEMORY_SCALE``) so la
 CacheDescs fit on a CPU machine; accounting always uses the logical (unscaled) sizes."""
 from __future__ import annotations
 
+import ctypes
 import itertools
 import logging
 import math
@@ -86,6 +87,29 @@ class Cache:
         self.keys: set[tuple[int, int, int]] = set()
         self.blocks_key: BlocksCacheKey | None = None
         self.deallocated = False
+
+    @classmethod
+    def at(cls, desc: CacheDesc, addrs: list[int], is_blocks: bool) -> "Cache":
+        """A cache over memory the caller owns (`register_cache` / `register_blocks_cache`): each
+        tensor is read and written through its address, as the library does with device memory an
+        inference framework allocated. Nothing is copied and nothing is allocated here."""
+        self = cls.__new__(cls)
+        self.cache_id = next(_cache_ids)
+        self.cache_desc = desc
+        self.is_blocks = is_blocks
+        self.slots = desc.shape[0]
+        self.logical_bytes = 0          # not the library's memory: nothing to account
+        self.slot_bytes = desc.tensor_bytes // self.slots
+        size = self.slot_bytes * self.slots
+        self.tensors = [memoryview((ctypes.c_ubyte * size).from_address(a)).cast("B") for a in addrs]  # type: ignore[misc]
+        self.tensor_addrs = list(addrs)
+        self.keys = set()
+        self.blocks_key = None
+        self.deallocated = False
+        self.registered = True
+        return self
+
+    registered = False
 
     def slot(self, tensor: int, index: int) -> memoryview:
         return memoryview(self.tensors[tensor])[index * self.slot_bytes:(index + 1) * self.slot_bytes]
@@ -403,6 +427,8 @@ class KvCacheManager:
     def _free(self, cache: Cache) -> None:
         if self.caches.pop(cache.cache_id, None) is not None:
             self.used_bytes -= cache.logical_bytes
+        if cache.registered:
+            cache.tensors = []   # the caller's memory: never touched after it is given back
 
     def _consume_key(self, ident) -> None:
         with self.lock:
@@ -441,20 +467,88 @@ class KvCacheManager:
                               blocks_cache_key: BlocksCacheKey | None = None) -> Cache:
         self._check()
         raise_if(not isinstance(cache_desc, CacheDesc), C.LLM_PARAM_INVALID, "cache_desc must be a CacheDesc")
+
+        def make() -> Cache:
+            self._reserve(cache_desc)
+            return Cache(cache_desc, memory_scale(), is_blocks=True)
+        return self._add_blocks_cache(make, blocks_cache_key, "allocate_blocks_cache")
+
+    def _add_blocks_cache(self, make, blocks_cache_key: BlocksCacheKey | None, what: str) -> Cache:
         with self.lock:
             if blocks_cache_key is not None:
-                self._role(LLMRole.PROMPT, what="allocate_blocks_cache with a blocks_cache_key")
+                self._role(LLMRole.PROMPT, what=f"{what} with a blocks_cache_key")
                 raise_if(blocks_cache_key.prompt_cluster_id != self.engine.cluster_id, C.LLM_PARAM_INVALID,
                          f"{blocks_cache_key} does not name this prompt cluster")
                 raise_if(blocks_cache_key.model_id in self.blocks, C.LLM_REPEAT_REQUEST,
                          f"a blocks cache for model_id={blocks_cache_key.model_id} exists")
-            self._reserve(cache_desc)
-            cache = Cache(cache_desc, memory_scale(), is_blocks=True)
+            cache = make()
             self.caches[cache.cache_id] = cache
             if blocks_cache_key is not None:
                 cache.blocks_key = blocks_cache_key
                 self.blocks[blocks_cache_key.model_id] = cache
         return cache
+
+    def _check_addrs(self, cache_desc: CacheDesc, addrs: list[int]) -> list[int]:
+        raise_if(not isinstance(cache_desc, CacheDesc), C.LLM_PARAM_INVALID, "cache_desc must be a CacheDesc")
+        addrs = list(addrs or ())
+        raise_if(len(addrs) != cache_desc.num_tensors, C.LLM_PARAM_INVALID,
+                 f"{len(addrs)} addresses for a CacheDesc of {cache_desc.num_tensors} tensors")
+        raise_if(any(not isinstance(a, int) or a <= 0 for a in addrs), C.LLM_PARAM_INVALID,
+                 "addrs must be the tensors' addresses (positive ints)")
+        return addrs
+
+    # Registration by address has the signatures of CANN's CacheManager (llm_datadist v2,
+    # `llm.EnableCacheManager=1`): `register_cache`, `register_blocks_cache`, `unregister_cache`. The
+    # simulator offers them on its one manager; `remote_accessible` is accepted and has no effect.
+    def register_cache(self, cache_desc: CacheDesc, addrs: list[int],
+                       cache_keys: Iterable[CacheKey] = (), remote_accessible: bool | None = None) -> Cache:
+        """Memory the caller allocated (one address per tensor, each `cache_desc.shape` contiguous)
+        as a cache: pulls read and write it in place. The caller keeps it alive until
+        `unregister_cache`."""
+        self._check()
+        addrs = self._check_addrs(cache_desc, addrs)
+        keys = list(cache_keys or ())
+        if keys:
+            self._role(LLMRole.PROMPT, what="register_cache with cache_keys")
+            raise_if(len(keys) > cache_desc.shape[0], C.LLM_PARAM_INVALID,
+                     f"{len(keys)} cache_keys for a batch of {cache_desc.shape[0]}")
+        with self.lock:
+            for k in keys:
+                raise_if(k.ident() in self.keyed, C.LLM_REPEAT_REQUEST, f"{k} is already allocated")
+            cache = Cache.at(cache_desc, addrs, is_blocks=False)
+            self.caches[cache.cache_id] = cache
+            for i, k in enumerate(keys):
+                self.keyed[k.ident()] = (cache, i)
+                cache.keys.add(k.ident())
+        return cache
+
+    def register_blocks_cache(self, cache_desc: CacheDesc, addrs: list[int],
+                              blocks_cache_key: BlocksCacheKey | None = None,
+                              remote_accessible: bool | None = None) -> Cache:
+        """A blocks cache over memory the caller allocated (an inference framework's paged KV
+        cache): one address per tensor, each holding `shape[0]` blocks back to back. On a PROMPT
+        engine with a key, decoders' `pull_blocks` read these blocks as they are at the pull; on a
+        DECODER, `pull_blocks` writes into them."""
+        self._check()
+        addrs = self._check_addrs(cache_desc, addrs)
+        return self._add_blocks_cache(lambda: Cache.at(cache_desc, addrs, is_blocks=True), blocks_cache_key,
+                                      "register_blocks_cache")
+
+    def unregister_cache(self, cache_id: int) -> None:
+        """Give registered memory back: nothing reads or writes it after this returns."""
+        self._check()
+        with self.lock:
+            cache = self.caches.get(cache_id)
+            raise_if(cache is None or not cache.registered, C.LLM_PARAM_INVALID,
+                     f"no registered cache {cache_id}")
+            assert cache is not None
+            cache.deallocated = True
+            if cache.blocks_key is not None:
+                self.blocks.pop(cache.blocks_key.model_id, None)
+            for ident in list(cache.keys):
+                self.keyed.pop(ident, None)
+            cache.keys.clear()
+            self._free(cache)
 
     def deallocate_cache(self, cache: Cache) -> None:
         self._check()
@@ -535,6 +629,8 @@ class KvCacheManager:
         self._role(LLMRole.DECODER, what="pull_blocks")
         raise_if(not isinstance(prompt_cache_key, BlocksCacheKey), C.LLM_PARAM_INVALID,
                  "prompt_cache_key must be a BlocksCacheKey")
+        raise_if(not isinstance(decoder_kv_cache, Cache) or decoder_kv_cache.deallocated, C.LLM_PARAM_INVALID,
+                 "decoder_kv_cache must be an allocated or registered Cache")
         raise_if(not prompt_blocks or not decoder_blocks or len(prompt_blocks) != len(decoder_blocks),
                  C.LLM_PARAM_INVALID, "prompt_blocks and decoder_blocks must be non-empty and of equal length")
         raise_if(any(not 0 <= b < decoder_kv_cache.slots for b in decoder_blocks), C.LLM_PARAM_INVALID,

@@ -225,3 +225,128 @@ def test_render_vllm_args():
                 {"tensor_parallel": 1, "host_ip": "h", "socket_ifname": "a,b"}):
         with pytest.raises(ValueError):
             render_vllm_args(**bad)
+
+
+# ---- registration in place -----------------------------------------------------------------------
+
+def test_the_decoder_pulls_vllms_blocks_as_they_are_at_the_pull_no_staging_copy(engines):
+    """The prefill's vLLM tensors are registered by address: a byte written into a block after the
+    save reaches the decoder (a snapshot taken at the save would miss it), and the decoder's pull
+    lands in the decoder's own vLLM tensors."""
+    port = free_port()
+    p = engines(connector(vc.KVConnectorRole.WORKER, env("prompt", 11, port), Agent()))
+    src = kv_caches(fill=True)
+    p.register_kv_caches(src)
+    d = engines(connector(vc.KVConnectorRole.WORKER, env("decoder", 1011, free_port()), Agent()))
+    dst = kv_caches(fill=False)
+    d.register_kv_caches(dst)
+    first = next(iter(src.values()))
+    assert p._cache.tensor_addrs[0] == first.ctypes.data          # vLLM's memory, not a copy of it
+    assert d._cache.tensor_addrs[0] == next(iter(dst.values())).ctypes.data
+    res = d.server.run(d.server.core.link(LinkRequest(peers=[
+        Peer(name="prompt-0", cluster_id=11, ip="127.0.0.1", port=port, agent_url=p.server.url)])))
+    assert res.ret == "LLM_SUCCESS", res
+
+    p.bind_connector_metadata(vc.PDConnectorMetadata(reqs_to_save={"r1": [2]}))
+    for name, kv in src.items():
+        p.save_kv_layer(name, kv, None)
+    p.wait_for_save()
+    p.clear_connector_metadata()
+    raw = first.view(np.uint8)
+    raw[1, 2, 0, 0, :4] = [0xDE, 0xAD, 0xBE, 0xEF]                 # V of layer 0, block 2, after the save
+    d.bind_connector_metadata(vc.PDConnectorMetadata(reqs_to_recv={"d1": vc.RecvSpec([6], 11, [2], 1, "r1")}))
+    d.start_load_kv(None)
+    assert d.load_errors == {}
+    got = next(iter(dst.values())).view(np.uint8)
+    assert list(got[1, 6, 0, 0, :4]) == [0xDE, 0xAD, 0xBE, 0xEF]
+    for name in src:
+        assert dst[name][:, 6].tobytes() == src[name][:, 2].tobytes()
+
+
+def test_a_role_switch_registers_the_same_tensors_again(engines):
+    d = engines(connector(vc.KVConnectorRole.WORKER, env("decoder", 1011, free_port()), Agent()))
+    dst = kv_caches(fill=False)
+    d.register_kv_caches(dst)
+    before = d._cache
+    d.server.run(d._before_switch("decoder", "prompt"))
+    assert d._cache is None and before.deallocated and before.tensors == []
+    d.server.run(d._after_switch("decoder", "prompt"))
+    assert d._cache.tensor_addrs == before.tensor_addrs and not d._cache.deallocated
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_registering_a_gib_of_kv_cache_allocates_nothing(engines):
+    """1 GiB of vLLM KV cache (resident before it is registered): registering it grows the process
+    by far less than a copy would (less than 64 MiB)."""
+    layers, blocks, block, heads, dim = 16, 1024, 16, 8, 128         # 16 x 2 x 1024 x 16 x 8 x 128 x 2 B = 1 GiB
+    desc = {"num_tensors": 2 * layers, "shape": [blocks, block, heads, dim], "data_type": "DT_FLOAT16",
+            "paged": {"num_blocks": blocks, "block_size": block}}
+    e = {**env("decoder", 1011, free_port()), "LLM_DATADIST_CACHE_DESC": json.dumps(desc)}
+    caches = {f"model.layers.{i}.self_attn": np.ones((2, blocks, block, heads, dim), np.float16)
+              for i in range(layers)}
+    assert sum(c.nbytes for c in caches.values()) == 1 << 30
+    d = engines(connector(vc.KVConnectorRole.WORKER, e, Agent()))
+    before = _rss()
+    d.register_kv_caches(caches)
+    grown = _rss() - before
+    print(f"registering 1 GiB of KV cache grew RSS by {grown / (1 << 20):.1f} MiB")
+    assert grown < 64 << 20, f"registering 1 GiB grew RSS by {grown >> 20} MiB"
+
+
+def test_the_connector_calls_a_two_argument_base_as_vllm_before_0_11_2_takes_it():
+    from pd_engine._vllm_compat import base_init_args
+
+    class Old:
+        def __init__(self, vllm_config, role):
+            pass
+
+    class New:
+        def __init__(self, vllm_config, role, kv_cache_config=None):
+            pass
+
+    assert base_init_args(Old, "c", "r", "k") == ("c", "r")
+    assert base_init_args(New, "c", "r", "k") == ("c", "r", "k")
+
+    class OldBase(vc.KVConnectorBase_V1):
+        def __init__(self, vllm_config, role):           # vLLM 0.9 - 0.11.1
+            self._kv_transfer_config = vllm_config.kv_transfer_config
+            self.seen = (vllm_config, role)
+
+    class Conn(vc.PDOperatorConnector, OldBase):
+        pass
+
+    import pd_engine.vllm_connector as mod
+    saved = mod.KVConnectorBase_V1
+    mod.KVConnectorBase_V1 = OldBase
+    try:
+        c = Conn(vllm_config(), vc.KVConnectorRole.SCHEDULER, None, env={})
+    finally:
+        mod.KVConnectorBase_V1 = saved
+    assert c.seen[1] == vc.KVConnectorRole.SCHEDULER
+
+
+def test_the_simulator_registers_by_address_as_cacheManager_does(engines):
+    """register_blocks_cache checks one address per tensor; unregister_cache gives the memory back
+    (nothing reads it after); pulling into a cache given back is refused."""
+    import llm_datadist_sim as llm
+    d = engines(connector(vc.KVConnectorRole.WORKER, env("decoder", 1011, free_port()), Agent()))
+    d.register_kv_caches(kv_caches(fill=False))
+    mgr = d.rank.kv_cache_manager
+    desc = d.layout.cache_desc(llm)
+    buf = np.zeros((BLOCKS, BLOCK, HEADS, DIM), np.float16)
+    with pytest.raises(llm.LLMException) as ei:
+        mgr.register_blocks_cache(desc, [buf.ctypes.data])
+    assert ei.value.status_code == llm.LLMStatusCode.LLM_PARAM_INVALID and "4 tensors" in str(ei.value)
+    cache = mgr.register_blocks_cache(llm.CacheDesc(1, [BLOCKS, BLOCK, HEADS, DIM], llm.DataType.DT_FLOAT16),
+                                      [buf.ctypes.data])
+    cache.slot(0, 3)[:2] = b"\x01\x02"
+    assert buf.view(np.uint8)[3, 0, 0, :2].tolist() == [1, 2]      # written through the address
+    mgr.unregister_cache(cache.cache_id)
+    with pytest.raises(llm.LLMException):
+        mgr.pull_blocks(llm.BlocksCacheKey(11), cache, [0], [0])
+    with pytest.raises(llm.LLMException):
+        mgr.unregister_cache(cache.cache_id)
