@@ -10,6 +10,9 @@ import hashlib
 PD_GATEWAY_DEPLOYMENT = "PD_GATEWAY_DEPLOYMENT"          # the PDDeployment whose engines it routes to
 PD_MODEL_ALIASES = "PD_MODEL_ALIASES"                    # JSON list: other names the model answers to
 PD_GATEWAY_RPM = "PD_GATEWAY_RPM"                        # JSON {key name: requests per minute}
+# the engines' own OpenAI port (spec.engine.port with adapter vLLM): requests go there with vLLM's P-D
+# protocol, not to the agents (a PDGateway's route carries it as `enginePort`)
+PD_GATEWAY_ENGINE_PORT = "PD_GATEWAY_ENGINE_PORT"
 # either gateway
 PD_GATEWAY_KEYS_SECRET = "PD_GATEWAY_KEYS_SECRET"        # the Secret of the API keys
 # a PDGateway

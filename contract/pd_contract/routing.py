@@ -73,8 +73,11 @@ class Attempt:
 class Fleet:
     def __init__(self, http: httpx.AsyncClient, token: str | None, discover: Callable[[], list[dict]],
                  on_bad_report: Callable[[str, str], None] | None = None,
-                 token_gap_timeout: float = TOKEN_GAP_TIMEOUT_S):
+                 token_gap_timeout: float = TOKEN_GAP_TIMEOUT_S, engine_port: int | None = None):
         self.http = http
+        # engines that serve their own OpenAI API (vLLM): routed to on this port, and only while
+        # its /health answers 200
+        self.engine_port = engine_port
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.discover = discover    # -> [{"name", "ip", "label", "leaving"}]
         self.prefills: list[dict] = []
@@ -102,6 +105,16 @@ class Fleet:
             return AgentStatus.model_validate_json(body).model_dump()
         except ValidationError as e:
             raise BadReport(f"/v1/status: {summary(e)}") from None
+
+    async def healthy(self, engine_url: str) -> bool:
+        """The engine's own server answers `GET /health` with 200 (vLLM's readiness)."""
+        async def ask() -> bool:
+            async with self.http.stream("GET", f"{engine_url}/health", timeout=STATUS_TIMEOUT_S) as r:
+                return r.status_code == 200     # the body is not read: whatever it holds
+        try:
+            return await asyncio.wait_for(ask(), 2 * STATUS_TIMEOUT_S)
+        except (httpx.HTTPError, TimeoutError):
+            return False
 
     def _report(self, pod: str, why: str | None) -> None:
         if why is None:
@@ -146,7 +159,12 @@ class Fleet:
             self._report(p["name"], None)
             if not st["initialized"]:
                 return None
-            return {**st, "url": url, "name": p["name"]}
+            entry = {**st, "url": url, "name": p["name"]}
+            if self.engine_port:
+                entry["engine_url"] = f"http://{p['ip']}:{self.engine_port}"
+                if not await self.healthy(entry["engine_url"]):
+                    return None
+            return entry
         asked = {url: list(n) for url, n in self.sent.items()}   # the answers count what was sent until now
         sts = [s for s in await asyncio.gather(*(one(p) for p in pods)) if s]
         names = {p["name"] for p in pods}

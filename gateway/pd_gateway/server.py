@@ -41,6 +41,7 @@ from pd_contract import tokens
 from pd_contract.engine_env import PD_AGENT_DATA_TOKEN, PD_LOCAL_POD_IP, PD_MODEL_NAME, POD_NAMESPACE
 from pd_contract.gateway_env import (
     PD_GATEWAY_DEPLOYMENT,
+    PD_GATEWAY_ENGINE_PORT,
     PD_GATEWAY_KEY_POLICY,
     PD_GATEWAY_KEYS_SECRET,
     PD_GATEWAY_ROUTES,
@@ -61,7 +62,7 @@ from pd_contract.routing import (
     summary,
 )
 
-from . import policy, wire
+from . import policy, vllm_route, wire
 from .keys import MIN_KEY_LENGTH, REFRESH_S, Keys, RateLimits, from_env, from_secret
 from .metrics import GatewayMetrics
 from .usage import DAY, MAX_NAME, SYNC_S, ConfigMapStore, Usage
@@ -131,6 +132,8 @@ class Config:
     routes: list[dict] | None = None
     key_policy: dict[str, policy.KeyPolicy] | None = None
     usage_configmap: str | None = None
+    # the engines serve vLLM's OpenAI API on this port (spec.engine.adapter vLLM): vLLM's P-D protocol
+    engine_port: int | None = None
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "Config":
@@ -157,7 +160,8 @@ class Config:
                    min_key_length=_positive(env, "PD_GATEWAY_MIN_KEY_LENGTH", MIN_KEY_LENGTH),
                    routes=json.loads(env[PD_GATEWAY_ROUTES]) if env.get(PD_GATEWAY_ROUTES) else None,
                    key_policy=policy.parse(env.get(PD_GATEWAY_KEY_POLICY)),
-                   usage_configmap=env.get(PD_GATEWAY_USAGE_CONFIGMAP) or None)
+                   usage_configmap=env.get(PD_GATEWAY_USAGE_CONFIGMAP) or None,
+                   engine_port=_positive(env, PD_GATEWAY_ENGINE_PORT, None))
 
 
 @dataclass
@@ -357,7 +361,7 @@ class Gateway:
                 return None, self.error(api, 400, f"{field}: {value} is more than this model's context of "
                                                   f"{context} tokens", "invalid_request_error",
                                         "context_length_exceeded", param=field)
-        return (body, route), None
+        return (body, route, data), None
 
     def context(self, route: Route) -> int:
         """The most a request's prompt and output tokens may add up to on this route: what its
@@ -471,7 +475,14 @@ class Gateway:
             if err:
                 self.m.requests.labels(name, endpoint, str(err.status)).inc()
                 return err
-            body, route = parsed
+            body, route, data = parsed
+            if route.fleet.engine_port:
+                if endpoint not in ("chat", "completions"):
+                    self.m.requests.labels(name, endpoint, "400").inc()
+                    return self.error(api, 400, f"model {body.model!r} is served by vLLM engines, through the OpenAI "
+                                                f"chat and completions APIs (/v1/chat/completions, /v1/completions)",
+                                      "invalid_request_error", "unsupported_endpoint")
+                return await vllm_route.serve(self, request, name, endpoint, data, body, route)
             return await self.serve(request, name, endpoint, body, route)
         finally:
             self.body_bytes.give(weight)
@@ -632,12 +643,16 @@ class Gateway:
             if not accounted and attempt.decoder:
                 # cut short (the client left, an engine failed): the tokens produced still count
                 self.usage.record(key, model, prompt_tokens, len(times), self.clock())
-            self.m.requests.labels(key, api, status).inc()
-            for role, pod in (("prefill", attempt.prefill), ("decoder", attempt.decoder)):
-                if pod:
-                    self.m.pod_requests.labels(pod, role, "ok" if status == "200" else "failed").inc()
-            for reason, n in attempt.refusals.items():
-                self.m.retries.labels(reason).inc(n)
+            self.counted(key, api, status, attempt.prefill, attempt.decoder, attempt.refusals)
+
+    def counted(self, key: str, api: str, status: str, prefill: str, decoder: str, refusals: dict[str, int]) -> None:
+        """A request's end in the metrics: its status, the pods it went to, the refusals on the way."""
+        self.m.requests.labels(key, api, status).inc()
+        for role, pod in (("prefill", prefill), ("decoder", decoder)):
+            if pod:
+                self.m.pod_requests.labels(pod, role, "ok" if status == "200" else "failed").inc()
+        for reason, n in refusals.items():
+            self.m.retries.labels(reason).inc(n)
 
     async def _emit(self, resp: web.StreamResponse | None, pieces: list[str], api: str, rid: str, text: str,
                     model: str, rs: wire.ResponsesStream | None) -> None:
@@ -830,13 +845,15 @@ async def serve(cfg: Config, host: str, port: int, metrics_port: int = GATEWAY_M
     if cfg.routes is not None:
         for r in cfg.routes:
             token = os.environ.get(r["tokenEnv"]) or None
-            routes.append(Route(r["model"], Fleet(http, token, pod_finder(cfg.namespace, r["deployment"])),
+            routes.append(Route(r["model"], Fleet(http, token, pod_finder(cfg.namespace, r["deployment"]),
+                                                  engine_port=r.get("enginePort") or None),
                                 r["deployment"], tuple(r.get("aliases") or ())))
     elif cfg.agents:
-        routes.append(Route(cfg.model, Fleet(http, cfg.data_token, fixed_finder(cfg.agents)), None, cfg.aliases))
+        fleet = Fleet(http, cfg.data_token, fixed_finder(cfg.agents), engine_port=cfg.engine_port)
+        routes.append(Route(cfg.model, fleet, None, cfg.aliases))
     elif cfg.deployment:
-        routes.append(Route(cfg.model, Fleet(http, cfg.data_token, pod_finder(cfg.namespace, cfg.deployment)),
-                            cfg.deployment, cfg.aliases))
+        routes.append(Route(cfg.model, Fleet(http, cfg.data_token, pod_finder(cfg.namespace, cfg.deployment),
+                                             engine_port=cfg.engine_port), cfg.deployment, cfg.aliases))
     else:
         raise SystemExit("pd_gateway: set PD_GATEWAY_DEPLOYMENT, PD_GATEWAY_ROUTES or PD_GATEWAY_AGENTS")
     keys = Keys(from_secret(cfg.namespace, cfg.keys_secret) if cfg.keys_secret else from_env(),

@@ -579,9 +579,10 @@ class PDDeploymentSpec(Model):
         ("!has(self.engine) || !has(self.mindie) || !self.mindie.enabled",
          "spec.engine and spec.mindie.enabled cannot be combined: a MindIE server takes its role from the agent's "
          "role pushes, not as ranks registered with the agent", ".engine"),
-        ("!has(self.engine) || self.engine.adapter != 'vLLM' || !has(self.gateway) || !self.gateway.enabled",
-         "spec.gateway.enabled with spec.engine.adapter vLLM: pd-gateway speaks the agent API, a vLLM engine serves "
-         "vLLM's own; route with a vLLM P-D router to spec.engine.port", ".engine"),
+        ("!has(self.engine) || self.engine.adapter != 'vLLM' || !has(self.gateway) || !self.gateway.enabled || "
+         "has(self.engine.port)",
+         "spec.engine.port is required with spec.gateway.enabled and spec.engine.adapter vLLM: pd-gateway sends "
+         "requests to the engines' own OpenAI port with vLLM's P-D protocol", ".engine"),
         ("!has(self.engine) || self.engine.adapter != 'vLLM' || has(self.model.kvCache.paged)",
          "spec.model.kvCache.paged is required with spec.engine.adapter vLLM (vLLM's KV cache is paged: blockSize "
          "and numBlocks as vLLM runs)", ".engine"),

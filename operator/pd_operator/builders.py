@@ -473,13 +473,16 @@ def headless_service(name: str, namespace: str, spec: PDDeploymentSpec, group: s
     }
 
 
-def role_service(name: str, namespace: str, role: str, owner: dict) -> dict:
-    """Routes by *current* role, so traffic follows a live switch with no restart."""
+def role_service(name: str, namespace: str, role: str, owner: dict, engine_port: int | None = None) -> dict:
+    """Routes by *current* role, so traffic follows a live switch with no restart; with an
+    inference server of its own (spec.engine.port), its API port too."""
+    ports = [{"name": "http", "port": AGENT_PORT, "targetPort": "http"}]
+    if engine_port:
+        ports.append({"name": "serving", "port": engine_port, "targetPort": "serving"})
     return {
         "apiVersion": "v1", "kind": "Service",
         "metadata": object_meta(role_service_name(name, role), namespace, owner, common_labels(name)),
-        "spec": {"selector": {LABEL_DEPLOYMENT: name, LABEL_ROLE: role},
-                 "ports": [{"name": "http", "port": AGENT_PORT, "targetPort": "http"}]},
+        "spec": {"selector": {LABEL_DEPLOYMENT: name, LABEL_ROLE: role}, "ports": ports},
     }
 
 
@@ -527,7 +530,7 @@ def desired_children(name: str, namespace: str, uid: str, spec: PDDeploymentSpec
     for group in GROUPS:
         out.append(headless_service(name, namespace, spec, group, owner))
     for role in GROUPS:
-        out.append(role_service(name, namespace, role, owner))
+        out.append(role_service(name, namespace, role, owner, spec.engine.port if spec.engine else None))
     for group in GROUPS:
         out.append(statefulset(name, namespace, spec, group, owner, decided, resource, config, token_digests))
     serving = serving if serving is not None else spec.group_sizes(decided)

@@ -74,6 +74,13 @@ def gateway_image(spec: PDDeploymentSpec, configured: str | None = None) -> str:
     return f"{head + '/' if head else ''}pd-gateway{':' + tag if tag else ''}"
 
 
+def vllm_port(spec: PDDeploymentSpec) -> int | None:
+    """The port a gateway sends a deployment's requests to with vLLM's P-D protocol: spec.engine.port
+    when the engines are vLLM's (None: the agents' API)."""
+    e = spec.engine
+    return e.port if e is not None and e.adapter == "vLLM" and e.port else None
+
+
 def gateway_objects(name: str, namespace: str, spec: PDDeploymentSpec, owner: dict,
                     image: str | None = None, keys_allowed: bool = True,
                     config: OperatorConfig | None = None) -> list[dict]:
@@ -102,6 +109,9 @@ def gateway_objects(name: str, namespace: str, spec: PDDeploymentSpec, owner: di
                                                                        "key": "token"}}},
         {"name": gwenv.PD_GATEWAY_RPM, "value": json.dumps(gw.rate_limits or {}, sort_keys=True)},
     ]
+    port = vllm_port(spec)
+    if port:
+        env.append({"name": gwenv.PD_GATEWAY_ENGINE_PORT, "value": str(port)})
     config = config or OperatorConfig()
     meta = object_meta(n, namespace, owner, labels)
     resources = with_defaults(gw.resources.model_dump(exclude_none=True) if gw.resources else None,
@@ -109,7 +119,8 @@ def gateway_objects(name: str, namespace: str, spec: PDDeploymentSpec, owner: di
     return workload(n, meta, rules, env, gateway_image(spec, image), gw.replicas if keys_allowed else 0,
                     {LABEL_GATEWAY: name}, pod_labels, resources, spec.image_pull_policy,
                     config.gateway_pull_secrets) + \
-        [gateway_network_policy(meta, {LABEL_GATEWAY: name}, {"matchLabels": {LABEL_DEPLOYMENT: name}}, config)]
+        [gateway_network_policy(meta, {LABEL_GATEWAY: name}, {"matchLabels": {LABEL_DEPLOYMENT: name}}, config,
+                                [port] if port else None)]
 
 
 def workload(n: str, meta: dict, rules: list[dict], env: list, image: str, replicas: int,
@@ -171,11 +182,11 @@ def metrics_scrapers(operator_namespace: str | None, metrics_namespaces: dict | 
 
 
 def gateway_network_policy(meta: dict, select: dict[str, str], agents: dict | None,
-                           config: OperatorConfig) -> dict:
+                           config: OperatorConfig, engine_ports: list[int] | None = None) -> dict:
     """The gateway pods selected by `select`: the API port from anywhere (it is the public
     API), the metrics port from the operator (it reads /stats) and the monitoring namespaces;
     egress to the agent port of the pods `agents` selects (None: no engine yet), the API server,
-    DNS. Named after the gateway."""
+    DNS; and to `engine_ports` of those pods (vLLM engines' own OpenAI API). Named after the gateway."""
     scrapers = metrics_scrapers(config.namespace, config.metrics_namespaces)
     ingress: list[dict] = [{"ports": [{"protocol": "TCP", "port": GATEWAY_PORT}]}]
     if scrapers:
@@ -183,7 +194,8 @@ def gateway_network_policy(meta: dict, select: dict[str, str], agents: dict | No
     api_server: dict = {"ports": [{"protocol": "TCP", "port": p} for p in config.api_server_ports]}
     if config.api_server_cidrs:
         api_server["to"] = [{"ipBlock": {"cidr": c}} for c in config.api_server_cidrs]
-    egress = ([{"to": [{"podSelector": agents}], "ports": [{"protocol": "TCP", "port": AGENT_PORT}]}] if agents
+    ports = [{"protocol": "TCP", "port": p} for p in [AGENT_PORT, *(engine_ports or [])]]
+    egress = ([{"to": [{"podSelector": agents}], "ports": ports}] if agents
               else []) + [api_server, {"ports": copy.deepcopy(DNS_PORTS)}]
     return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": copy.deepcopy(meta),
             "spec": {"podSelector": {"matchLabels": dict(select)}, "policyTypes": ["Ingress", "Egress"],

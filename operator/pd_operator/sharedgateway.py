@@ -22,7 +22,7 @@ from .api import GROUP, VERSION, parse_spec
 from .api_gateway import KIND, PDGatewaySpec, Selector
 from .conditions import set_condition
 from .config import OperatorConfig
-from .gateway import data_token_secret_name, gateway_network_policy, workload
+from .gateway import data_token_secret_name, gateway_network_policy, vllm_port, workload
 from .resources import with_defaults
 
 
@@ -51,6 +51,7 @@ class Served:
     model: str
     deployment: str
     aliases: list[str] = field(default_factory=list)
+    engine_port: int | None = None            # vLLM engines: their OpenAI port (vLLM's P-D protocol)
 
 
 @dataclass
@@ -74,7 +75,7 @@ def routing(deployments: list[dict], selector: Selector | None, tokens: set[str]
     that serves; among several (or none) that serve, to the oldest claim: a deployment scaled to
     zero, or one made later, cannot take a served model offline."""
     claims: dict[str, list[dict]] = {}
-    picked: list[tuple[str, str, list[str]]] = []
+    picked: list[tuple[str, str, list[str], int | None]] = []
     invalid: dict[str, str] = {}
     for d in sorted(deployments, key=lambda d: d["metadata"]["name"]):
         meta = d["metadata"]
@@ -88,7 +89,7 @@ def routing(deployments: list[dict], selector: Selector | None, tokens: set[str]
         names = [spec.model.name, *(spec.model.aliases or [])]
         for n in dict.fromkeys(names):
             claims.setdefault(n, []).append(d)
-        picked.append((meta["name"], spec.model.name, list(spec.model.aliases or [])))
+        picked.append((meta["name"], spec.model.name, list(spec.model.aliases or []), vllm_port(spec)))
     owner: dict[str, str] = {}
     conflicts: dict[str, list[str]] = {}
     for n, ds in claims.items():
@@ -98,14 +99,14 @@ def routing(deployments: list[dict], selector: Selector | None, tokens: set[str]
         if len(ds) > 1:
             conflicts[n] = [owner[n], *(d["metadata"]["name"] for d in ds if d is not win)]
     served, waiting = [], []
-    for dep, model, aliases in picked:
+    for dep, model, aliases, port in picked:
         names = [n for n in dict.fromkeys([model, *aliases]) if owner.get(n) == dep]
         if not names:
             continue
         if tokens is not None and dep not in tokens:
             waiting.append(dep)
             continue
-        served.append(Served(names[0], dep, names[1:]))
+        served.append(Served(names[0], dep, names[1:], port))
     return Routing(served, conflicts, invalid, waiting)
 
 
@@ -148,7 +149,10 @@ def objects(name: str, namespace: str, spec: PDGatewaySpec, owner: dict, r: Rout
     for s in r.served:
         # named after the deployment, so another deployment joining does not rename the others'
         token_env = gwenv.route_token_env(s.deployment)
-        routes.append({"model": s.model, "aliases": s.aliases, "deployment": s.deployment, "tokenEnv": token_env})
+        route: dict = {"model": s.model, "aliases": s.aliases, "deployment": s.deployment, "tokenEnv": token_env}
+        if s.engine_port:
+            route["enginePort"] = s.engine_port
+        routes.append(route)
         # optional: a deployment just selected may not have its token yet; its requests wait for it
         env.append({"name": token_env, "valueFrom": {"secretKeyRef": {
             "name": data_token_secret_name(s.deployment), "key": "token", "optional": True}}})
@@ -162,7 +166,8 @@ def objects(name: str, namespace: str, spec: PDGatewaySpec, owner: dict, r: Rout
                                     "values": sorted({s.deployment for s in r.served})}]} if r.served else None
     return workload(name, meta, rules, env, image, spec.replicas if keys_allowed else 0, {LABEL_PDGATEWAY: name},
                     pod_labels, resources, pull_secrets=config.gateway_pull_secrets) + \
-        [gateway_network_policy(meta, {LABEL_PDGATEWAY: name}, agents, config)]
+        [gateway_network_policy(meta, {LABEL_PDGATEWAY: name}, agents, config,
+                                sorted({s.engine_port for s in r.served if s.engine_port}))]
 
 
 def usage_configmap(name: str, namespace: str, owner: dict) -> dict:

@@ -145,6 +145,23 @@ class Checker:
                 "mismatched": sum(r["ok"] and not r["match"] for r in self.results), "first_bad": bad[:2]}
 
 
+def switch_both_ways(cluster: Cluster, ns: str, check: Checker, load: Load, seed: int, links: tuple[str, str],
+                     timeout: float) -> tuple[dict, dict]:
+    """Prefill 2 -> 3 -> 2 by live switches (Manual policy) while `load` runs and `check` compares
+    content; `links`: the links summary after each. The loadgen's result and the checks' summary."""
+    with check.running(seed=seed):
+        time.sleep(3)
+        with load.change("decoder -> prefill"):
+            set_prefill(cluster, ns, 3)
+            last = switched(cluster, ns, "prefill", None, links[0], timeout=timeout)["status"]["lastSwitch"]
+        time.sleep(3)
+        with load.change("prefill -> decoder"):
+            set_prefill(cluster, ns, 2)
+            switched(cluster, ns, "decoder", last["at"], links[1], timeout=timeout)
+        time.sleep(3)
+    return load.stop(), check.summary()
+
+
 def assert_all_match(results: list[dict]) -> None:
     bad = [r for r in results if not r["match"]]
     assert not bad, f"{len(bad)} of {len(results)} completions differ from one engine's decode: {bad[:3]}"
@@ -188,18 +205,7 @@ def test_gqa_tp2_completions_equal_one_engine_and_stay_equal_across_live_switche
 
     # live switches 2 -> 3 -> 2 with traffic running, content checked throughout
     load = Load(cluster, ns, duration=300, rate=4, gateway=url, api_key=KEY, max_prompt=256, max_output=24)
-    with check.running(seed=1000):
-        time.sleep(3)
-        with load.change("decoder -> prefill"):
-            set_prefill(cluster, ns, 3)
-            last = switched(cluster, ns, "prefill", None, "6/6", timeout=150)["status"]["lastSwitch"]
-        time.sleep(3)
-        with load.change("prefill -> decoder"):
-            set_prefill(cluster, ns, 2)
-            switched(cluster, ns, "decoder", last["at"], "8/8", timeout=150)
-        time.sleep(3)
-    s = load.stop()
-    c = check.summary()
+    s, c = switch_both_ways(cluster, ns, check, load, 1000, ("6/6", "8/8"), timeout=150)
     print(f"through the switches: loadgen {s['completed']}/{s['requests']} completed; content checks {c}")
     assert s["failed"] == 0, s["failed_by_reason"]
     assert s["completed"] == s["requests"], s

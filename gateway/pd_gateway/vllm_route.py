@@ -1,0 +1,302 @@
+"""vLLM's P-D protocol, for deployments whose engines serve vLLM's own OpenAI API
+(`spec.engine.adapter: vLLM`): the request goes to a prefill engine's port with
+`kv_transfer_params: {"do_remote_decode": true}`, `max_tokens: 1` and `stream: false`; the
+`kv_transfer_params` its reply carries (the KV connector's: which prefill rank holds which blocks) go
+with the client's request, otherwise untouched, to a decoder linked to that prefill, whose reply is
+relayed to the client as it comes. The engine applies its own chat template, tokenizer, tools, stop,
+n, logprobs and response_format; usage is the engine's.
+
+The engines are the fleet's (pd_contract.routing.Fleet with `engine_port`): roles, draining and
+links from the pods' agents, so routing follows live switches as for agent engines, and an engine
+is routed to only while its `/health` answers. Refusals before the decoder accepted the request
+(503s, connections refused, a pod that went away) go to another prefill or decoder within the
+retry window; once a decoder accepted it, a failure ends the request (its KV was pulled, and
+another decoder could not pull it again)."""
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import httpx
+from aiohttp import web
+
+from pd_contract.routing import BadReport, EngineError, Fleet, Unavailable, lines_capped, read_capped
+
+from . import policy
+
+log = logging.getLogger("pd_gateway")
+
+MAX_PREFILL_REPLY = 1 << 20        # a one-token reply and the connector's kv_transfer_params
+MAX_REPLY = 16 << 20               # a whole non-streamed reply (n choices, logprobs)
+MAX_LINE = 1 << 20                 # one SSE line of the decoder's stream
+RETRYABLE_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
+
+
+def prefill_body(data: dict) -> dict:
+    """The client's request as vLLM's P-D routers send it to a prefill: one token, not streamed,
+    asking the connector to keep the KV for a remote decode."""
+    body = copy.deepcopy(data)
+    body["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
+    body["stream"] = False
+    body["max_tokens"] = 1
+    if "max_completion_tokens" in body:
+        body["max_completion_tokens"] = 1
+    body.pop("stream_options", None)
+    return body
+
+
+def decode_body(data: dict, params: dict | None) -> tuple[dict, bool]:
+    """The client's request with the prefill's kv_transfer_params; a stream also asks for the usage
+    chunk (dropped on the way back when the client did not ask for it). Returns (body, usage added)."""
+    body = dict(data)
+    if params:
+        body["kv_transfer_params"] = params
+    added = False
+    if body.get("stream"):
+        given = body.get("stream_options")
+        opts: dict = given if isinstance(given, dict) else {}
+        if not opts.get("include_usage"):
+            body["stream_options"] = {**opts, "include_usage": True}
+            added = True
+    return body, added
+
+
+def usage_of(reply: dict) -> tuple[int, int] | None:
+    u = reply.get("usage") if isinstance(reply, dict) else None
+    if not isinstance(u, dict):
+        return None
+    p, c = u.get("prompt_tokens"), u.get("completion_tokens")
+    if isinstance(p, int) and isinstance(c, int) and not isinstance(p, bool) and p >= 0 and c >= 0:
+        return p, c
+    return None
+
+
+def sse_json(line: bytes) -> dict | None:
+    """The JSON of an SSE `data:` line, else None ([DONE], comments, blank lines)."""
+    if not line.startswith(b"data:"):
+        return None
+    payload = line[5:].strip()
+    if not payload.startswith(b"{"):
+        return None
+    try:
+        obj = json.loads(payload)
+    except (ValueError, RecursionError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+@dataclass
+class Relayed:
+    """What came back: the engines', as they sent it."""
+    prefill: str = ""
+    decoder: str = ""
+    status: int = 200
+    body: bytes = b""                                # a non-streamed reply, or an engine's refusal
+    usage: tuple[int, int] | None = None
+    refusals: dict[str, int] = field(default_factory=dict)
+
+
+class Pairing:
+    """One request's way through the fleet: which pods refused it, until when it may retry."""
+
+    def __init__(self, fleet: Fleet, retry_window: float, clock=time.monotonic):
+        self.fleet, self.window, self.clock = fleet, retry_window, clock
+        self.deadline = clock() + retry_window
+        self.avoid: set[str] = set()
+        self.refusals: dict[str, int] = {}
+        self.rid = uuid.uuid4().hex
+
+    def refuse(self, reason: str, url: str | None) -> None:
+        if url is None and reason in self.refusals:
+            return
+        self.refusals[reason] = self.refusals.get(reason, 0) + 1
+        if url:
+            self.avoid.add(url)
+            self.fleet.drop(url)
+
+    async def wait(self) -> None:
+        if self.clock() >= self.deadline:
+            raise Unavailable(next(reversed(self.refusals), "NoLinkedPair"), self.refusals)
+        await asyncio.sleep(0.1)
+
+    async def prefill(self, path: str, data: dict, tokens: int, out: Relayed) -> tuple[dict, dict | None]:
+        """(the prefill pod, its kv_transfer_params); a refusal of the request itself (4xx) ends
+        here with out.status and out.body set."""
+        body = prefill_body(data)
+        while True:
+            p = self.fleet.pick_prefill(self.avoid, tokens)
+            if p is None:
+                self.refuse("NoLinkedPair", None)
+                await self.wait()
+                self.avoid.clear()
+                continue
+            try:
+                status, raw = await self._post(p["engine_url"] + path, body)
+            except httpx.HTTPError as e:
+                self.refuse(type(e).__name__, p["url"])
+                await self.wait()
+                continue
+            except BadReport as e:
+                raise EngineError(p["name"], "BAD_REPLY", str(e)) from None
+            if status in RETRYABLE_STATUS:
+                self.refuse(f"HTTP{status}", p["url"])
+                await self.wait()
+                continue
+            if status != 200:
+                out.status, out.body, out.prefill = status, raw, p["name"]
+                return p, None
+            try:
+                reply = json.loads(raw)
+            except (ValueError, RecursionError):
+                raise EngineError(p["name"], "BAD_REPLY", "the prefill's reply is not JSON") from None
+            params = reply.get("kv_transfer_params") if isinstance(reply, dict) else None
+            out.prefill = p["name"]
+            self.deadline = max(self.deadline, self.clock() + self.window)
+            return p, params if isinstance(params, dict) else None
+
+    async def _post(self, url: str, body: dict) -> tuple[int, bytes]:
+        async with self.fleet.http.stream("POST", url, json=body, headers={"X-Request-Id": self.rid}) as r:
+            if r.status_code in RETRYABLE_STATUS:
+                return r.status_code, b""
+            return r.status_code, await read_capped(r, MAX_PREFILL_REPLY, "the prefill's reply")
+
+    async def decoder(self, p: dict, path: str, body: dict) -> tuple[dict, httpx.Response]:
+        """A decoder linked to p that accepted the request: its open response (status 200, or a
+        refusal of the request itself), to be read and closed by the caller."""
+        while True:
+            d = self.fleet.pick_decoder(p, self.avoid)
+            if d is None:
+                self.refuse("NoDecoderForCache", None)
+                await self.wait()
+                self.avoid.discard(p["url"])
+                continue
+            req = self.fleet.http.build_request(
+                "POST", f"{d['engine_url']}{path}", json=body, headers={"X-Request-Id": self.rid},
+                timeout=httpx.Timeout(None, connect=2, read=self.fleet.token_gap_timeout))
+            try:
+                r = await self.fleet.http.send(req, stream=True)
+            except httpx.HTTPError as e:
+                self.refuse(type(e).__name__, d["url"])
+                await self.wait()
+                continue
+            if r.status_code in RETRYABLE_STATUS:
+                await r.aclose()
+                self.refuse(f"HTTP{r.status_code}", d["url"])
+                await self.wait()
+                continue
+            return d, r
+
+
+async def read_reply(r: httpx.Response, decoder: str) -> bytes:
+    try:
+        return await read_capped(r, MAX_REPLY, "the decoder's reply")
+    except BadReport as e:
+        raise EngineError(decoder, "BAD_REPLY", str(e)) from None
+    except httpx.HTTPError as e:
+        raise EngineError(decoder, type(e).__name__, str(e) or type(e).__name__) from e
+
+
+async def relay_lines(r: httpx.Response, decoder: str):
+    """The decoder's stream, line by line (a line is at most MAX_LINE bytes)."""
+    try:
+        async for line in lines_capped(r, MAX_LINE):
+            yield line
+    except BadReport as e:
+        raise EngineError(decoder, "BAD_STREAM", str(e)) from None
+    except httpx.HTTPError as e:
+        raise EngineError(decoder, type(e).__name__, str(e) or type(e).__name__) from e
+
+
+def _estimate(body) -> int:
+    """An upper bound on the prompt's tokens before the engine counts them: its UTF-8 bytes (no
+    token is shorter than a byte), so a day's budget reserved for it is never too small."""
+    return len(body.text().encode("utf-8", "surrogatepass")) + 1
+
+
+async def serve(gw, request: web.Request, key: str, api: str, data: dict, body, route) -> web.StreamResponse:
+    """One request of a vLLM route through pd-gateway `gw`: the key's budget reserved, the P-D
+    relay, usage and metrics from the engine's reply."""
+    path = "/v1/chat/completions" if api == "chat" else "/v1/completions"
+    estimate, asked = _estimate(body), body.asked_tokens() or body.default_tokens()
+    reserved = 0
+    pol = gw.policies.get(key)
+    if pol is not None and pol.tokens_per_day is not None:
+        now = gw.clock()
+        refused = policy.tokens_fit(key, pol, now, gw.usage.tokens_today(key, now), estimate + asked)
+        if refused:
+            gw.m.requests.labels(key, api, str(refused.status)).inc()
+            return gw.refuse("openai", refused)
+        reserved = estimate + asked
+    pairing, out = Pairing(route.fleet, RETRY_WINDOW_S), Relayed()
+    t0, times, status = time.monotonic(), [], "200"
+    resp: web.StreamResponse | None = None
+    r: httpx.Response | None = None
+    gw.usage.reserve(key, reserved)
+    try:
+        p, params = await pairing.prefill(path, data, estimate, out)
+        if out.status != 200:        # the engine refused the request itself: its answer, as it gave it
+            status = str(out.status)
+            return web.Response(body=out.body, status=out.status, content_type="application/json")
+        decode, usage_added = decode_body(data, params)
+        d, r = await pairing.decoder(p, path, decode)
+        out.decoder = d["name"]
+        if r.status_code != 200:
+            status = str(r.status_code)
+            return web.Response(body=await read_reply(r, d["name"]), status=r.status_code,
+                                content_type="application/json")
+        if not data.get("stream"):
+            raw = await read_reply(r, d["name"])
+            times.append(time.monotonic())
+            out.usage = usage_of(_json(raw))
+            return web.Response(body=raw, status=200, content_type="application/json")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+        await resp.prepare(request)
+        async for line in relay_lines(r, d["name"]):
+            obj = sse_json(line)
+            if obj is not None:
+                out.usage = usage_of(obj) or out.usage
+                if obj.get("choices"):
+                    times.append(time.monotonic())
+                elif usage_added and obj.get("usage") is not None:
+                    continue         # the usage chunk the client did not ask for
+            await resp.write(line + b"\n")
+        await resp.write_eof()
+        return resp
+    except (Unavailable, EngineError) as e:
+        status = "503" if isinstance(e, Unavailable) else "502"
+        reason = e.reason if isinstance(e, Unavailable) else e.code
+        gw.m.errors.labels(key, reason).inc()
+        log.warning("request to %s (key %s) failed: %s", route.model, key, e)
+        if resp is None:
+            why = f"model {route.model!r}" + (f" (deployment {route.deployment})" if route.deployment else "")
+            return gw.error("openai", int(status), f"{why}: {e}",
+                            "server_error" if status == "502" else "overloaded_error", reason)
+        await resp.write(b"data: " + json.dumps({"error": {"message": str(e), "type": "server_error",
+                                                           "code": reason}}).encode() + b"\n\n")
+        return resp
+    finally:
+        if r is not None:
+            await r.aclose()
+        gw.usage.settle(key, reserved)
+        prompt, completion = out.usage or (0, 0)
+        if out.decoder and (out.usage or status == "200"):
+            gw._account(key, api, None, t0, times, prompt, completion, route.model)
+        gw.counted(key, api, status, out.prefill, out.decoder, pairing.refusals)
+
+
+RETRY_WINDOW_S = 10.0
+
+
+def _json(raw: bytes) -> dict:
+    try:
+        obj = json.loads(raw)
+    except (ValueError, RecursionError):
+        return {}
+    return obj if isinstance(obj, dict) else {}
