@@ -28,7 +28,7 @@ import os
 import random
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Coroutine
 
 import httpx
@@ -65,6 +65,7 @@ from pd_contract.routing import (
 from . import policy, vllm_route, wire
 from .keys import MIN_KEY_LENGTH, REFRESH_S, Keys, RateLimits, from_env, from_secret
 from .metrics import GatewayMetrics
+from .stops import StopScanner
 from .usage import DAY, MAX_NAME, SYNC_S, ConfigMapStore, Usage
 
 log = logging.getLogger("pd_gateway")
@@ -171,6 +172,32 @@ class Route:
     fleet: Fleet
     deployment: str | None = None
     aliases: tuple[str, ...] = ()
+
+
+@dataclass
+class Choice:
+    """One choice of a reply as it is generated."""
+    index: int
+    stops: StopScanner
+    ids: list[int] = field(default_factory=list)         # the token ids, when the engine sends them
+    times: list[float] = field(default_factory=list)     # when each token came
+    pieces: list[str] = field(default_factory=list)      # the text, for a reply that is not streamed
+    finish: str = "stop"
+    opened: bool = False                                 # its first stream chunk was written
+
+
+@dataclass
+class Reply:
+    """A request's reply as it is built: its choices, and the stream once opened."""
+    rid: str
+    model: str
+    api: str
+    stream: bool
+    prompt_tokens: int
+    rs: wire.ResponsesStream | None = None
+    choices: list[Choice] = field(default_factory=list)
+    resp: web.StreamResponse | None = None
+    seed: bytes | None = None       # placeholder text's: the prompt digested once, if a token comes without its id
 
 
 class Streams:
@@ -356,11 +383,11 @@ class Gateway:
         if refused:
             return None, self.refuse(api, refused)
         context = self.context(route)
-        for field, value in body.token_fields().items():
+        for name, value in body.token_fields().items():
             if value > context:   # whatever the prompt: refused before it is tokenized
-                return None, self.error(api, 400, f"{field}: {value} is more than this model's context of "
+                return None, self.error(api, 400, f"{name}: {value} is more than this model's context of "
                                                   f"{context} tokens", "invalid_request_error",
-                                        "context_length_exceeded", param=field)
+                                        "context_length_exceeded", param=name)
         return (body, route, data), None
 
     def context(self, route: Route) -> int:
@@ -483,6 +510,13 @@ class Gateway:
                                                 f"chat and completions APIs (/v1/chat/completions, /v1/completions)",
                                       "invalid_request_error", "unsupported_endpoint")
                 return await vllm_route.serve(self, request, name, endpoint, data, body, route)
+            unsupported = body.unsupported()
+            if unsupported:
+                self.m.requests.labels(name, endpoint, "400").inc()
+                return self.error(api, 400, f"{unsupported}: this model's engines are served through pd-gateway's "
+                                            f"token path, which does not implement {unsupported}; the request is "
+                                            f"refused rather than answered without it", "invalid_request_error",
+                                  "unsupported_parameter", param=unsupported)
             return await self.serve(request, name, endpoint, body, route)
         finally:
             self.body_bytes.give(weight)
@@ -541,109 +575,100 @@ class Gateway:
         out_tokens = min(asked if asked is not None else min(body.default_tokens(), room), self.cfg.max_output_tokens)
         p = self.policies.get(key)
         reserved = 0
+        n_choices = body.choices()
         if p is not None and p.tokens_per_day is not None:
             # reserved (just before the try below), settled when it ends: concurrent requests cannot
             # all pass the same check
             now = self.clock()
-            refused = policy.tokens_fit(key, p, now, self.usage.tokens_today(key, now), prompt_tokens + out_tokens)
+            want = prompt_tokens + out_tokens * n_choices
+            refused = policy.tokens_fit(key, p, now, self.usage.tokens_today(key, now), want)
             if refused:
                 self.m.requests.labels(key, api, str(refused.status)).inc()
                 return self.refuse("anthropic" if api == "anthropic" else "openai", refused)
-            reserved = prompt_tokens + out_tokens
-        seed: bytes | None = None   # placeholder text's: the prompt digested once, if a token comes without its id
-        detok = tokens.Detokenizer()
+            reserved = want
         rid = wire.new_id({"anthropic": "msg", "chat": "chatcmpl", "responses": "resp"}.get(api, "cmpl"))
-        rs = wire.ResponsesStream(rid, model) if api == "responses" else None
+        out = Reply(rid, model, api, stream, prompt_tokens,
+                    wire.ResponsesStream(rid, model) if api == "responses" else None)
+        sampling = body.sampling(random.getrandbits(63))
         attempt = Attempt()
-        gen = generate(route.fleet, random.getrandbits(63), prompt_tokens, out_tokens, attempt, token_ids=ids,
-                       sampling=body.sampling(random.getrandbits(63)))
-        pieces: list[str] = []
-        times: list[float] = []
-        out_ids: list[int] = []
         accounted = False
-        resp: web.StreamResponse | None = None
         status = "200"
         self.usage.reserve(key, reserved)
         try:
-            async for msg in gen:
-                if "token" in msg:
-                    n = len(times)
-                    if n >= out_tokens:
-                        raise EngineError(attempt.decoder, "TOO_MANY_TOKENS",
-                                          f"the decoder sent more than the {out_tokens} tokens asked for")
-                    times.append(time.monotonic())
-                    tid = msg.get("id")
-                    if tid is None:   # an engine that only models timing: placeholder text
-                        if seed is None:
-                            seed = wire.seed(prompt)
-                        text = detok.flush() + wire.piece(seed, n)
-                    elif isinstance(tid, int) and not isinstance(tid, bool):
-                        text = detok.push(tid)
-                        out_ids.append(tid)
-                    else:
-                        raise EngineError(attempt.decoder, "BAD_STREAM",
-                                          f"a token's id is not an integer: {str(tid)[:40]}")
-                    if stream and resp is None:
-                        resp = await self._open_stream(request, api, rid, prompt_tokens, model, rs)
-                    if text:   # a character split across tokens is sent once whole
-                        await self._emit(resp, pieces, api, rid, text, model, rs)
-            if text := detok.flush():
-                if stream and resp is None:
-                    resp = await self._open_stream(request, api, rid, prompt_tokens, model, rs)
-                await self._emit(resp, pieces, api, rid, text, model, rs)
-            n = len(times)
-            finish = "length" if n >= out_tokens else "stop"
+            for i in range(n_choices):
+                # each choice a generation of its own: the same prompt, the next seed
+                c = Choice(i, StopScanner(body.stops()))
+                out.choices.append(c)
+                one = {**sampling, "seed": (sampling["seed"] + i) % wire.SEEDS}
+                await self._generate(request, route, c, out, ids, out_tokens, one, attempt, prompt)
             accounted = True
-            self._account(key, api, attempt, t0, times, prompt_tokens, n, model)
+            produced = sum(len(c.times) for c in out.choices)
+            self._account(key, api, attempt, t0, out.choices[0].times, prompt_tokens, produced, model)
             if not stream:
-                text = "".join(pieces)
-                if api in ("chat", "completions"):
-                    reply = (wire.chat_reply if api == "chat" else wire.completion_reply)(
-                        rid, model, text, prompt_tokens, n, finish)
-                    if body.return_token_ids and len(out_ids) == n:
-                        reply["prompt_token_ids"] = ids
-                        reply["choices"][0]["token_ids"] = out_ids
-                    return web.json_response(reply)
-                if api == "responses":
-                    return web.json_response(wire.responses_reply(rid, model, text, prompt_tokens, n))
-                return web.json_response(wire.message_reply(rid, model, text, prompt_tokens, n,
-                                                            "max_tokens" if finish == "length" else "end_turn"))
-            if resp is None:
-                resp = await self._open_stream(request, api, rid, prompt_tokens, model, rs)
-            if rs:
-                await resp.write(rs.finish(prompt_tokens, n))
-                await resp.write_eof()
-            else:
-                await self._close_stream(resp, api, rid, prompt_tokens, n, finish, include_usage, model)
-            return resp
+                return web.json_response(self._reply(out, body, ids, prompt_tokens, produced))
+            await self._close_stream(request, out, prompt_tokens, produced, include_usage)
+            return out.resp   # type: ignore[return-value]
         except (Unavailable, EngineError) as e:
             status = "503" if isinstance(e, Unavailable) else "502"
             reason = e.reason if isinstance(e, Unavailable) else e.code
             self.m.errors.labels(key, reason).inc()
             log.warning("request %s (key %s) failed: %s", rid, key, e)
-            if resp is None:   # nothing sent yet: a proper HTTP error
+            if out.resp is None:   # nothing sent yet: a proper HTTP error
                 why = f"model {model!r}" + (f" (deployment {route.deployment})" if route.deployment else "")
                 return self.error("anthropic" if api == "anthropic" else "openai", int(status), f"{why}: {e}",
                                   "server_error" if status == "502" else "overloaded_error", reason)
-            await self._stream_error(resp, api, int(status), str(e), reason, rs)
-            return resp
+            await self._stream_error(out.resp, api, int(status), str(e), reason, out.rs)
+            return out.resp
         except ConnectionError:
             raise   # the client went away
         except Exception as e:
             status = "500"
-            if resp is None:
+            if out.resp is None:
                 raise   # the guard answers it
             log.exception("request %s (key %s) failed mid-stream", rid, key)
-            await self._stream_error(resp, api, 500, f"the gateway failed on this request ({type(e).__name__}); "
-                                                     f"it is logged", "internal_error", rs)
-            return resp
+            await self._stream_error(out.resp, api, 500, f"the gateway failed on this request ({type(e).__name__}); "
+                                                         f"it is logged", "internal_error", out.rs)
+            return out.resp
         finally:
-            await gen.aclose()
             self.usage.settle(key, reserved)
             if not accounted and attempt.decoder:
                 # cut short (the client left, an engine failed): the tokens produced still count
-                self.usage.record(key, model, prompt_tokens, len(times), self.clock())
+                self.usage.record(key, model, prompt_tokens, sum(len(c.times) for c in out.choices), self.clock())
             self.counted(key, api, status, attempt.prefill, attempt.decoder, attempt.refusals)
+
+    async def _generate(self, request: web.Request, route: Route, c: Choice, out: Reply, ids: list[int],
+                        out_tokens: int, sampling: dict, attempt: Attempt, prompt: str) -> None:
+        """One choice: prefill and decode through the fleet, its text decoded as its tokens come,
+        cut at the first stop sequence (which ends its generation), streamed if the reply is."""
+        detok = tokens.Detokenizer()
+        gen = generate(route.fleet, random.getrandbits(63), len(ids), out_tokens, attempt, token_ids=ids,
+                       sampling=sampling)
+        try:
+            async for msg in gen:
+                if "token" not in msg:
+                    continue
+                n = len(c.times)
+                if n >= out_tokens:
+                    raise EngineError(attempt.decoder, "TOO_MANY_TOKENS",
+                                      f"the decoder sent more than the {out_tokens} tokens asked for")
+                c.times.append(time.monotonic())
+                tid = msg.get("id")
+                if tid is None:   # an engine that only models timing: placeholder text
+                    if out.seed is None:
+                        out.seed = wire.seed(prompt)
+                    text = detok.flush() + wire.piece(out.seed, n)
+                elif isinstance(tid, int) and not isinstance(tid, bool):
+                    text = detok.push(tid)
+                    c.ids.append(tid)
+                else:
+                    raise EngineError(attempt.decoder, "BAD_STREAM", f"a token's id is not an integer: {str(tid)[:40]}")
+                await self._emit(request, out, c, c.stops.push(text))
+                if c.stops.stopped is not None:
+                    break
+        finally:
+            await gen.aclose()
+        await self._emit(request, out, c, c.stops.push(detok.flush()) + c.stops.flush())
+        c.finish = "stop" if c.stops.stopped is not None or len(c.times) < out_tokens else "length"
 
     def counted(self, key: str, api: str, status: str, prefill: str, decoder: str, refusals: dict[str, int]) -> None:
         """A request's end in the metrics: its status, the pods it went to, the refusals on the way."""
@@ -654,13 +679,39 @@ class Gateway:
         for reason, n in refusals.items():
             self.m.retries.labels(reason).inc(n)
 
-    async def _emit(self, resp: web.StreamResponse | None, pieces: list[str], api: str, rid: str, text: str,
-                    model: str, rs: wire.ResponsesStream | None) -> None:
-        """Text for the client: a stream chunk if streaming (resp), else kept for the reply."""
-        if resp is None:
-            pieces.append(text)
-        else:
-            await resp.write(rs.delta(text) if rs else self._chunk(api, rid, text, model))
+    async def _emit(self, request: web.Request, out: Reply, c: Choice, text: str) -> None:
+        """Text of a choice for the client: a stream chunk if streaming, else kept for the reply."""
+        if out.stream and out.resp is None:
+            out.resp = await self._open_stream(request, out.api, out.rid, out.prompt_tokens, out.model, out.rs)
+            c.opened = True
+        if not text:
+            return
+        if not out.stream:
+            c.pieces.append(text)
+            return
+        assert out.resp is not None
+        if out.api == "chat" and not c.opened:
+            await out.resp.write(wire.sse(wire.chat_chunk(out.rid, out.model, {"role": "assistant", "content": ""},
+                                                          index=c.index)))
+        c.opened = True
+        await out.resp.write(out.rs.delta(text) if out.rs else self._chunk(out.api, out.rid, text, out.model, c.index))
+
+    @staticmethod
+    def _reply(out: Reply, body: wire.ApiRequest, ids: list[int], prompt: int, produced: int) -> dict:
+        api, first = out.api, out.choices[0]
+        if api in ("chat", "completions"):
+            texts = [("".join(c.pieces), c.finish) for c in out.choices]
+            reply = (wire.chat_reply if api == "chat" else wire.completion_reply)(out.rid, out.model, texts, prompt,
+                                                                                   produced)
+            if body.return_token_ids and all(len(c.ids) == len(c.times) for c in out.choices):
+                reply["prompt_token_ids"] = ids
+                for c, choice in zip(out.choices, reply["choices"]):
+                    choice["token_ids"] = c.ids
+            return reply
+        if api == "responses":
+            return wire.responses_reply(out.rid, out.model, "".join(first.pieces), prompt, produced)
+        return wire.message_reply(out.rid, out.model, "".join(first.pieces), prompt, produced,
+                                  wire.anthropic_stop(first.finish, first.stops.stopped), first.stops.stopped)
 
     @staticmethod
     async def _stream_error(resp: web.StreamResponse, api: str, status: int, message: str, code: str,
@@ -703,32 +754,35 @@ class Gateway:
                                        "content_block": {"type": "text", "text": ""}}, "content_block_start"))
         return resp
 
-    def _chunk(self, api: str, rid: str, text: str, model: str) -> bytes:
+    def _chunk(self, api: str, rid: str, text: str, model: str, index: int = 0) -> bytes:
         if api == "chat":
-            return wire.sse(wire.chat_chunk(rid, model, {"content": text}))
+            return wire.sse(wire.chat_chunk(rid, model, {"content": text}, index=index))
         if api == "completions":
-            return wire.sse(wire.completion_chunk(rid, model, text))
+            return wire.sse(wire.completion_chunk(rid, model, text, index=index))
         return wire.sse({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}},
                         "content_block_delta")
 
-    async def _close_stream(self, resp: web.StreamResponse, api: str, rid: str, prompt: int, n: int, finish: str,
-                            include_usage: bool, model: str) -> None:
-        usage = wire.usage(prompt, n)
-        if api == "chat":
-            await resp.write(wire.sse(wire.chat_chunk(rid, model, {}, finish)))
+    async def _close_stream(self, request: web.Request, out: Reply, prompt: int, n: int, include_usage: bool) -> None:
+        resp = out.resp
+        assert resp is not None
+        api, rid, model = out.api, out.rid, out.model
+        if out.rs:
+            await resp.write(out.rs.finish(prompt, n))
+        elif api in ("chat", "completions"):
+            chunk = wire.chat_chunk if api == "chat" else wire.completion_chunk
+            for c in out.choices:
+                await resp.write(wire.sse(chunk(rid, model, {} if api == "chat" else "", c.finish,  # type: ignore[arg-type]
+                                                index=c.index)))
             if include_usage:
-                await resp.write(wire.sse(wire.chat_chunk(rid, model, {}, usage_=usage, choices=False)))
-            await resp.write(wire.sse("[DONE]"))
-        elif api == "completions":
-            await resp.write(wire.sse(wire.completion_chunk(rid, model, "", finish)))
-            if include_usage:
-                await resp.write(wire.sse(wire.completion_chunk(rid, model, "", usage_=usage, choices=False)))
+                await resp.write(wire.sse(chunk(rid, model, {} if api == "chat" else "",  # type: ignore[arg-type]
+                                                usage_=wire.usage(prompt, n), choices=False)))
             await resp.write(wire.sse("[DONE]"))
         else:
+            first = out.choices[0]
             await resp.write(wire.sse({"type": "content_block_stop", "index": 0}, "content_block_stop"))
             await resp.write(wire.sse({"type": "message_delta", "delta": {
-                "stop_reason": "max_tokens" if finish == "length" else "end_turn", "stop_sequence": None},
-                "usage": {"output_tokens": n}}, "message_delta"))
+                "stop_reason": wire.anthropic_stop(first.finish, first.stops.stopped),
+                "stop_sequence": first.stops.stopped}, "usage": {"output_tokens": n}}, "message_delta"))
             await resp.write(wire.sse({"type": "message_stop"}, "message_stop"))
         await resp.write_eof()
 

@@ -110,6 +110,49 @@ Seed = Annotated[StrictInt, Field(ge=-(2**63), lt=2**63)]      # OpenAI's: a sig
 SEEDS = 2**63                                                    # the engines take 0..2**63-1
 
 
+MAX_CHOICES = 16        # n: a request's choices (each is a generation of its own)
+MAX_STOPS = 16          # stop sequences per request
+MAX_STOP_CHARS = 256
+# what the token path does not implement: a request that asks for one is refused naming it, never
+# answered as if it had not asked (tools need the model's tool-call format, logprobs the engines'
+# logits, response_format a constrained decoder; engines that serve their own API, vLLM's, take them)
+UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "logprobs", "top_logprobs", "response_format")
+
+
+def _asks(field: str, v: Any) -> bool:
+    """Whether a field's value asks for something (its defaults and explicit "off" do not)."""
+    if v is None or v is False:
+        return False
+    if field in ("tools", "functions"):
+        return v != []
+    if field in ("tool_choice", "function_call"):
+        return v not in ("none", {"type": "none"})
+    if field == "top_logprobs":
+        return v != 0
+    if field == "response_format":
+        return not (isinstance(v, dict) and v.get("type") == "text")
+    return True
+
+
+def _stops(v: Any) -> Any:
+    if v is None:
+        return v
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise ValueError("must be a string or an array of strings")
+    if len(items) > MAX_STOPS:
+        raise ValueError(f"at most {MAX_STOPS} stop sequences")
+    for s in items:
+        if not 0 < len(s) <= MAX_STOP_CHARS:
+            raise ValueError(f"each stop sequence must have 1 to {MAX_STOP_CHARS} characters")
+        _unicode(s)
+    return v
+
+
+Stops = Annotated[Any, AfterValidator(_stops)]
+Choices = Annotated[StrictInt, Field(ge=1, le=MAX_CHOICES)]
+
+
 class Message(_Lenient):
     role: Text = ""
     content: Content = None
@@ -159,6 +202,22 @@ class ApiRequest(_Lenient):
         """The fields that ask for output tokens, as sent (bounded by the model's context)."""
         return {f: v for f in ("max_tokens", "max_completion_tokens") if isinstance(v := getattr(self, f, None), int)}
 
+    def unsupported(self) -> str | None:
+        """The first field the token path does not implement that this request asks for."""
+        extra = self.model_extra or {}
+        for f in UNSUPPORTED:
+            if _asks(f, getattr(self, f) if f in type(self).model_fields else extra.get(f)):
+                return f
+        return None
+
+    def stops(self) -> list[str]:
+        """The stop sequences (the text ends before the first one met)."""
+        v = getattr(self, "stop", None)
+        return [v] if isinstance(v, str) else list(v or [])
+
+    def choices(self) -> int:
+        return int(getattr(self, "n", None) or 1)
+
 
 class ChatRequest(ApiRequest):
     messages: list[Message] = Field(min_length=1)
@@ -166,6 +225,8 @@ class ChatRequest(ApiRequest):
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     stream_options: dict | None = None
     seed: Seed | None = None
+    stop: Stops = None
+    n: Choices | None = None
 
     def text(self) -> str:
         return "\n".join(f"{m.role}: {_text(m.content)}" for m in self.messages)
@@ -179,6 +240,8 @@ class CompletionRequest(ApiRequest):
     max_tokens: StrictInt | None = Field(default=None, ge=1)
     stream_options: dict | None = None
     seed: Seed | None = None
+    stop: Stops = None
+    n: Choices | None = None
 
     PROMPT_PARAM: ClassVar[str] = "prompt"
 
@@ -198,6 +261,10 @@ class MessagesRequest(ApiRequest):
     max_tokens: StrictInt = Field(ge=1)
     system: Content = None
     temperature: Annotated[StrictFloat, Field(ge=0, le=1, allow_inf_nan=False)] | None = None   # Anthropic's range
+    stop_sequences: Stops = None
+
+    def stops(self) -> list[str]:
+        return list(self.stop_sequences or [])
 
     def text(self) -> str:
         head = [f"system: {_text(self.system)}"] if self.system else []
@@ -309,32 +376,36 @@ def usage(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def chat_reply(rid: str, model: str, text: str, prompt: int, completion: int, finish: str) -> dict:
+def chat_reply(rid: str, model: str, texts: list[tuple[str, str]], prompt: int, completion: int) -> dict:
+    """`texts`: (text, finish_reason) per choice."""
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                         "finish_reason": finish}],
+            "choices": [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                         "finish_reason": finish} for i, (text, finish) in enumerate(texts)],
             "usage": usage(prompt, completion)}
 
 
 def chat_chunk(rid: str, model: str, delta: dict, finish: str | None = None, usage_: dict | None = None,
-               choices: bool = True) -> dict:
+               choices: bool = True, index: int = 0) -> dict:
     out = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-           "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}] if choices else []}
+           "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}] if choices
+           else []}
     if usage_ is not None:
         out["usage"] = usage_
     return out
 
 
-def completion_reply(rid: str, model: str, text: str, prompt: int, completion: int, finish: str) -> dict:
+def completion_reply(rid: str, model: str, texts: list[tuple[str, str]], prompt: int, completion: int) -> dict:
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+            "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": finish}
+                        for i, (text, finish) in enumerate(texts)],
             "usage": usage(prompt, completion)}
 
 
 def completion_chunk(rid: str, model: str, text: str, finish: str | None = None, usage_: dict | None = None,
-                     choices: bool = True) -> dict:
+                     choices: bool = True, index: int = 0) -> dict:
     out = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-           "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}] if choices else []}
+           "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish}] if choices
+           else []}
     if usage_ is not None:
         out["usage"] = usage_
     return out
@@ -345,10 +416,16 @@ def models_reply(*models: str) -> dict:
                                        for m in models]}
 
 
-def message_reply(rid: str, model: str, text: str, prompt: int, completion: int, stop: str) -> dict:
+def message_reply(rid: str, model: str, text: str, prompt: int, completion: int, stop: str,
+                  stop_sequence: str | None = None) -> dict:
     return {"id": rid, "type": "message", "role": "assistant", "model": model,
-            "content": [{"type": "text", "text": text}], "stop_reason": stop, "stop_sequence": None,
+            "content": [{"type": "text", "text": text}], "stop_reason": stop, "stop_sequence": stop_sequence,
             "usage": {"input_tokens": prompt, "output_tokens": completion}}
+
+
+def anthropic_stop(finish: str, stop: str | None) -> str:
+    """An OpenAI finish_reason (and the stop sequence met) as Anthropic's stop_reason."""
+    return "stop_sequence" if stop is not None else "max_tokens" if finish == "length" else "end_turn"
 
 
 def sse(data: dict | str, event: str | None = None) -> bytes:
