@@ -9,7 +9,10 @@ import json
 import pytest
 
 from pd_contract import tokens
-from tests.unit.test_gateway_hardening import CHAT, COMPLETIONS, MESSAGES, REPLY, serve, with_  # noqa: F401
+from tests.unit import test_gateway_hardening
+from tests.unit.test_gateway_hardening import CHAT, COMPLETIONS, MESSAGES, REPLY, with_
+
+serve = test_gateway_hardening.serve   # the fixture: a gateway on a loopback port in front of FakeAgents
 
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 
