@@ -55,13 +55,20 @@ test: venv k8s-bins lint-workflows images ## every test: unit, integration on th
 test-unit: venv ## unit tests only (seconds; no control plane)
 	$(PY) -m pytest tests/unit -q -p no:cacheprovider
 
-VLLM_VENV ?= /tmp/vllm-venv
-test-vllm: ## pd_engine's vLLM connector tests against vLLM's own KVConnectorBase_V1 (vllm installed in $(VLLM_VENV))
-	@test -x $(VLLM_VENV)/bin/python || { echo "no $(VLLM_VENV): python3 -m venv $(VLLM_VENV) && $(VLLM_VENV)/bin/pip install vllm pytest pytest-asyncio pytest-timeout"; exit 2; }
-	PYTHONPATH=$(CURDIR):$(CURDIR)/operator:$(CURDIR)/sim-agent:$(CURDIR)/contract:$(CURDIR)/engines \
-		$(VLLM_VENV)/bin/python -c "import pd_engine.vllm_connector as v; assert v.VLLM, 'vllm did not import'"
-	PYTHONPATH=$(CURDIR):$(CURDIR)/operator:$(CURDIR)/sim-agent:$(CURDIR)/contract:$(CURDIR)/engines \
-		$(VLLM_VENV)/bin/python -m pytest tests/unit/test_vllm_connector.py -q -p no:cacheprovider -W ignore
+# the oldest and the newest vLLM releases vllm-ascend pairs with (docs/engines.md), each in a venv of its own
+VLLM_VERSIONS ?= 0.9.1 0.23.0
+VLLM_VENVS ?= $(HOME)/.cache/pd-operator/vllm
+test-vllm: venv ## pd_engine against real vLLM releases (VLLM_VERSIONS, each in its own venv from PyPI, about 5 GB each): the engine wheel installs beside them, the connector on vLLM's KVConnectorBase_V1, the protocol fields against vLLM's
+	$(PY) hack/engine-wheel/build.py --out dist
+	@set -e; for v in $(VLLM_VERSIONS); do \
+	  hack/vllm/venv.sh $$v $(VLLM_VENVS)/$$v dist/pd_engine-*.whl; \
+	  py=$(VLLM_VENVS)/$$v/bin/python; \
+	  (cd / && $$py -c "import pd_engine, pd_engine.vllm_connector as v; assert v.VLLM, 'vllm did not import'; \
+	    assert 'site-packages' in pd_engine.__file__; print('[test-vllm] connector on vLLM', v.KVConnectorBase_V1.__module__)" \
+	    && $$py $(CURDIR)/hack/vllm/check_protocol.py); \
+	  PYTHONPATH=$(CURDIR) $$py -m pytest tests/unit/test_vllm_connector.py tests/unit/test_vllm_standin.py -q \
+	    -p no:cacheprovider -W ignore; \
+	done
 
 test-integration: venv k8s-bins ## integration tests only
 	$(PY) -m pytest tests/integration -v

@@ -113,7 +113,7 @@ class Fleet:
                 return r.status_code == 200     # the body is not read: whatever it holds
         try:
             return await asyncio.wait_for(ask(), 2 * STATUS_TIMEOUT_S)
-        except (httpx.HTTPError, TimeoutError):
+        except (httpx.HTTPError, asyncio.TimeoutError):   # asyncio.TimeoutError: not TimeoutError before 3.11
             return False
 
     def _report(self, pod: str, why: str | None) -> None:
@@ -151,7 +151,7 @@ class Fleet:
                 # a whole deadline too (httpx's is per read): a pod dripping its answer must not
                 # hold up the refresh
                 st = await asyncio.wait_for(self.status(url), 2 * STATUS_TIMEOUT_S)
-            except (httpx.HTTPError, TimeoutError):
+            except (httpx.HTTPError, asyncio.TimeoutError):   # asyncio.TimeoutError: not TimeoutError before 3.11
                 return None   # not answering (starting, gone, too slow): not a report
             except BadReport as e:
                 self._report(p["name"], str(e))

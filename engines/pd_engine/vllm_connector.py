@@ -160,7 +160,9 @@ class PDOperatorConnector(KVConnectorBase_V1):
         (default vLLM's), where the rank's agent API listens."""
         super().__init__(*base_init_args(KVConnectorBase_V1, vllm_config, role, kv_cache_config))
         self.env = dict(os.environ if env is None else env)
-        extra = getattr(self._kv_transfer_config, "kv_connector_extra_config", None) or {}
+        # vLLM's base keeps kv_transfer_config from 0.11 on; 0.9's keeps only vllm_config
+        kv_cfg = getattr(self, "_kv_transfer_config", None) or getattr(vllm_config, "kv_transfer_config", None)
+        extra = getattr(kv_cfg, "kv_connector_extra_config", None) or {}
         self.tp = int(self.env.get(PD_TENSOR_PARALLEL) or extra.get("tensor_parallel") or 1)
         self._agent, self._llm, self._tp_rank, self._api_host = agent, llm, tp_rank, api_host
         # scheduler side

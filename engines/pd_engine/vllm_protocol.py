@@ -2,8 +2,8 @@
 request fields of `vllm.entrypoints.openai.protocol.ChatCompletionRequest` and `CompletionRequest`
 with vLLM's names, types and defaults (extra fields allowed and kept, as vLLM does), its validators
 that answer 400, and the replies' shapes (`kv_transfer_params` at the top level of a reply, the
-usage chunk of a stream). tests/unit/test_vllm_protocol.py checks the fields against the installed
-vllm package's classes where vllm imports (make test-vllm)."""
+usage chunk of a stream). `make test-vllm` checks the fields and their defaults against the classes of
+the vLLM releases it installs (hack/vllm/check_protocol.py)."""
 from __future__ import annotations
 
 import time
@@ -57,7 +57,7 @@ class ChatCompletionRequest(_Request):
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = "none"
-    parallel_tool_calls: bool | None = False
+    parallel_tool_calls: bool | None = True
 
     @model_validator(mode="after")
     def _checks(self) -> ChatCompletionRequest:
