@@ -893,7 +893,13 @@ def main(argv: list[str] | None = None) -> None:
             ns = "default"
 
     async def run() -> int:
-        kube = Kube()
+        from kubernetes.config import ConfigException
+        try:
+            kube = Kube()
+        except ConfigException as e:
+            print(f"kubectl pdd: no cluster to talk to ({e}): set KUBECONFIG to a kubeconfig, or run it in a pod "
+                  f"with a service account", file=sys.stderr)
+            return 1
         try:
             if args.command == "verify":
                 return await verify(kube, ns, args.name, VerifyOptions(
@@ -915,3 +921,7 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             await kube.close()
     sys.exit(asyncio.run(run()))
+
+
+if __name__ == "__main__":
+    main()

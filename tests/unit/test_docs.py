@@ -281,3 +281,22 @@ def test_generated_reference_is_up_to_date(path):
     text = rendered()[Path(path)]
     assert (REPO / path).is_file(), f"{path} is missing; run `make docs`"
     assert (REPO / path).read_text() == text, f"{path} is stale; run `make docs`"
+
+
+def test_the_chart_readme_links_work_under_helm_show_readme():
+    """`helm show readme` prints the chart's README with no repository around it: every link is
+    absolute, and those to the project's files name files that exist."""
+    base = "https://github.com/pd-operator/pd-operator/blob/main/"
+    readme = REPO / "charts" / "pd-operator" / "README.md"
+    prose, _ = split(readme.read_text())
+    bad = []
+    for line in prose:
+        for m in LINK.finditer(INLINE.sub("", line)):
+            target = m.group(1)
+            if target.startswith("#"):
+                continue
+            if not re.match(r"^https?://", target):
+                bad.append(f"{target}: relative, so it leads nowhere under helm show readme")
+            elif target.startswith(base) and not (REPO / target[len(base):].partition("#")[0]).exists():
+                bad.append(f"{target}: no such file in the repository")
+    assert not bad, "\n".join(bad)

@@ -127,9 +127,19 @@ def test_every_metric_the_alerts_query_is_exported(helm):
     rules = alert_rules(render(helm, *ALL_ON))
     assert {r["alert"] for r in rules} == {"PDSwitchStuck", "PDLinksDown", "PDLinkOperationsFailing",
                                            "PDKVPathVerifyFailing", "PDDeploymentDegraded",
-                                           "PDGatewayHighErrorRate", "PDOperatorNoLeader"}
+                                           "PDGatewayHighErrorRate", "PDOperatorNoLeader", "PDOperatorNotScraped"}
     bad = [b for r in rules for b in check(f"alert {r['alert']}", r["expr"], names)]
     assert not bad, "\n".join(bad)
+
+
+def test_the_runbook_base_url_is_absolute_by_default(helm):
+    """Alert receivers open runbook_url as a link: a path relative to nothing opens nothing."""
+    rules = alert_rules(render(helm, *ALL_ON))
+    assert all(r["annotations"]["runbook_url"].startswith("https://") for r in rules)
+    r = subprocess.run([helm, "template", "pd", str(CHART), "--kube-version", "1.30.0", *ALL_ON,
+                        "--set", "monitoring.runbookBaseURL=docs/operations/monitoring.md"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "runbookBaseURL" in r.stderr
 
 
 def test_every_alert_says_what_happened_and_links_its_runbook(helm):
