@@ -1,7 +1,7 @@
 """`make bench-gateway`: what pd-gateway adds to a request, and how many it can route.
 
-One prefill and one decoder agent (real processes, the simulator's timing scaled to near
-zero so the engines cost almost nothing), linked. Then:
+The token path: one prefill and one decoder agent (real processes, the simulator's timing
+scaled to near zero so the engines cost almost nothing), linked. Then:
 
 1. latency: the same small request (a prefill, then a streamed 4-token decode) sent one at
    a time straight to the agents and through the gateway (a streamed chat completion);
@@ -9,7 +9,12 @@ zero so the engines cost almost nothing), linked. Then:
 2. throughput: the gateway pinned to CPU 0, the agents and this client on CPU 1, a closed
    loop of concurrent streamed requests for a fixed time; requests/s and the gateway's CPU.
 
-    python bench/bench_gateway.py [--requests 300] [--concurrency 32] [--seconds 10]"""
+The vLLM path (`--paths vllm`): one prefill and one decoder vLLM stand-in
+(pd_engine.vllm_standin, a small reference model) each beside its pod's agent, linked; the same
+chat completion sent with vLLM's P-D protocol straight to the engines (the prefill, then the
+decoder with its kv_transfer_params) and through the gateway, which does the same.
+
+    python bench/bench_gateway.py [--paths token,vllm] [--requests 300] [--concurrency 32] [--seconds 10]"""
 from __future__ import annotations
 
 import argparse
@@ -66,6 +71,130 @@ async def gateway_once(http: httpx.AsyncClient, url: str) -> None:
     raise RuntimeError("the gateway stream ended early")
 
 
+def vllm_body(stream: bool) -> dict:
+    return {"model": MODEL, "max_tokens": OUTPUT_TOKENS, "temperature": 0, "stream": stream,
+            "messages": [{"role": "user", "content": "x" * 60}]}
+
+
+async def vllm_direct_once(http: httpx.AsyncClient, p: str, d: str) -> None:
+    """vLLM's P-D protocol by hand: what a P-D router does, without the gateway."""
+    pre = {**vllm_body(False), "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    r = await http.post(f"{p}/v1/chat/completions", json=pre)
+    r.raise_for_status()
+    body = {**vllm_body(True), "kv_transfer_params": r.json()["kv_transfer_params"]}
+    async with http.stream("POST", f"{d}/v1/chat/completions", json=body) as s:
+        async for line in s.aiter_lines():
+            if line == "data: [DONE]":
+                return
+    raise RuntimeError("the decoder's stream ended early")
+
+
+class VllmPod:
+    """A pod's agent (PD_RANKS_EXTERNAL: it waits for the engine's worker) and a vLLM stand-in
+    beside it, on one loopback IP, as the local cluster runs a pod with spec.engine."""
+    PORT = 8001
+
+    def __init__(self, role: str, cluster_id: int, logs: Path):
+        self.ip, self.role, self.cluster_id = next_ip(), role, cluster_id
+        self.url, self.engine_url = f"http://{self.ip}:8080", f"http://{self.ip}:{self.PORT}"
+        desc = {"num_tensors": 4, "shape": [256, 16, 4, 16], "data_type": "DT_FLOAT16",
+                "paged": {"num_blocks": 256, "block_size": 16}}
+        e = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
+        e.update({"PD_LOCAL_POD_IP": self.ip, "POD_NAME": f"{role}-{cluster_id}", "LLM_DATADIST_ROLE": role,
+                  "LLM_DATADIST_CLUSTER_ID": str(cluster_id), "LLM_DATADIST_IP": self.ip,
+                  "LLM_DATADIST_PORT": "26000", "PD_AGENT_TOKEN": TOKEN, "PD_TENSOR_PARALLEL": "1",
+                  "LLM_DATADIST_CACHE_DESC": json.dumps(desc), "PD_BACKEND": "sim", "OPENBLAS_NUM_THREADS": "1"})
+        self.agent = subprocess.Popen([sys.executable, "-m", "pd_agent"], env={**e, "PD_RANKS_EXTERNAL": "1"},
+                                      stdout=open(logs / f"bench-gateway-{role}-agent.log", "wb"),
+                                      stderr=subprocess.STDOUT)
+        profile = {"attention": "GQA", "numLayers": 2, "numKvHeads": 4, "headDim": 16, "maxSeqLen": 512,
+                   "dtype": "float16", "seed": 1}
+        cfg = {"kv_connector": "PDOperatorConnector", "kv_connector_module_path": "pd_engine.vllm_connector",
+               "kv_role": "kv_both"}
+        self.engine = subprocess.Popen(
+            [sys.executable, "-m", "pd_engine.vllm_standin", "--port", str(self.PORT), "--kv-transfer-config",
+             json.dumps(cfg), "--reference-model", json.dumps(profile)],
+            env={**e, "PD_AGENT_URL": self.url}, stdout=open(logs / f"bench-gateway-{role}-engine.log", "wb"),
+            stderr=subprocess.STDOUT)
+
+    def peer(self) -> dict:
+        return {"name": f"{self.role}-{self.cluster_id}", "cluster_id": self.cluster_id, "ip": self.ip,
+                "port": 26000, "agent_url": self.url}
+
+    def stop(self) -> None:
+        for proc in (self.engine, self.agent):
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+async def ready(http: httpx.AsyncClient, url: str, what: str, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if (await http.get(url)).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        await asyncio.sleep(0.1)
+    raise RuntimeError(f"{what} did not answer {url} within {timeout:.0f} s")
+
+
+def start_gateway(agents: str, logs: Path, **extra: str) -> tuple[subprocess.Popen, str]:
+    ip = next_ip()
+    e = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
+    e.update(PD_GATEWAY_AGENTS=agents, PD_GATEWAY_API_KEYS=json.dumps({"bench": KEY}), PD_MODEL_NAME=MODEL,
+             PD_AGENT_DATA_TOKEN=TOKEN, PD_LOCAL_POD_IP=ip, **extra)
+    gw = subprocess.Popen([sys.executable, "-m", "pd_gateway"], env=e, stdout=subprocess.DEVNULL,
+                          stderr=open(logs / "bench-gateway.log", "ab"))
+    os.sched_setaffinity(gw.pid, {0})
+    return gw, f"http://{ip}:8000"
+
+
+async def vllm_path(args) -> dict:
+    logs = Path(os.environ.get("TMPDIR", "/tmp"))
+    p, d = VllmPod("prompt", 0, logs), VllmPod("decoder", 1000, logs)
+    gw = None
+    try:
+        async with httpx.AsyncClient(trust_env=False, timeout=60, limits=httpx.Limits(max_connections=512)) as http:
+            for pod in (p, d):
+                await ready(http, f"{pod.url}/healthz", f"{pod.role}'s agent (its engine's worker registered)")
+                await ready(http, f"{pod.engine_url}/health", f"{pod.role}'s engine")
+            r = await http.post(f"{d.url}/v1/link", json={"peers": [p.peer()]},
+                                headers={"Authorization": f"Bearer {TOKEN}"})
+            assert r.json()["ret"] == "LLM_SUCCESS", r.text
+            for pod in (p, d):
+                for proc in (pod.agent, pod.engine):
+                    os.sched_setaffinity(proc.pid, {1})
+            gw, url = start_gateway(f"{p.url},{d.url}", logs, PD_GATEWAY_ENGINE_PORT=str(VllmPod.PORT))
+            for _ in range(300):
+                try:
+                    if (await http.get(f"{url}/healthz")).json().get("decoders"):
+                        break
+                except httpx.HTTPError:
+                    pass
+                await asyncio.sleep(0.1)
+            for _ in range(20):
+                await vllm_direct_once(http, p.engine_url, d.engine_url)
+                await gateway_once(http, url)
+            direct = await latency(lambda: vllm_direct_once(http, p.engine_url, d.engine_url), args.requests)
+            via = await latency(lambda: gateway_once(http, url), args.requests)
+            c0, t0 = cpu_seconds(gw.pid), time.monotonic()
+            done, failed = await closed_loop(lambda: gateway_once(http, url), args.concurrency, args.seconds)
+            span = time.monotonic() - t0
+            cpu = (cpu_seconds(gw.pid) - c0) / span * 100
+    finally:
+        if gw is not None:
+            gw.terminate()
+            gw.wait(10)
+        p.stop()
+        d.stop()
+    return {"direct": direct, "via": via, "done": done, "failed": failed, "span": span, "cpu": cpu,
+            "direct_name": "straight to the engines"}
+
+
 async def latency(fn, n: int) -> list[float]:
     out = []
     for _ in range(n):
@@ -95,7 +224,7 @@ async def closed_loop(fn, concurrency: int, seconds: float) -> tuple[int, int]:
     return done, failed
 
 
-async def main_async(args) -> None:
+async def token_path(args) -> dict:
     env = {"PD_SIM_TIME_SCALE": "0.001"}
     logs = Path(os.environ.get("TMPDIR", "/tmp"))
     p = AgentProc("prompt", 0, env=env, log=open(logs / "bench-gateway-prompt.log", "wb"))
@@ -105,15 +234,7 @@ async def main_async(args) -> None:
         assert d.post("/v1/link", {"peers": [p.peer()]}).json()["ret"] == "LLM_SUCCESS"
         for a in (p, d):
             os.sched_setaffinity(a.proc.pid, {1})
-        os.sched_setaffinity(0, {1})
-        ip = next_ip()
-        url = f"http://{ip}:8000"
-        e = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
-        e.update(PD_GATEWAY_AGENTS=f"{p.url},{d.url}", PD_GATEWAY_API_KEYS=json.dumps({"bench": KEY}),
-                 PD_MODEL_NAME=MODEL, PD_AGENT_DATA_TOKEN=TOKEN, PD_LOCAL_POD_IP=ip)
-        gw = subprocess.Popen([sys.executable, "-m", "pd_gateway"], env=e, stdout=subprocess.DEVNULL,
-                              stderr=open(Path(os.environ.get("TMPDIR", "/tmp")) / "bench-gateway.log", "wb"))
-        os.sched_setaffinity(gw.pid, {0})
+        gw, url = start_gateway(f"{p.url},{d.url}", logs)
         async with httpx.AsyncClient(trust_env=False, timeout=30,
                                      limits=httpx.Limits(max_connections=512)) as http:
             for _ in range(100):
@@ -139,20 +260,37 @@ async def main_async(args) -> None:
             gw.wait(10)
         p.stop()
         d.stop()
-    print(f"per request ({OUTPUT_TOKENS}-token streamed completion, {args.requests} sequential requests each):")
-    for name, xs in (("direct to the agents", direct), ("through the gateway", via)):
-        print(f"  {name:22s} p50 {pct(xs, 0.5):6.2f} ms  p99 {pct(xs, 0.99):6.2f} ms  "
+    return {"direct": direct, "via": via, "done": done, "failed": failed, "span": span, "cpu": cpu,
+            "direct_name": "straight to the agents"}
+
+
+def report(name: str, r: dict, args) -> None:
+    direct, via = r["direct"], r["via"]
+    print(f"{name}: per request ({OUTPUT_TOKENS}-token streamed completion, {args.requests} sequential requests each):")
+    for what, xs in ((r["direct_name"], direct), ("through the gateway", via)):
+        print(f"  {what:24s} p50 {pct(xs, 0.5):6.2f} ms  p99 {pct(xs, 0.99):6.2f} ms  "
               f"mean {statistics.mean(xs):6.2f} ms")
-    print(f"  added by the gateway   p50 {pct(via, 0.5) - pct(direct, 0.5):6.2f} ms  "
+    print(f"  added by the gateway     p50 {pct(via, 0.5) - pct(direct, 0.5):6.2f} ms  "
           f"p99 {pct(via, 0.99) - pct(direct, 0.99):6.2f} ms")
-    print(f"throughput: {done / span:.1f} requests/s through the gateway pinned to one core "
-          f"({args.concurrency} concurrent, {span:.0f} s, {failed} failed), gateway CPU {cpu:.0f}%")
-    for err, n in ERRORS.items():
-        print(f"  failed {n}x: {err}")
+    print(f"  throughput: {r['done'] / r['span']:.1f} requests/s through the gateway pinned to one core "
+          f"({args.concurrency} concurrent, {r['span']:.0f} s, {r['failed']} failed), gateway CPU {r['cpu']:.0f}%")
+
+
+async def main_async(args) -> None:
+    os.sched_setaffinity(0, {1})
+    paths = {"token": ("the token path (agents)", token_path), "vllm": ("the vLLM path (vLLM's P-D protocol)",
+                                                                       vllm_path)}
+    for key in args.paths.split(","):
+        name, run = paths[key]
+        ERRORS.clear()
+        report(name, await run(args), args)
+        for err, n in ERRORS.items():
+            print(f"  failed {n}x: {err}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--paths", default="token,vllm", help="token, vllm or both (comma-separated)")
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--seconds", type=float, default=10)
