@@ -13,6 +13,10 @@ PD_GATEWAY_RPM = "PD_GATEWAY_RPM"                        # JSON {key name: reque
 # the engines' own OpenAI port (spec.engine.port with adapter vLLM): requests go there with vLLM's P-D
 # protocol, not to the agents (a PDGateway's route carries it as `enginePort`)
 PD_GATEWAY_ENGINE_PORT = "PD_GATEWAY_ENGINE_PORT"
+# the model's own tokenizer (spec.model.tokenizer): tokenizer.json's path, and the chat template
+# (a PDGateway's route carries them as `tokenizer` and `chatTemplate`)
+PD_GATEWAY_TOKENIZER = "PD_GATEWAY_TOKENIZER"
+PD_GATEWAY_CHAT_TEMPLATE = "PD_GATEWAY_CHAT_TEMPLATE"
 # either gateway
 PD_GATEWAY_KEYS_SECRET = "PD_GATEWAY_KEYS_SECRET"        # the Secret of the API keys
 # a PDGateway

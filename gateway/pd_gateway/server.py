@@ -34,18 +34,27 @@ from typing import Any, Callable, Coroutine
 import httpx
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from jinja2.exceptions import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from pd_contract import tokens
-from pd_contract.engine_env import PD_AGENT_DATA_TOKEN, PD_LOCAL_POD_IP, PD_MODEL_NAME, POD_NAMESPACE
+from pd_contract.engine_env import (
+    PD_AGENT_DATA_TOKEN,
+    PD_LOCAL_POD_IP,
+    PD_LOCAL_ROOT,
+    PD_MODEL_NAME,
+    POD_NAMESPACE,
+)
 from pd_contract.gateway_env import (
+    PD_GATEWAY_CHAT_TEMPLATE,
     PD_GATEWAY_DEPLOYMENT,
     PD_GATEWAY_ENGINE_PORT,
     PD_GATEWAY_KEY_POLICY,
     PD_GATEWAY_KEYS_SECRET,
     PD_GATEWAY_ROUTES,
     PD_GATEWAY_RPM,
+    PD_GATEWAY_TOKENIZER,
     PD_GATEWAY_USAGE_CONFIGMAP,
     PD_MODEL_ALIASES,
 )
@@ -66,6 +75,8 @@ from . import policy, vllm_route, wire
 from .keys import MIN_KEY_LENGTH, REFRESH_S, Keys, RateLimits, from_env, from_secret
 from .metrics import GatewayMetrics
 from .stops import StopScanner
+from .tokenizer import Cl100k, HuggingFace, ModelTokenizer
+from .tokenizer import load as load_tokenizer
 from .usage import DAY, MAX_NAME, SYNC_S, ConfigMapStore, Usage
 
 log = logging.getLogger("pd_gateway")
@@ -135,6 +146,9 @@ class Config:
     usage_configmap: str | None = None
     # the engines serve vLLM's OpenAI API on this port (spec.engine.adapter vLLM): vLLM's P-D protocol
     engine_port: int | None = None
+    # the model's own tokenizer.json and chat template (spec.model.tokenizer); default cl100k
+    tokenizer: str | None = None
+    chat_template: str | None = None
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "Config":
@@ -162,16 +176,20 @@ class Config:
                    routes=json.loads(env[PD_GATEWAY_ROUTES]) if env.get(PD_GATEWAY_ROUTES) else None,
                    key_policy=policy.parse(env.get(PD_GATEWAY_KEY_POLICY)),
                    usage_configmap=env.get(PD_GATEWAY_USAGE_CONFIGMAP) or None,
-                   engine_port=_positive(env, PD_GATEWAY_ENGINE_PORT, None))
+                   engine_port=_positive(env, PD_GATEWAY_ENGINE_PORT, None),
+                   tokenizer=env.get(PD_GATEWAY_TOKENIZER) or None,
+                   chat_template=env.get(PD_GATEWAY_CHAT_TEMPLATE) or None)
 
 
 @dataclass
 class Route:
-    """One model the gateway serves: the deployment whose P-D pairs serve it."""
+    """One model the gateway serves: the deployment whose P-D pairs serve it, and the model's
+    tokenizer (for the token path)."""
     model: str
     fleet: Fleet
     deployment: str | None = None
     aliases: tuple[str, ...] = ()
+    tokenizer: ModelTokenizer = field(default_factory=Cl100k)
 
 
 @dataclass
@@ -555,13 +573,20 @@ class Gateway:
         model = route.model
         stream, include_usage = bool(body.stream), body.include_usage()
         t0 = time.monotonic()
-        prompt = body.text()
+        tok = route.tokenizer
+        try:
+            prompt = await asyncio.to_thread(tok.prompt, body) if isinstance(tok, HuggingFace) else tok.prompt(body)
+        except TemplateError as e:   # the chat template refused the messages (raise_exception)
+            self.m.requests.labels(key, api, "400").inc()
+            return self.error("anthropic" if api == "anthropic" else "openai", 400,
+                              f"the model's chat template refused the messages: {e}", "invalid_request_error",
+                              "invalid_value", param=body.PROMPT_PARAM)
         if len(prompt) > THREAD_TOKENIZE_CHARS:   # the tokenizer lets go of the GIL meanwhile
-            ids = await asyncio.to_thread(tokens.encode, prompt)
+            ids = await asyncio.to_thread(tok.encode, prompt)
         else:
-            ids = tokens.encode(prompt)
+            ids = tok.encode(prompt)
         if not ids:   # an empty prompt: the model starts from a document boundary
-            ids = [tokens.ENDOFTEXT]
+            ids = tok.boundary()
         prompt_tokens = len(ids)
         # before any engine work: the prompt and the output asked for must fit the context; when
         # the client named no number, the default output shrinks to what fits
@@ -640,7 +665,7 @@ class Gateway:
                         out_tokens: int, sampling: dict, attempt: Attempt, prompt: str) -> None:
         """One choice: prefill and decode through the fleet, its text decoded as its tokens come,
         cut at the first stop sequence (which ends its generation), streamed if the reply is."""
-        detok = tokens.Detokenizer()
+        detok = route.tokenizer.detokenizer()
         gen = generate(route.fleet, random.getrandbits(63), len(ids), out_tokens, attempt, token_ids=ids,
                        sampling=sampling)
         try:
@@ -896,18 +921,22 @@ async def serve(cfg: Config, host: str, port: int, metrics_port: int = GATEWAY_M
     http = httpx.AsyncClient(trust_env=False, timeout=httpx.Timeout(120, connect=2),
                              limits=httpx.Limits(max_connections=2048, max_keepalive_connections=256))
     routes = []
+    local_root = os.environ.get(PD_LOCAL_ROOT) or None
     if cfg.routes is not None:
         for r in cfg.routes:
             token = os.environ.get(r["tokenEnv"]) or None
             routes.append(Route(r["model"], Fleet(http, token, pod_finder(cfg.namespace, r["deployment"]),
                                                   engine_port=r.get("enginePort") or None),
-                                r["deployment"], tuple(r.get("aliases") or ())))
+                                r["deployment"], tuple(r.get("aliases") or ()),
+                                load_tokenizer(r.get("tokenizer"), r.get("chatTemplate"), local_root)))
     elif cfg.agents:
         fleet = Fleet(http, cfg.data_token, fixed_finder(cfg.agents), engine_port=cfg.engine_port)
-        routes.append(Route(cfg.model, fleet, None, cfg.aliases))
+        routes.append(Route(cfg.model, fleet, None, cfg.aliases,
+                            load_tokenizer(cfg.tokenizer, cfg.chat_template, local_root)))
     elif cfg.deployment:
         routes.append(Route(cfg.model, Fleet(http, cfg.data_token, pod_finder(cfg.namespace, cfg.deployment),
-                                             engine_port=cfg.engine_port), cfg.deployment, cfg.aliases))
+                                             engine_port=cfg.engine_port), cfg.deployment, cfg.aliases,
+                            load_tokenizer(cfg.tokenizer, cfg.chat_template, local_root)))
     else:
         raise SystemExit("pd_gateway: set PD_GATEWAY_DEPLOYMENT, PD_GATEWAY_ROUTES or PD_GATEWAY_AGENTS")
     keys = Keys(from_secret(cfg.namespace, cfg.keys_secret) if cfg.keys_secret else from_env(),

@@ -210,6 +210,11 @@ class ApiRequest(_Lenient):
                 return f
         return None
 
+    def chat_messages(self) -> list[dict] | None:
+        """A chat's messages as a chat template takes them ({role, content} with the text), None
+        for an API whose prompt is not a chat."""
+        return None
+
     def stops(self) -> list[str]:
         """The stop sequences (the text ends before the first one met)."""
         v = getattr(self, "stop", None)
@@ -230,6 +235,9 @@ class ChatRequest(ApiRequest):
 
     def text(self) -> str:
         return "\n".join(f"{m.role}: {_text(m.content)}" for m in self.messages)
+
+    def chat_messages(self) -> list[dict] | None:
+        return [{"role": m.role, "content": _text(m.content)} for m in self.messages]
 
     def asked_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -269,6 +277,10 @@ class MessagesRequest(ApiRequest):
     def text(self) -> str:
         head = [f"system: {_text(self.system)}"] if self.system else []
         return "\n".join(head + [f"{m.role}: {_text(m.content)}" for m in self.messages])
+
+    def chat_messages(self) -> list[dict] | None:
+        head = [{"role": "system", "content": _text(self.system)}] if self.system else []
+        return head + [{"role": m.role, "content": _text(m.content)} for m in self.messages]
 
     def asked_tokens(self) -> int | None:
         return self.max_tokens

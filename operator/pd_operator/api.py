@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 from pd_contract.names import PODINFO_DIR
@@ -67,12 +67,55 @@ class KvCache(Model):
     paged: Paged | None = None
 
 
+_NAME = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+
+
+class TokenizerConfigMap(Model):
+    name: str = Field(min_length=1, max_length=253, pattern=_NAME, description="a ConfigMap of this namespace")
+    key: str = Field(default="tokenizer.json", min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$",
+                     description="the key holding tokenizer.json (a ConfigMap holds at most 1 MiB)")
+
+
+class TokenizerClaim(Model):
+    claim_name: str = Field(min_length=1, max_length=253, pattern=_NAME,
+                            description="a PersistentVolumeClaim the gateway mounts read-only (ReadOnlyMany, or one "
+                                        "the engines also mount, such as the weights')")
+    path: str = Field(min_length=1, max_length=1024, pattern=r"^[^/].*$",
+                      description="tokenizer.json's path inside the volume")
+    model_config = ConfigDict(json_schema_extra=rules(
+        ("!self.path.split('/').exists(p, p == '..')", "spec.model.tokenizer.persistentVolumeClaim.path must stay "
+         "inside the volume (no ..)", ".path")))
+
+
+class Tokenizer(Model):
+    """The model's own tokenizer, for the gateway's token path: a Hugging Face `tokenizers` file
+    (tokenizer.json) and, optionally, the chat template that lays out a chat's messages."""
+    model_config = ConfigDict(json_schema_extra=rules(
+        ("has(self.configMap) != has(self.persistentVolumeClaim)",
+         "spec.model.tokenizer needs exactly one of configMap and persistentVolumeClaim")))
+    config_map: TokenizerConfigMap | None = None
+    persistent_volume_claim: TokenizerClaim | None = None
+    chat_template: str | None = Field(
+        default=None, max_length=65536,
+        description="a Jinja2 chat template as in tokenizer_config.json's chat_template (rendered with messages and "
+                    "add_generation_prompt true, in a sandbox); without one, a line `role: content` per message")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "Tokenizer":
+        if (self.config_map is None) == (self.persistent_volume_claim is None):
+            raise ValueError("spec.model.tokenizer needs exactly one of configMap and persistentVolumeClaim")
+        return self
+
+
 class ModelSpec(Model):
     name: str = Field(min_length=1, max_length=253, description="served model id")
     aliases: list[Annotated[str, Field(min_length=1, max_length=253)]] | None = Field(
         default=None, max_length=16, description="other model ids a gateway routes to this deployment")
     model_id: int = Field(default=0, ge=0, le=(1 << 53) - 1, description="llm_datadist model_id in every CacheKey")
     kv_cache: KvCache
+    tokenizer: Tokenizer | None = Field(
+        default=None, description="the model's own tokenizer for pd-gateway's token path (default: cl100k, the "
+                                  "reference engine's); engines serving their own API (vLLM) tokenize for themselves")
 
 
 class Datadist(Model):

@@ -23,6 +23,7 @@ ConfigMap) and DNS, nothing else."""
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 
 from pd_contract import engine_env as ev
@@ -112,20 +113,50 @@ def gateway_objects(name: str, namespace: str, spec: PDDeploymentSpec, owner: di
     port = vllm_port(spec)
     if port:
         env.append({"name": gwenv.PD_GATEWAY_ENGINE_PORT, "value": str(port)})
+    tok = tokenizer_mount(name, spec)
+    if tok is not None:
+        env.append({"name": gwenv.PD_GATEWAY_TOKENIZER, "value": tok[2]["tokenizer"]})
+        if "chatTemplate" in tok[2]:
+            env.append({"name": gwenv.PD_GATEWAY_CHAT_TEMPLATE, "value": tok[2]["chatTemplate"]})
     config = config or OperatorConfig()
     meta = object_meta(n, namespace, owner, labels)
     resources = with_defaults(gw.resources.model_dump(exclude_none=True) if gw.resources else None,
                               config.gateway_resources)
     return workload(n, meta, rules, env, gateway_image(spec, image), gw.replicas if keys_allowed else 0,
                     {LABEL_GATEWAY: name}, pod_labels, resources, spec.image_pull_policy,
-                    config.gateway_pull_secrets) + \
+                    config.gateway_pull_secrets, [tok[:2]] if tok else []) + \
         [gateway_network_policy(meta, {LABEL_GATEWAY: name}, {"matchLabels": {LABEL_DEPLOYMENT: name}}, config,
                                 [port] if port else None)]
 
 
+TOKENIZERS_DIR = "/etc/pd-gateway/tokenizers"
+
+
+def tokenizer_mount(deployment: str, spec: PDDeploymentSpec) -> tuple[dict, dict, dict] | None:
+    """(volume, volumeMount, route settings) for a deployment's spec.model.tokenizer, mounted
+    read-only in the gateway at TOKENIZERS_DIR/<deployment>; None without one."""
+    t = spec.model.tokenizer
+    if t is None:
+        return None
+    vol = f"tok-{hashlib.sha256(deployment.encode()).hexdigest()[:12]}"
+    where = f"{TOKENIZERS_DIR}/{deployment}"
+    if t.config_map is not None:
+        volume = {"name": vol, "configMap": {"name": t.config_map.name,
+                                             "items": [{"key": t.config_map.key, "path": "tokenizer.json"}]}}
+        path = f"{where}/tokenizer.json"
+    else:
+        assert t.persistent_volume_claim is not None
+        volume = {"name": vol, "persistentVolumeClaim": {"claimName": t.persistent_volume_claim.claim_name,
+                                                         "readOnly": True}}
+        path = f"{where}/{t.persistent_volume_claim.path}"
+    route = {"tokenizer": path, **({"chatTemplate": t.chat_template} if t.chat_template else {})}
+    return volume, {"name": vol, "mountPath": where, "readOnly": True}, route
+
+
 def workload(n: str, meta: dict, rules: list[dict], env: list, image: str, replicas: int,
              select: dict[str, str], pod_labels: dict[str, str], resources: dict | None = None,
-             pull_policy: str | None = None, pull_secrets: tuple[str, ...] = ()) -> list[dict]:
+             pull_policy: str | None = None, pull_secrets: tuple[str, ...] = (),
+             volumes: list[tuple[dict, dict]] | None = None) -> list[dict]:
     """A gateway's objects, whichever kind it serves (a deployment's own, or a PDGateway's): its
     ServiceAccount with `rules`, the Deployment of hardened pods selected by `select`, the Service,
     the PodDisruptionBudget."""
@@ -148,11 +179,14 @@ def workload(n: str, meta: dict, rules: list[dict], env: list, image: str, repli
                       "livenessProbe": liveness_probe()})
     if resources:
         container["resources"] = resources
-    pod_spec = {"serviceAccountName": n, "containers": [container], "terminationGracePeriodSeconds": 30,
-                "enableServiceLinks": False, "automountServiceAccountToken": True}
+    pod_spec: dict = {"serviceAccountName": n, "containers": [container], "terminationGracePeriodSeconds": 30,
+                      "enableServiceLinks": False, "automountServiceAccountToken": True}
     if pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": n} for n in pull_secrets]
     harden(pod_spec, container)
+    for volume, mount in volumes or []:   # the models' tokenizers
+        pod_spec["volumes"].append(volume)
+        container["volumeMounts"].append(mount)
     deployment = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": m(),
                   "spec": {"replicas": replicas, "selector": {"matchLabels": select},
                            "template": {"metadata": {"labels": pod_labels, "annotations": dict(SCRAPE_ANNOTATIONS)},

@@ -22,7 +22,7 @@ from .api import GROUP, VERSION, parse_spec
 from .api_gateway import KIND, PDGatewaySpec, Selector
 from .conditions import set_condition
 from .config import OperatorConfig
-from .gateway import data_token_secret_name, gateway_network_policy, vllm_port, workload
+from .gateway import data_token_secret_name, gateway_network_policy, tokenizer_mount, vllm_port, workload
 from .resources import with_defaults
 
 
@@ -52,6 +52,7 @@ class Served:
     deployment: str
     aliases: list[str] = field(default_factory=list)
     engine_port: int | None = None            # vLLM engines: their OpenAI port (vLLM's P-D protocol)
+    tokenizer: tuple[dict, dict, dict] | None = None   # spec.model.tokenizer: volume, mount, route settings
 
 
 @dataclass
@@ -75,7 +76,7 @@ def routing(deployments: list[dict], selector: Selector | None, tokens: set[str]
     that serves; among several (or none) that serve, to the oldest claim: a deployment scaled to
     zero, or one made later, cannot take a served model offline."""
     claims: dict[str, list[dict]] = {}
-    picked: list[tuple[str, str, list[str], int | None]] = []
+    picked: list[tuple[str, str, list[str], int | None, tuple | None]] = []
     invalid: dict[str, str] = {}
     for d in sorted(deployments, key=lambda d: d["metadata"]["name"]):
         meta = d["metadata"]
@@ -89,7 +90,8 @@ def routing(deployments: list[dict], selector: Selector | None, tokens: set[str]
         names = [spec.model.name, *(spec.model.aliases or [])]
         for n in dict.fromkeys(names):
             claims.setdefault(n, []).append(d)
-        picked.append((meta["name"], spec.model.name, list(spec.model.aliases or []), vllm_port(spec)))
+        picked.append((meta["name"], spec.model.name, list(spec.model.aliases or []), vllm_port(spec),
+                       tokenizer_mount(meta["name"], spec)))
     owner: dict[str, str] = {}
     conflicts: dict[str, list[str]] = {}
     for n, ds in claims.items():
@@ -99,14 +101,14 @@ def routing(deployments: list[dict], selector: Selector | None, tokens: set[str]
         if len(ds) > 1:
             conflicts[n] = [owner[n], *(d["metadata"]["name"] for d in ds if d is not win)]
     served, waiting = [], []
-    for dep, model, aliases, port in picked:
+    for dep, model, aliases, port, tok in picked:
         names = [n for n in dict.fromkeys([model, *aliases]) if owner.get(n) == dep]
         if not names:
             continue
         if tokens is not None and dep not in tokens:
             waiting.append(dep)
             continue
-        served.append(Served(names[0], dep, names[1:], port))
+        served.append(Served(names[0], dep, names[1:], port, tok))
     return Routing(served, conflicts, invalid, waiting)
 
 
@@ -152,6 +154,8 @@ def objects(name: str, namespace: str, spec: PDGatewaySpec, owner: dict, r: Rout
         route: dict = {"model": s.model, "aliases": s.aliases, "deployment": s.deployment, "tokenEnv": token_env}
         if s.engine_port:
             route["enginePort"] = s.engine_port
+        if s.tokenizer:
+            route.update(s.tokenizer[2])
         routes.append(route)
         # optional: a deployment just selected may not have its token yet; its requests wait for it
         env.append({"name": token_env, "valueFrom": {"secretKeyRef": {
@@ -165,7 +169,8 @@ def objects(name: str, namespace: str, spec: PDGatewaySpec, owner: dict, r: Rout
     agents = {"matchExpressions": [{"key": LABEL_DEPLOYMENT, "operator": "In",
                                     "values": sorted({s.deployment for s in r.served})}]} if r.served else None
     return workload(name, meta, rules, env, image, spec.replicas if keys_allowed else 0, {LABEL_PDGATEWAY: name},
-                    pod_labels, resources, pull_secrets=config.gateway_pull_secrets) + \
+                    pod_labels, resources, pull_secrets=config.gateway_pull_secrets,
+                    volumes=[s.tokenizer[:2] for s in r.served if s.tokenizer]) + \
         [gateway_network_policy(meta, {LABEL_PDGATEWAY: name}, agents, config,
                                 sorted({s.engine_port for s in r.served if s.engine_port}))]
 

@@ -129,6 +129,12 @@ CASES = [
                 with_("spec.model.kvCache.paged", {"blockSize": 16, "numBlocks": 64})(d),
                 with_("spec.gateway", {"enabled": True, "apiKeysSecret": "k"})(d)),
      "spec.engine.port is required with spec.gateway.enabled and spec.engine.adapter vLLM"),
+    ("a tokenizer with two sources", with_("spec.model.tokenizer", {
+        "configMap": {"name": "a"}, "persistentVolumeClaim": {"claimName": "b", "path": "t.json"}}),
+     "spec.model.tokenizer needs exactly one of configMap and persistentVolumeClaim"),
+    ("a tokenizer path out of its volume", with_("spec.model.tokenizer", {
+        "persistentVolumeClaim": {"claimName": "b", "path": "models/../../etc/passwd"}}),
+     "must stay inside the volume"),
     ("a vLLM engine without a paged cache", with_("spec.engine", {"image": "e:1", "adapter": "vLLM"}),
      "spec.model.kvCache.paged is required with spec.engine.adapter vLLM"),
     ("the server's port on the agent's", with_("spec.engine", {"image": "e:1", "port": 8080}),

@@ -1,0 +1,117 @@
+"""How a route's prompts become token ids, and the engines' output ids text: the model's own
+tokenizer (spec.model.tokenizer: a Hugging Face `tokenizers` file, tokenizer.json, and optionally a
+Jinja2 chat template as tokenizer_config.json's `chat_template`), else cl100k (pd_contract.tokens,
+the reference engine's) with a line `role: content` per message."""
+from __future__ import annotations
+
+import os
+from typing import Any, Protocol
+
+from pd_contract import tokens
+
+from . import wire
+
+
+class Detokenizer(Protocol):
+    def push(self, token_id: int) -> str: ...
+
+    def flush(self) -> str: ...
+
+
+class ModelTokenizer(Protocol):
+    name: str
+
+    def prompt(self, body: wire.ApiRequest) -> str:
+        """The request's text as the model reads it (a chat laid out by the chat template)."""
+        ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def boundary(self) -> list[int]:
+        """What an empty prompt is: the document boundary the model starts from."""
+        ...
+
+    def detokenizer(self) -> Detokenizer: ...
+
+
+class Cl100k:
+    name = "cl100k_base"
+
+    def prompt(self, body: wire.ApiRequest) -> str:
+        return body.text()
+
+    def encode(self, text: str) -> list[int]:
+        return tokens.encode(text)
+
+    def boundary(self) -> list[int]:
+        return [tokens.ENDOFTEXT]
+
+    def detokenizer(self) -> Detokenizer:
+        return tokens.Detokenizer()
+
+
+class _Stream:
+    """Text as ids arrive, with tokenizers' DecodeStream: a character split across ids is sent once whole."""
+
+    def __init__(self, tok: Any):
+        from tokenizers.decoders import DecodeStream
+        self.tok, self.stream = tok, DecodeStream(skip_special_tokens=False)
+
+    def push(self, token_id: int) -> str:
+        try:
+            return self.stream.step(self.tok, int(token_id)) or ""
+        except Exception:  # noqa: BLE001 - an id outside the vocabulary: nothing to show for it
+            return ""
+
+    def flush(self) -> str:
+        return ""
+
+
+class HuggingFace:
+    """A tokenizer.json; with a chat template, a chat is rendered by it (in a sandbox: the template is
+    the deployment author's, the messages the client's) and its special tokens are the template's."""
+
+    def __init__(self, path: str, chat_template: str | None = None):
+        from tokenizers import Tokenizer
+        self.tok = Tokenizer.from_file(path)
+        self.name = path
+        self.template = None
+        if chat_template:
+            from jinja2.exceptions import TemplateError
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            def raise_exception(message: str) -> None:
+                raise TemplateError(message)
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = raise_exception
+            self.template = env.from_string(chat_template)
+
+    def prompt(self, body: wire.ApiRequest) -> str:
+        messages = body.chat_messages()
+        if self.template is None or messages is None:
+            return body.text()
+        return self.template.render(messages=messages, add_generation_prompt=True, bos_token="", eos_token="")
+
+    def encode(self, text: str) -> list[int]:
+        # a chat template writes the special tokens itself; a plain prompt gets the tokenizer's
+        return list(self.tok.encode(text, add_special_tokens=self.template is None).ids)
+
+    def boundary(self) -> list[int]:
+        return list(self.tok.encode("", add_special_tokens=True).ids) or [0]
+
+    def detokenizer(self) -> Detokenizer:
+        return _Stream(self.tok)
+
+
+def load(path: str | None, chat_template: str | None = None, root: str | None = None) -> ModelTokenizer:
+    """The route's tokenizer: the file's, else cl100k. A file that cannot be read stops the gateway
+    at start, naming it (a wrong tokenizer would count every request wrong). `root`: where mount
+    paths resolve when the process has no mount namespace of its own (PD_LOCAL_ROOT, the local
+    cluster's process runtime)."""
+    if not path:
+        return Cl100k()
+    where = os.path.join(root, path.lstrip("/")) if root else path
+    try:
+        return HuggingFace(where, chat_template)
+    except Exception as e:
+        raise SystemExit(f"pd_gateway: the tokenizer {path!r} (spec.model.tokenizer) cannot be loaded: {e}") from None

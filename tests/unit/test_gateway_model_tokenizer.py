@@ -1,0 +1,109 @@
+"""spec.model.tokenizer on the token path: the gateway tokenizes a route's prompts with the model's
+own tokenizer.json, lays a chat out with its chat template (in a sandbox), counts usage with it, and
+decodes the engine's ids with it; a template that refuses the messages is a 400."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from pd_gateway import tokenizer as gwtok
+from pd_gateway.server import Config, Gateway, Route
+from tests.unit import test_gateway_hardening
+from tests.unit.test_gateway_hardening import CHAT, KEY, MODEL, FakeAgents, Served
+
+TEMPLATE = ("{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools here') }}{% endif %}"
+            "<|{{ m.role }}|>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+TEXT = ["the cache moves from prefill to decode over a link", "tokens follow at the pace of each step",
+        "engines share the load and switch roles", "<|user|> <|assistant|> <|system|>"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_json(tmp_path_factory) -> Path:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(TEXT * 20, trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel
+                                                           .alphabet(), special_tokens=["<s>"]))
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+@pytest.fixture
+async def serve_with(tokenizer_json):
+    made = []
+
+    async def make(template: str | None) -> tuple[Served, gwtok.HuggingFace]:
+        agents = FakeAgents()
+        tok = gwtok.load(str(tokenizer_json), template)
+        assert isinstance(tok, gwtok.HuggingFace)
+        agents.reply_ids = tok.encode("engines share the load")
+        fleet = agents.fleet()
+        keys = test_gateway_hardening.Keys(lambda: {"team-a": KEY})
+        keys.refresh()
+        gw = Gateway(Config(model=MODEL, namespace="t", max_context_tokens=4000), keys,
+                     routes=[Route(MODEL, fleet, tokenizer=tok)])
+        await fleet.refresh()
+        runner = gw.runner()
+        await runner.setup()
+        from aiohttp import web
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        port = runner.addresses[0][1]
+        s = Served(gw, agents, f"http://127.0.0.1:{port}", port)
+        made.append((s, runner, fleet))
+        return s, tok
+    yield make
+    for s, runner, fleet in made:
+        await s.gw.stop()
+        await s.http.aclose()
+        await fleet.http.aclose()
+        await runner.cleanup()
+
+
+async def test_usage_and_the_prompt_are_the_models_tokenizers(serve_with):
+    s, tok = await serve_with(TEMPLATE)
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the cache moves"}]
+    r = await s.post(CHAT, {"model": MODEL, "messages": msgs, "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    rendered = "<|system|>be brief\n<|user|>the cache moves\n<|assistant|>"
+    want = tok.tok.encode(rendered, add_special_tokens=False).ids
+    assert s.agents.bodies["/v1/prefill"][0]["token_ids"] == want
+    reply = r.json()
+    assert reply["usage"]["prompt_tokens"] == len(want)
+    assert reply["choices"][0]["message"]["content"] == tok.tok.decode(tok.encode("engines share the load")[:4])
+
+
+async def test_without_a_template_a_chat_is_the_flat_layout_and_counted_by_the_file(serve_with):
+    s, tok = await serve_with(None)
+    r = await s.post(CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "a link"}], "max_tokens": 2})
+    want = tok.tok.encode("user: a link", add_special_tokens=True).ids
+    assert r.json()["usage"]["prompt_tokens"] == len(want)
+    assert s.agents.bodies["/v1/prefill"][0]["token_ids"] == want
+
+
+async def test_a_template_that_refuses_the_messages_is_a_400(serve_with):
+    s, _ = await serve_with(TEMPLATE)
+    r = await s.post(CHAT, {"model": MODEL, "messages": [{"role": "tool", "content": "x"}], "max_tokens": 2})
+    assert r.status_code == 400 and "no tools here" in r.json()["error"]["message"]
+    assert s.agents.engine_calls == 0
+
+
+async def test_the_template_runs_in_a_sandbox(tokenizer_json):
+    tok = gwtok.load(str(tokenizer_json), "{{ messages.__class__.__mro__[1].__subclasses__() }}")
+    from jinja2.exceptions import SecurityError
+
+    from pd_gateway import wire
+    body = wire.ChatRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}]})
+    with pytest.raises(SecurityError):
+        tok.prompt(body)
+
+
+def test_a_tokenizer_that_cannot_be_read_stops_the_gateway_naming_it(tmp_path):
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text(json.dumps({"not": "a tokenizer"}))
+    with pytest.raises(SystemExit, match="tokenizer.json"):
+        gwtok.load(str(bad))
+    assert isinstance(gwtok.load(None), gwtok.Cl100k)
