@@ -21,7 +21,7 @@ from pd_contract import routing, tokens
 from pd_contract.routing import Attempt, EngineError, Fleet, fixed_finder, generate
 from pd_gateway import wire
 from pd_gateway.keys import Keys
-from pd_gateway.server import Config, Gateway
+from pd_gateway.server import Config, Gateway, Route
 
 MODEL = "m-1"
 KEY = "sk-test-key-0123456789"
@@ -128,17 +128,19 @@ class Served:
 
 @pytest.fixture
 async def serve():
-    """serve(**config) -> a gateway on a loopback port (its metrics on another) in front of FakeAgents."""
+    """serve(**config) -> a gateway on a loopback port (its metrics on another) in front of FakeAgents
+    (`tokenizer`: the route's, default cl100k)."""
     made: list[tuple[Served, list[web.AppRunner]]] = []
 
-    async def make(agents: FakeAgents | None = None, keys: Keys | None = None, **cfg) -> Served:
+    async def make(agents: FakeAgents | None = None, keys: Keys | None = None, tokenizer=None, **cfg) -> Served:
         agents = agents or FakeAgents()
         fleet = agents.fleet()
         cfg = {"max_context_tokens": CONTEXT, "max_body_bytes": BODY_LIMIT, **cfg}
         keys = Keys(lambda: {"team-a": KEY, "team-b": OTHER}) if keys is None else keys
         keys.refresh()
         tokens.encoding()   # as the gateway's start does: built before the first request
-        gw = Gateway(Config(model=MODEL, namespace="t", **cfg), keys, fleet)
+        routes = [Route(MODEL, fleet, tokenizer=tokenizer)] if tokenizer is not None else None
+        gw = Gateway(Config(model=MODEL, namespace="t", **cfg), keys, fleet, routes=routes)
         await fleet.refresh()
         runner = gw.runner()
         await runner.setup()

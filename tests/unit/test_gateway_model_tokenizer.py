@@ -10,9 +10,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from pd_gateway import tokenizer as gwtok
-from pd_gateway.server import Config, Gateway, Route
 from tests.unit import test_gateway_hardening
-from tests.unit.test_gateway_hardening import CHAT, KEY, MODEL, FakeAgents, Served
+from tests.unit.test_gateway_hardening import CHAT, MODEL, FakeAgents, Served
 
 TEMPLATE = ("{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools here') }}{% endif %}"
             "<|{{ m.role }}|>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -32,35 +31,18 @@ def tokenizer_json(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.fixture
-async def serve_with(tokenizer_json):
-    made = []
+serve = test_gateway_hardening.serve   # the fixture: a gateway on a loopback port in front of FakeAgents
 
+
+@pytest.fixture
+def serve_with(serve, tokenizer_json):
     async def make(template: str | None) -> tuple[Served, gwtok.HuggingFace]:
-        agents = FakeAgents()
         tok = gwtok.load(str(tokenizer_json), template)
         assert isinstance(tok, gwtok.HuggingFace)
+        agents = FakeAgents()
         agents.reply_ids = tok.encode("engines share the load")
-        fleet = agents.fleet()
-        keys = test_gateway_hardening.Keys(lambda: {"team-a": KEY})
-        keys.refresh()
-        gw = Gateway(Config(model=MODEL, namespace="t", max_context_tokens=4000), keys,
-                     routes=[Route(MODEL, fleet, tokenizer=tok)])
-        await fleet.refresh()
-        runner = gw.runner()
-        await runner.setup()
-        from aiohttp import web
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        port = runner.addresses[0][1]
-        s = Served(gw, agents, f"http://127.0.0.1:{port}", port)
-        made.append((s, runner, fleet))
-        return s, tok
-    yield make
-    for s, runner, fleet in made:
-        await s.gw.stop()
-        await s.http.aclose()
-        await fleet.http.aclose()
-        await runner.cleanup()
+        return await serve(agents, tokenizer=tok, max_context_tokens=4000), tok
+    return make
 
 
 async def test_usage_and_the_prompt_are_the_models_tokenizers(serve_with):
