@@ -8,9 +8,11 @@ kubectl="$BIN_DIR/kubectl"
 helm="$BIN_DIR/helm"
 step() { printf '\n\033[1m==> %s\033[0m\n' "$*"; }
 
-step "installing the operator (charts/pd-operator) into pd-system"
+step "installing the operator (charts/pd-operator) into pd-system, watching pd-demo"
+# watching pd-demo only: the cluster is also where `make test` runs, and an operator watching every
+# namespace would act on the tests' deployments beside each test's own operator
 "$helm" upgrade --install pd-operator charts/pd-operator -n pd-system --create-namespace \
-  --set image.repository=example.com/pd/pd-operator --wait --timeout 120s
+  --set image.repository=example.com/pd/pd-operator --set 'watchNamespaces={pd-demo}' --wait --timeout 120s
 "$kubectl" -n pd-system get pods -o wide
 
 step "applying examples/sim-small.yaml (2 prefill + 2 decoder, simulator backend)"

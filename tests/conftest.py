@@ -98,9 +98,26 @@ def cluster() -> Cluster:
     if not lc.is_up():
         lc.up(bin_dir)
         started = True
-    yield Cluster(kubeconfig=lc.paths.kubeconfig, bin_dir=bin_dir)
+    c = Cluster(kubeconfig=lc.paths.kubeconfig, bin_dir=bin_dir)
+    others = operators_watching_everything(c)
+    if others:
+        pytest.fail(f"an operator installed in this cluster watches every namespace ({', '.join(others)}): it would "
+                    f"act on the tests' deployments beside each test's own operator. Scope it (chart value "
+                    f"watchNamespaces, as `make demo` does) or uninstall it (helm uninstall -n <namespace> <release>)")
+    yield c
     if started:
         lc.down()
+
+
+def operators_watching_everything(c: Cluster) -> list[str]:
+    """Installed pd-operators (the chart's Deployments) whose PD_OPERATOR_NAMESPACES is empty."""
+    out = []
+    for d in c.get_json("deployments", "-A", "-l", "app.kubernetes.io/name=pd-operator").get("items", []):
+        for ctr in d["spec"]["template"]["spec"].get("containers", []):
+            env = {e["name"]: e.get("value") for e in ctr.get("env") or []}
+            if "PD_OPERATOR_NAMESPACES" in env and not env["PD_OPERATOR_NAMESPACES"] and d["spec"].get("replicas", 1):
+                out.append(f"{d['metadata']['namespace']}/{d['metadata']['name']}")
+    return out
 
 
 @pytest.fixture

@@ -125,3 +125,24 @@ def test_chart_rbac_takes_only_what_the_operator_uses(cluster: Cluster) -> None:
                                ("roles", "escalate"), ("roles", "bind"), ("pods/exec", "create")):
             assert not grants(rules, resource, verb), (resource, verb)
         assert not any("*" in r["verbs"] or "*" in r["resources"] for r in rules)
+
+
+def test_an_installed_operator_watching_every_namespace_is_found(cluster: Cluster, namespace: str) -> None:
+    """What the suite refuses to run beside (tests/conftest.py): an operator of the chart's whose
+    PD_OPERATOR_NAMESPACES is empty would act on every test's namespace (make demo scopes its own)."""
+    from tests.conftest import operators_watching_everything
+
+    def deployment(watch: str) -> dict:
+        labels = {"app.kubernetes.io/name": "pd-operator", "app.kubernetes.io/instance": "stray"}
+        return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "stray", "labels": labels},
+                "spec": {"replicas": 1, "selector": {"matchLabels": labels}, "template": {
+                    "metadata": {"labels": labels},
+                    "spec": {"nodeSelector": {"pdoperator.io/no-such-node": "true"}, "containers": [{
+                        "name": "operator", "image": "example.com/pd/pd-operator:0.1.0",
+                        "env": [{"name": "PD_OPERATOR_NAMESPACES", "value": watch}]}]}}}}
+    cluster.apply(deployment(""), namespace)
+    assert f"{namespace}/stray" in operators_watching_everything(cluster)
+    cluster.apply(deployment(namespace), namespace)
+    assert f"{namespace}/stray" not in operators_watching_everything(cluster)
+    demo = (REPO / "hack" / "demo.sh").read_text()
+    assert "--set 'watchNamespaces={pd-demo}'" in demo
