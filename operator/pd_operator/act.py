@@ -14,7 +14,7 @@ from pd_contract.names import LINKED_CODES
 from . import children as ch
 from . import links as lk
 from . import tokens as tk
-from .agentclient import AgentCallError, AgentClient
+from .agentclient import AgentCallError, AgentClient, code_label
 from .builders import ANNOTATION_ROLE, LABEL_ROLE, token_secret
 from .conditions import iso
 from .diagnosis import Diagnosis, link_failure
@@ -82,7 +82,7 @@ async def execute(body: dict, agents: AgentClient, events: Events, metrics: Oper
                 res = await agents.unlink(url_of(d), token, [_peer_of_link(l) for l in batch], force=force,
                                           limiter=limiter)
                 for code in res.rets.values():
-                    metrics.link_ops.labels("force_unlink" if force else "unlink", code).inc()
+                    metrics.link_ops.labels("force_unlink" if force else "unlink", code_label(code)).inc()
                 names = ", ".join(l["name"] for l in batch)
                 await events.post(body, "Normal", "Unlinked", f"{d.pod} unlinked {names}"
                                   + (" (broken link, local end)" if force else ""))
@@ -92,7 +92,7 @@ async def execute(body: dict, agents: AgentClient, events: Events, metrics: Oper
             ok, bad = [], []
             for e in batch:
                 code = res.rets.get(e.pod, "LLM_FAILED")
-                metrics.link_ops.labels("link", code).inc()
+                metrics.link_ops.labels("link", code_label(code)).inc()
                 if code in LINKED_CODES:
                     out.append(LinkAttempt(d.pod, e.cluster_id, code))
                     ok.append(e.pod)

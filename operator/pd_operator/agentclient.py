@@ -3,13 +3,19 @@
 Concurrency is bounded per deployment (the caller passes its limiter), so one deployment
 whose links time out never holds up another's. Any answer that is not what the API says (an
 HTTP error, a body that is not JSON or not the model) is an AgentCallError, never an
-exception that escapes into the reconcile; unknown fields in a reply are ignored."""
+exception that escapes into the reconcile; unknown fields in a reply are ignored.
+
+Whatever answers on an agent's port is the tenant's code (its image, command, engine): an answer is
+read with a size cap (MAX_REPLY_BYTES) and a deadline for the whole of it, not per read; JSON nested
+too deep is a bad reply; strings longer than MAX_STRING are cut before the report is kept, and only
+small bodies are remembered; link codes that are not LLM-DataDist's become one metric label."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import ssl
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import httpx
 from pydantic import BaseModel, ValidationError
@@ -27,12 +33,13 @@ from pd_contract.agent_api import (
     VerifyRequest,
     VerifyResult,
 )
+from pd_contract.names import STATUS_CODES
 
 from .metrics import OperatorMetrics
 from .reports import AgentCallError
 from .runtime import SYSTEM_CLOCK, Clock
 
-__all__ = ["STATUS_TIMEOUT_S", "AgentCallError", "AgentClient"]
+__all__ = ["STATUS_TIMEOUT_S", "AgentCallError", "AgentClient", "code_label"]
 
 STATUS_TIMEOUT_S = 3.0
 # agents with a client kept (one per engine pod of a large fleet: 100 deployments of 8 pods), and
@@ -41,7 +48,37 @@ AGENT_POOL = 1024
 PER_AGENT = 16
 CLOSE_AFTER_S = 120.0   # a client let go is closed this much later (longer than any call on it)
 MAX_REMEMBERED = 8192   # agents' last status bodies kept (a fleet's engine pods)
+# an answer's bytes at most: a TP 8 pod's status with 512 links is well under 1 MiB
+MAX_REPLY_BYTES = 4 << 20
+MAX_CACHED_BODY = 256 << 10   # larger status bodies are validated again rather than kept
+MAX_STRING = 4096             # a reply's strings are cut to this before the report is kept
+DEADLINE_MARGIN_S = 2.0       # the whole answer: the call's read timeout plus this
 M = TypeVar("M", bound=BaseModel)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def code_label(code: str) -> str:
+    """A link code as a metric label value: LLM-DataDist's codes as they are, anything else OTHER
+    (an agent inventing codes must not make label values without end)."""
+    return code if code in STATUS_CODES else "OTHER"
+
+
+def _cut(model: M) -> M:
+    """The reply with its long strings cut (the field's first MAX_STRING characters, marked)."""
+    long = {k: v[:MAX_STRING - 6] + " (cut)" for k, v in model.__dict__.items()
+            if isinstance(v, str) and len(v) > MAX_STRING}
+    return model.model_copy(update=long) if long else model
+
+
+def _error_of(content: bytes) -> dict[str, Any]:
+    try:
+        data = json.loads(content)
+    except (ValueError, RecursionError):
+        data = None
+    return data if isinstance(data, dict) else {"message": content[:300].decode(errors="replace")}
 
 
 class AgentClient:
@@ -80,40 +117,54 @@ class AgentClient:
             await http.aclose()
         self._clients.clear()
 
+    async def _fetch(self, method: str, url: str, token: str, body, timeout: float | None) -> tuple[int, bytes]:
+        async with self._client(url).stream(
+                method, url, headers={"Authorization": f"Bearer {token}"},
+                json=body.model_dump(mode="json") if body is not None else None,
+                timeout=timeout if timeout else httpx.USE_CLIENT_DEFAULT) as r:
+            buf = bytearray()
+            async for chunk in r.aiter_bytes():
+                buf += chunk
+                if len(buf) > MAX_REPLY_BYTES:
+                    raise _TooLarge()
+            return r.status_code, bytes(buf)
+
     async def _call(self, op: str, method: str, url: str, token: str, reply: type[M], body=None,
                     timeout: float | None = None, limiter: asyncio.Semaphore | None = None) -> M:
         t0 = self.clock.monotonic()
         result = "ok"
+        deadline = (timeout or self._timeout.read or 5.0) + DEADLINE_MARGIN_S
         try:
             async with limiter or contextlib.nullcontext():
                 try:
-                    r = await self._client(url).request(
-                        method, url, headers={"Authorization": f"Bearer {token}"},
-                        json=body.model_dump(mode="json") if body is not None else None,
-                        timeout=timeout if timeout else httpx.USE_CLIENT_DEFAULT)
+                    status, content = await asyncio.wait_for(self._fetch(method, url, token, body, timeout), deadline)
+                except asyncio.TimeoutError as e:
+                    raise AgentCallError("AgentUnreachable", f"{url}: no whole answer within its deadline of "
+                                                             f"{deadline:g} s") from e
+                except _TooLarge as e:
+                    raise AgentCallError("AgentBadReply", f"{url}: answered more than {MAX_REPLY_BYTES} bytes") from e
                 except httpx.HTTPError as e:
                     raise AgentCallError("AgentUnreachable", f"{url}: {type(e).__name__}: {e}".rstrip(": ")) from e
-            if r.status_code == 401:
+            if status == 401:
                 raise AgentCallError("AgentUnauthorized", f"{url}: the agent rejected the operator's token")
-            if r.status_code >= 400:
-                try:
-                    data = r.json()
-                except ValueError:
-                    data = {"message": r.text[:300]}
-                raise AgentCallError("AgentError", f"{url}: {data.get('message')}", data.get("code", ""))
-            if reply is AgentStatus and (seen := self._statuses.get(url)) is not None and seen[0] == r.content:
+            if status >= 400:
+                data = _error_of(content)
+                raise AgentCallError("AgentError", f"{url}: {str(data.get('message'))[:300]}",
+                                     str(data.get("code", ""))[:100])
+            if reply is AgentStatus and (seen := self._statuses.get(url)) is not None and seen[0] == content:
                 return seen[1]  # type: ignore[return-value]
             try:
-                model = reply.model_validate(r.json())
-                if isinstance(model, AgentStatus):
-                    if len(self._statuses) >= MAX_REMEMBERED and url not in self._statuses:
-                        self._statuses.clear()   # pods come and go: the addresses of old ones are let go
-                    self._statuses[url] = (r.content, model)
-                return model
-            except ValueError as e:  # not JSON, or JSON that is not the reply (ValidationError is one)
-                what = "is not the expected reply" if isinstance(e, ValidationError) else "is not JSON"
-                raise AgentCallError("AgentBadReply", f"{url}: answered {r.status_code} with a body that {what}: "
-                                                      f"{r.text[:120]!r}") from e
+                model = _cut(reply.model_validate_json(content))
+            except ValidationError as e:   # not JSON (or nested too deep), or JSON that is not the reply
+                bad_json = any(err["type"] == "json_invalid" for err in e.errors(include_url=False))
+                what = "is not JSON" if bad_json else "is not the expected reply"
+                raise AgentCallError("AgentBadReply", f"{url}: answered {status} with a body that {what}: "
+                                                      f"{content[:120].decode(errors='replace')!r}") from e
+            if isinstance(model, AgentStatus) and len(content) <= MAX_CACHED_BODY:
+                if len(self._statuses) >= MAX_REMEMBERED and url not in self._statuses:
+                    self._statuses.clear()   # pods come and go: the addresses of old ones are let go
+                self._statuses[url] = (content, model)
+            return model
         except AgentCallError as e:
             result = e.kind
             raise
