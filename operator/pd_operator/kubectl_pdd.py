@@ -457,6 +457,14 @@ async def _gateway_check(kube: Kube, px: Proxy, ns: str, name: str, spec: dict, 
 
 
 async def status(kube: Kube, ns: str, name: str, out=print, via: str = "auto") -> int:
+    raw = out
+
+    def show(line: str) -> None:   # agents' strings reach the terminal escaped (our own line breaks kept)
+        raw("\n".join(printable(part) for part in line.split("\n")))
+    return await _status(kube, ns, name, show, via)
+
+
+async def _status(kube: Kube, ns: str, name: str, out, via: str) -> int:
     obj = await kube.get("pdoperator.io/v1alpha1", "PDDeployment", ns, name)
     if obj is None:
         out(f"PDDeployment {ns}/{name} not found")
@@ -478,13 +486,14 @@ async def status(kube: Kube, ns: str, name: str, out=print, via: str = "auto") -
                                     timeout=5)
             if code == 200 and isinstance(a, dict):
                 agent = a
-                load, draining = a.get("load", {}), str(a.get("draining", False)).lower()
+                load = a["load"] if isinstance(a.get("load"), dict) else {}
+                draining = str(a.get("draining", False)).lower()
         links = m.get("links")
         out(f"{m['pod']:28} {m.get('group', '-'):8} {m.get('role', '-'):10} {m.get('assignedRole') or '-':9} "
             f"{str(m.get('ready', False)).lower():6} {m.get('clusterId', '-')!s:8} "
             f"{(str(links['up']) + '/' + str(links['expected'])) if links else '-':6} "
             f"{load.get('in_flight', '-')!s:8} {load.get('queue_depth', '-')!s:6} "
-            f"{round(load['kv_used_bytes'] / 2**20, 1) if 'kv_used_bytes' in load else '-'!s:7} {draining}")
+            f"{_mib(load.get('kv_used_bytes'))!s:7} {draining}")
         if m.get("lastError"):
             out(f"    {m['lastError']}")
         for line in format_ranks(agent, m.get("ranks"), m.get("lastError") or ""):
@@ -584,30 +593,50 @@ def format_probe(decoder: str, prefill: str, code: int, r: dict | str, model_id:
     return False, [f"  {BAD} {decoder} <- {prefill}: {rc} ({diag.reason}): {diag.message}"]
 
 
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7f, 0xa0))} | {0x09: "\\t", 0x0a: "\\n", 0x0d: "\\r"}
+
+
+def printable(text: object) -> str:
+    """An agent's string as the terminal may show it: control characters (escape sequences among
+    them) written out, never sent raw. Agents are the tenant's code."""
+    return str(text).translate(_CONTROL)
+
+
+def _mib(n: object) -> object:
+    return round(n / 2**20, 1) if isinstance(n, (int, float)) and not isinstance(n, bool) else "-"
+
+
+def _rank_key(r: dict) -> tuple[int, int]:
+    n = r.get("rank")
+    return (0, n) if isinstance(n, int) and not isinstance(n, bool) else (1, 0)
+
+
 def format_ranks(agent_status: dict | None, summary: dict | None = None, last_error: str = "") -> list[str]:
     """Lines under a pod's status row: a multi-rank pod's TP, where its device IPs came from and
     a line per rank (only the member's rank summary when its agent did not answer); any pod's
-    device IP error unless its lastError already says it. Nothing for a healthy single-rank pod."""
+    device IP error unless its lastError already says it. Nothing for a healthy single-rank pod.
+    A field an agent reported wrongly is shown as `?`, its strings escaped (printable)."""
     a, summary = agent_status or {}, summary or {}
-    ranks = sorted(a.get("ranks") or [], key=lambda r: r["rank"])
+    ranks = sorted((r for r in a.get("ranks") or [] if isinstance(r, dict)), key=_rank_key)
     tp = a.get("tensor_parallel") or summary.get("tensorParallel") or 1
     lines = []
-    if ranks or tp > 1:
+    if ranks or tp != 1:
         init = sum(1 for r in ranks if r.get("initialized")) if ranks else summary.get("initialized", "?")
         src = a.get("device_ips") or summary.get("deviceIps") or ""
-        lines.append(f"    TP {tp}: {init}/{tp} ranks initialised, device IPs from "
-                     f"{DEVICE_IP_SOURCES.get(src, src or 'nowhere yet')}")
+        lines.append(f"    TP {printable(tp)}: {printable(init)}/{printable(tp)} ranks initialised, device IPs from "
+                     f"{DEVICE_IP_SOURCES.get(src, printable(src) or 'nowhere yet') if isinstance(src, str) else '?'}")
         for r in ranks:
             dev = r.get("device_id")
             state = "initialised" if r.get("initialized") else \
                 "not registered" if not r.get("registered", True) else "not initialised"
-            lines.append(f"      rank {r['rank']:<3} cluster {r['cluster_id']:<8} "
-                         f"device {'-' if dev is None else dev!s:<3} "
-                         f"{(r.get('ip') or '?') + ':' + str(r.get('port') or '?'):21} {state}"
-                         + (f": {r['last_error']}" if r.get("last_error") else ""))
+            n = r.get("rank") if _rank_key(r)[0] == 0 else "?"
+            lines.append(f"      rank {n!s:<3} cluster {printable(r.get('cluster_id', '?')):<8} "
+                         f"device {'-' if dev is None else printable(dev):<3} "
+                         f"{printable(r.get('ip') or '?') + ':' + printable(r.get('port') or '?'):21} {state}"
+                         + (f": {printable(r['last_error'])}" if r.get("last_error") else ""))
     err = a.get("device_error")
-    if err and err not in last_error:
-        lines.append(f"    DeviceIPUnknown: {err}")
+    if err and str(err) not in last_error:
+        lines.append(f"    DeviceIPUnknown: {printable(err)}")
     return lines
 
 
