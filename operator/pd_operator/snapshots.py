@@ -1,16 +1,18 @@
 """A pass's Snapshot as JSON, and back: record what a pass saw (`PD_OPERATOR_RECORD_DIR`, or a
-test) and replay `decide` on it elsewhere, byte for byte the same Plan. Only the operator's and
-the contract's own types are rebuilt from a recording (and `random.random`, a backoff's jitter):
-loading one imports nothing else and runs no code of the file's choosing."""
+test) and replay `decide` on it elsewhere, byte for byte the same Plan. Only the types the
+operator's and the contract's modules define are rebuilt from a recording, looked up by name (and
+`random.random`, a backoff's jitter): loading one imports nothing and runs no code of the file's
+choosing. A recording holds no token (the control token is written as REDACTED) and is its
+owner's only (mode 0600)."""
 from __future__ import annotations
 
 import argparse
 import collections
 import dataclasses
-import importlib
 import json
 import os
 import random
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,16 +29,36 @@ def _qual(cls: type) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
+def recordable() -> dict[str, type]:
+    """The types a recording may name: the classes the operator's and the contract's modules define
+    (each named `module:qualname` by the module that defines it, nested classes too), from the
+    modules loaded now. Names are looked up here, never resolved by walking attributes, so nothing
+    a module merely imports (another library's type, whose construction or __del__ acts) is
+    reachable from a recording."""
+    out: dict[str, type] = {}
+
+    def add(cls: type) -> None:
+        out[_qual(cls)] = cls
+        for v in vars(cls).values():
+            if isinstance(v, type) and v.__module__ == cls.__module__ and v.__qualname__.startswith(cls.__qualname__):
+                add(v)
+    for name, mod in list(sys.modules.items()):
+        if mod is None or not name.startswith(_MODULES):
+            continue
+        for v in list(vars(mod).values()):
+            if isinstance(v, type) and v.__module__ == name:
+                add(v)
+    return out
+
+
 def _class(qual: str) -> type:
     mod, _, name = qual.partition(":")
     if not mod.startswith(_MODULES):
         raise ValueError(f"a recording may name only the operator's types, not {qual}")
-    obj: Any = importlib.import_module(mod)
-    for part in name.split("."):
-        obj = getattr(obj, part)
-    if not isinstance(obj, type):
-        raise ValueError(f"{qual} is not a type")
-    return obj
+    cls = recordable().get(qual)
+    if cls is None:
+        raise ValueError(f"{qual} is not a type the operator's or the contract's modules define")
+    return cls
 
 
 def encode(x: Any) -> Any:
@@ -117,7 +139,14 @@ def decode(x: Any) -> Any:
     return {k: decode(v) for k, v in x.items()}
 
 
+REDACTED = "redacted"   # a recording's token: decide reads only whether there is one
+
+
 def dumps(snap: Snapshot) -> str:
+    """The Snapshot as JSON without the deployment's control token (decide asks only whether there
+    is one, so the Plan is the same)."""
+    if snap.token:
+        snap = dataclasses.replace(snap, token=REDACTED)
     # keys in their order: decide iterates dicts, and the same order gives the same Plan
     return json.dumps({"format": FORMAT, "snapshot": encode(snap)})
 
@@ -137,7 +166,10 @@ def record(directory: str, snap: Snapshot) -> None:
     whole: a reader never sees half a file)."""
     path = Path(directory) / f"{snap.key[0]}_{snap.key[1]}.json"
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(dumps(snap))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)   # the cluster's state: its owner's only
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(dumps(snap))
     os.replace(tmp, path)
 
 

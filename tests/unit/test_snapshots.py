@@ -70,3 +70,40 @@ async def test_the_operator_records_each_pass_for_replay_when_asked(tmp_path, mo
     snapshots.main([str(recorded)])
     out = json.loads(capsys.readouterr().out)
     assert out["status"]["switches"], "the replayed pass has the switch in flight"
+
+
+def test_a_recording_cannot_reach_a_type_through_an_operator_modules_imports(tmp_path):
+    """`pd_operator.<module>:tempfile._TemporaryFileCloser` walks from an operator module into one
+    it imports: a type whose __del__ unlinks the file it names. Only types the operator's and the
+    contract's modules define are rebuilt, by name, without walking attributes."""
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    import pd_operator.kube  # noqa: F401 - imports kubernetes' client, which imports tempfile
+    for qual in ("pd_operator.kube:k8s_client.api_client.tempfile._TemporaryFileCloser",
+                 "pd_operator.snapshots:os.PathLike",
+                 "pd_operator.snapshots:json.JSONDecoder", "pd_operator.decide:Snapshot.__class__"):
+        evil = {"format": snapshots.FORMAT, "snapshot": {"__object": qual, "d": {"name": str(victim),
+                                                                                 "delete": True}}}
+        with pytest.raises(ValueError):
+            snapshots.loads(json.dumps(evil))
+    import gc
+    gc.collect()
+    assert victim.read_text() == "keep me"
+
+
+async def test_a_recording_holds_no_token_and_only_its_owner_reads_it(tmp_path):
+    w = await switch_in_flight()
+    snap = await w.ctl.observer.observe(KEY, w.ctl.deployments[KEY])
+    assert snap.token, "a pass with the deployment's control token"
+    snapshots.record(str(tmp_path), snap)
+    path = next(tmp_path.glob("*.json"))
+    text = path.read_text()
+    assert snap.token not in text
+    assert (path.stat().st_mode & 0o777) == 0o600
+    assert summary(decide(snapshots.loads(text))) == summary(decide(snap)), "the same plan without the token"
+
+
+def test_the_checked_in_recording_holds_no_token():
+    doc = json.loads(RECORDED.read_text())
+    assert doc["recording"]["snapshot"]["__dataclass"].endswith("Snapshot")
+    assert doc["recording"]["snapshot"]["f"]["token"] == snapshots.REDACTED
