@@ -63,7 +63,30 @@ async def create_tokens(kube: Kube, seen: Seen, name: str, namespace: str, owner
             res.tokens_created[role] = token
 
 
-async def apply_children(kube: Kube, metrics: OperatorMetrics, objs: list[dict], res: Results) -> None:
+class NameTaken(Exception):
+    """Objects of the names the deployment's children have, controlled by another owner."""
+
+    def __init__(self, taken: list[str]):
+        super().__init__("; ".join(taken))
+        self.taken = taken
+
+
+async def apply_children(kube: Kube, metrics: OperatorMetrics, objs: list[dict], res: Results,
+                         observed: frozenset = frozenset(), uid: str | None = None) -> None:
+    """Server-side apply of each object. With `uid`, an object not `observed` among the children (a
+    name the deployment has not applied before) is read first: one another owner controls is not
+    applied over (NameTaken), and nothing is."""
+    if uid is not None:
+        taken = []
+        for obj in objs:
+            if ch.child_key(obj) in observed:
+                continue
+            meta = obj["metadata"]
+            have = await kube.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+            if have is not None:
+                taken += ch.taken({ch.child_key(obj): have}, uid)
+        if taken:
+            raise NameTaken(taken)
     for obj in objs:
         got = await kube.apply(obj)
         res.applied[ch.child_key(obj)] = (ch.digest(obj), ch.marker(got))

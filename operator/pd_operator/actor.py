@@ -27,7 +27,7 @@ from .metrics import OperatorMetrics
 from .objmeta import owner_reference
 from .results import Results, fold, fold_seen
 from .runtime import Clock, Limiters
-from .state import Memory
+from .state import RETRIED, Memory
 
 log = logging.getLogger("pd_operator.actor")
 Key = tuple[str, str]
@@ -116,7 +116,7 @@ class Actor:
         if plan.to_apply:
             await self._apply(body, spec, mem, res, snap.generation, plan.to_apply, created=not snap.children,
                               everything=len(plan.to_apply) == len(plan.desired),
-                              keys_ok=snap.keys is None or bool(snap.keys[0]))
+                              keys_ok=snap.keys is None or bool(snap.keys[0]), observed=frozenset(snap.children))
             acted = True
         pairs = plan.verify
         if plan.links and token:
@@ -171,12 +171,23 @@ class Actor:
                                    f"{o.result.lower()}: {o.message}", key=f"{o.result} {s.pod} {s.started}")
 
     async def _apply(self, body: dict, spec: PDDeploymentSpec, mem: Memory, res: Results, gen: int,
-                     objs: list[dict], created: bool, everything: bool, keys_ok: bool = True) -> None:
+                     objs: list[dict], created: bool, everything: bool, keys_ok: bool = True,
+                     observed: frozenset = frozenset()) -> None:
         # drift: what the operator wanted did not change, the object did (a role count moving a
         # disruption budget, or a Replace resizing a group, is the operator's own change)
         drifted = [o for o in objs if (a := mem.applied.get(ch.child_key(o))) is not None and a[0] == ch.digest(o)]
         try:
-            await act.apply_children(self.kube, self.metrics, objs, res)
+            await act.apply_children(self.kube, self.metrics, objs, res, observed, body["metadata"]["uid"])
+        except act.NameTaken as e:
+            # renaming or removing the other object is not a spec change: looked at again when due
+            mem.blocked_attempts = mem.blocked_attempts + 1 if mem.blocked_generation == gen else 1
+            delay = apply_retry_s(mem.blocked_attempts)
+            mem.blocked_retry_at = self.clock.monotonic() + delay
+            msg = (f"{e}: applying this deployment's object of that name would take it from its owner; rename one "
+                   f"of them (nothing of this generation is applied; looked at again in {delay:.0f}s)")
+            mem.blocked, mem.blocked_generation = Diagnosis("NameTaken", msg), gen
+            await self.events.post(body, "Warning", "NameTaken", str(e))
+            raise TerminalError("NameTaken", msg, retry_s=delay) from e
         except KubeError as e:
             if 400 <= e.status < 500 and e.status not in (409, 429):
                 # a quota, a webhook or a policy may be fixed without a spec change: tried again
@@ -190,7 +201,7 @@ class Actor:
                 await self.events.post(body, "Warning", "ApplyRejected", str(e))
                 raise TerminalError("ApplyRejected", msg, retry_s=delay) from e
             raise
-        if mem.blocked is not None and mem.blocked.reason == "ApplyRejected":
+        if mem.blocked is not None and mem.blocked.reason in RETRIED:
             mem.blocked, mem.blocked_attempts, mem.blocked_retry_at = None, 0, None   # taken this time
         name = body["metadata"]["name"]
         keys_flipped = mem.applied_keys is not None and mem.applied_keys != keys_ok

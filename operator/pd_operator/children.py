@@ -28,6 +28,19 @@ def marker(obj: dict) -> str:
     return f"rv{meta.get('resourceVersion', '')}"
 
 
+def taken(observed: dict[ChildKey, dict], uid: str) -> list[str]:
+    """Children's names another owner controls (a controller ownerReference to another uid), each
+    as `<kind> <name> is controlled by <kind> <name>`: never applied over (server-side apply with
+    force would take the object from its owner, and the owner would take it back)."""
+    out = []
+    for (kind, name), obj in sorted(observed.items()):
+        ctl = next((o for o in (obj.get("metadata") or {}).get("ownerReferences") or [] if o.get("controller")),
+                   None)
+        if ctl is not None and ctl.get("uid") != uid:
+            out.append(f"{kind} {name} is controlled by {ctl.get('kind', '?')} {ctl.get('name', '?')}")
+    return out
+
+
 def to_apply(desired: list[dict], observed: dict[ChildKey, dict], applied: dict[ChildKey, Applied]) -> list[dict]:
     out = []
     for obj in desired:

@@ -27,7 +27,7 @@ from .config import OperatorConfig, not_allowed
 from .diagnosis import Diagnosis
 from .members import Problem, pod_ready, with_report
 from .reports import Report
-from .state import Memory
+from .state import RETRIED, Memory
 from .status import Observed, build_status
 
 SETTLED_POLL_S = 5.0      # a member that is linked and well is asked this often
@@ -216,10 +216,13 @@ def _blocked(snap: Snapshot, mem: Memory) -> tuple[Diagnosis | None, bool]:
         blocked = Diagnosis("NotAllowed", f"{refused}; nothing of this generation is applied")
     elif snap.token_problem:
         blocked = Diagnosis("TokenSecretNotOwned", snap.token_problem)
+    elif taken := ch.taken(snap.children, snap.body["metadata"]["uid"]):
+        blocked = Diagnosis("NameTaken", f"{'; '.join(taken)}: applying this deployment's object of that name would "
+                            f"replace it; rename one of them (nothing of this generation is applied)")
     elif mem.blocked_generation == snap.generation:
         blocked = mem.blocked
     # a refused apply is tried again when due (and nothing above refuses), still reported until taken
-    retry = blocked is not None and blocked is mem.blocked and blocked.reason == "ApplyRejected" \
+    retry = blocked is not None and blocked is mem.blocked and blocked.reason in RETRIED \
         and mem.blocked_retry_at is not None and snap.now >= mem.blocked_retry_at
     return blocked, retry
 

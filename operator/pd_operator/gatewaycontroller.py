@@ -135,12 +135,13 @@ class GatewayController:
                                  "value gateway.image, env PD_OPERATOR_GATEWAY_IMAGE): a PDGateway cannot run "
                                  "without one")
             return
-        taken, missing = await self._names(ns, name, owner)
+        objs = objects(name, ns, spec, owner, r, image, keys_allowed=keys[0], config=self.config)
+        taken, missing = await self._names(ns, name, owner, objs)
         if taken:
             await self._degraded(gw, "NameTaken", f"{', '.join(taken)} already exist and belong to something else; "
-                                 f"rename this PDGateway (a PDDeployment's own gateway is named <deployment>-gateway)")
+                                 f"rename this PDGateway (a PDDeployment's own gateway is named <deployment>-gateway, "
+                                 f"its engines' NetworkPolicy <deployment>-engines)")
             return
-        objs = objects(name, ns, spec, owner, r, image, keys_allowed=keys[0], config=self.config)
         want, now = digest({"items": objs}), self.clock.monotonic()
         last = self.applied.get(key)
         if missing or last is None or last[0] != want or now - last[1] >= RECHECK_S:
@@ -181,13 +182,14 @@ class GatewayController:
             del self.token_seen[k]   # the deployment is gone
         return tokens
 
-    async def _names(self, ns: str, name: str, owner: dict) -> tuple[list[str], bool]:
-        """(names this gateway would take that another owner controls, whether an object is missing).
-        A deployment's own gateway is `<deployment>-gateway`: a clash is refused, not fought over.
-        The usage ConfigMap is created once, never applied: the replicas own its data."""
+    async def _names(self, ns: str, name: str, owner: dict, objs: list[dict]) -> tuple[list[str], bool]:
+        """(names this gateway would take that another owner controls, whether an object is missing),
+        over every object it applies and its usage ConfigMap. A deployment's own gateway is
+        `<deployment>-gateway` and its engines' policy `<deployment>-engines`: a clash is refused, not
+        fought over. The usage ConfigMap is created once, never applied: the replicas own its data."""
         taken, missing = [], False
-        for kind, api_version, obj_name in (("Deployment", "apps/v1", name), ("Service", "v1", name),
-                                            ("ConfigMap", "v1", usage_configmap_name(name))):
+        for kind, api_version, obj_name in [(o["kind"], o["apiVersion"], o["metadata"]["name"]) for o in objs] + [
+                ("ConfigMap", "v1", usage_configmap_name(name))]:
             existing = await self.kube.get(api_version, kind, ns, obj_name)
             if existing is None:
                 if kind == "ConfigMap":

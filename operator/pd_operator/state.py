@@ -15,6 +15,10 @@ from .children import Applied, ChildKey
 from .diagnosis import Diagnosis
 from .switch import Book
 
+# blocked reasons that are looked at again when due (not only when the spec changes): what a
+# quota, a webhook, or another owner's object of a child's name may stop being
+RETRIED = frozenset({"ApplyRejected", "NameTaken"})
+
 LINK_BACKOFF = (0.5, 30.0)
 SWITCH_BACKOFF = (0.25, 10.0)   # a switch step whose action failed
 AGENT_BACKOFF = (1.0, 30.0)

@@ -626,3 +626,29 @@ async def test_a_new_leader_verifies_at_once_when_the_recorded_round_does_not_ho
     assert verifies(w, before) >= 2, "verified in the first pass"
     await w.settle()
     assert w.condition("KVPathVerified")["status"] == "True"
+
+
+async def test_a_child_name_another_owner_controls_is_not_applied_over():
+    """A PDGateway named `x-engines` owns a NetworkPolicy of the name this deployment's engines'
+    policy has: the operator does not apply over it (it would replace the other owner's object, or
+    the other would replace the engines' and open the datadist port); nothing of this generation is
+    applied, and the condition names the object and its owner."""
+    w = World()
+    w.kube.store({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {
+        "name": "x-engines", "namespace": "ns", "ownerReferences": [
+            {"apiVersion": "pdoperator.io/v1alpha1", "kind": "PDGateway", "name": "x-engines", "uid": "uid-gw",
+             "controller": True}]}, "spec": {"podSelector": {}}})
+    with pytest.raises(TerminalError, match="NetworkPolicy x-engines is controlled by PDGateway x-engines"):
+        await w.step()
+    await w.step()   # before the retry is due: reported, nothing applied
+    assert not [c for c in w.log if c[0] == "apply"], [c[:2] for c in w.log if c[0] == "apply"]
+    ready = w.condition("Ready")
+    assert ready["reason"] == "NameTaken" and "NetworkPolicy x-engines" in ready["message"]
+    assert "PDGateway x-engines" in ready["message"]
+    assert w.kube.objects[("NetworkPolicy", "ns", "x-engines")]["metadata"]["ownerReferences"][0]["uid"] == "uid-gw"
+    del w.kube.objects[("NetworkPolicy", "ns", "x-engines")]   # the PDGateway renamed: applied when due
+    w.clock.advance(60)
+    await w.step()
+    assert any(c[0] == "apply" and c[1] == "NetworkPolicy" for c in w.log)
+    await w.step()   # the status of the pass after the apply
+    assert w.condition("Ready")["reason"] != "NameTaken"

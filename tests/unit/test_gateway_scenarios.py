@@ -234,3 +234,16 @@ async def test_a_deployment_status_write_does_not_wake_the_gateway_but_a_spec_ch
     w.gc.on_deployment(etype, {**d, "metadata": {**d["metadata"], "generation": 2}})
     assert w.gc.runtime.woken(KEY)
     await w.gc.stop()
+
+
+async def test_a_name_of_any_kind_another_owner_controls_is_refused():
+    """Not only the Deployment, Service and usage ConfigMap: every object the gateway applies (its
+    NetworkPolicy, ServiceAccount, Role, RoleBinding, PodDisruptionBudget) is checked."""
+    w = World()
+    w.deployment("llama", "llama-8b")
+    w.put({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {
+        "name": "shared", "namespace": "t", "ownerReferences": [{"kind": "PDDeployment", "name": "shared-x",
+                                                                 "uid": "uid-other", "controller": True}]}})
+    await w.step()
+    assert w.applied() == []
+    assert w.cond("Ready")["reason"] == "NameTaken" and "NetworkPolicy shared" in w.cond("Ready")["message"]
