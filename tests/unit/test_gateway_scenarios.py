@@ -140,15 +140,20 @@ async def test_a_deployment_whose_data_token_is_not_the_operators_is_not_routed(
     assert served == [("event", "ModelsServed", "routing llama-8b -> good")]
 
 
-async def test_names_another_owner_controls_are_refused_not_fought_over():
+@pytest.mark.parametrize("api_version,kind", [("apps/v1", "Deployment"), ("networking.k8s.io/v1", "NetworkPolicy"),
+                                              ("v1", "ServiceAccount"), ("policy/v1", "PodDisruptionBudget")])
+async def test_names_another_owner_controls_are_refused_not_fought_over(api_version, kind):
+    """Every object the gateway applies is checked (a PDGateway named <deployment>-engines must not take
+    the engines' NetworkPolicy), not only its Deployment."""
     w = World()
     w.deployment("llama", "llama-8b")
-    w.put({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {
+    w.put({"apiVersion": api_version, "kind": kind, "metadata": {
         "name": "shared", "namespace": "t", "ownerReferences": [{"kind": "PDDeployment", "name": "x",
                                                                  "uid": "uid-other", "controller": True}]}})
     await w.step()
     assert w.applied() == []
     assert w.cond("Ready")["reason"] == "NameTaken" and w.status["phase"] == "Degraded"
+    assert f"{kind} shared" in w.cond("Ready")["message"]
     assert any(e[1] == "NameTaken" for e in w.events())
 
 
@@ -235,15 +240,3 @@ async def test_a_deployment_status_write_does_not_wake_the_gateway_but_a_spec_ch
     assert w.gc.runtime.woken(KEY)
     await w.gc.stop()
 
-
-async def test_a_name_of_any_kind_another_owner_controls_is_refused():
-    """Not only the Deployment, Service and usage ConfigMap: every object the gateway applies (its
-    NetworkPolicy, ServiceAccount, Role, RoleBinding, PodDisruptionBudget) is checked."""
-    w = World()
-    w.deployment("llama", "llama-8b")
-    w.put({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {
-        "name": "shared", "namespace": "t", "ownerReferences": [{"kind": "PDDeployment", "name": "shared-x",
-                                                                 "uid": "uid-other", "controller": True}]}})
-    await w.step()
-    assert w.applied() == []
-    assert w.cond("Ready")["reason"] == "NameTaken" and "NetworkPolicy shared" in w.cond("Ready")["message"]
