@@ -10,8 +10,11 @@ The engines are the fleet's (pd_contract.routing.Fleet with `engine_port`): role
 links from the pods' agents, so routing follows live switches as for agent engines, and an engine
 is routed to only while its `/health` answers. Refusals before the decoder accepted the request
 (503s, connections refused, a pod that went away) go to another prefill or decoder within the
-retry window; once a decoder accepted it, a failure ends the request (its KV was pulled, and
-another decoder could not pull it again)."""
+retry window; once a decoder has the request (it answered with anything but 503 or 429, or the
+connection broke after it was sent), a failure ends the request (its KV may have been pulled, and
+another decoder could not pull it again). The client's own kv_transfer_params never reach an
+engine. Usage is the engine's; a reply cut short before its usage counts the prompt's bound and
+the chunks sent."""
 from __future__ import annotations
 
 import asyncio
@@ -34,7 +37,12 @@ log = logging.getLogger("pd_gateway")
 MAX_PREFILL_REPLY = 1 << 20        # a one-token reply and the connector's kv_transfer_params
 MAX_REPLY = 16 << 20               # a whole non-streamed reply (n choices, logprobs)
 MAX_LINE = 1 << 20                 # one SSE line of the decoder's stream
+# a prefill answering these is tried elsewhere (it kept nothing a decoder will pull); a decoder only
+# when it refused before any work (503: draining, full; 429), or its connection was refused
 RETRYABLE_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
+DECODER_REFUSED = frozenset({429, 503})
+DECODER_UNREACHED = (httpx.ConnectError, httpx.ConnectTimeout)
+WHOLE_REPLY_S = 1800.0   # a non-streamed reply comes whole when generation ends: its wait, at most
 
 
 def prefill_body(data: dict) -> dict:
@@ -47,7 +55,8 @@ def prefill_body(data: dict) -> dict:
     body["max_tokens"] = 1
     if "max_completion_tokens" in body:
         body["max_completion_tokens"] = 1
-    body.pop("stream_options", None)
+    for name in ("stream_options", "min_tokens", "min_completion_tokens"):   # one token: no minimum above it
+        body.pop(name, None)
     return body
 
 
@@ -55,6 +64,8 @@ def decode_body(data: dict, params: dict | None) -> tuple[dict, bool]:
     """The client's request with the prefill's kv_transfer_params; a stream also asks for the usage
     chunk (dropped on the way back when the client did not ask for it). Returns (body, usage added)."""
     body = dict(data)
+    # the prefill's, never the client's: a client's own would name another request's blocks to pull
+    body.pop("kv_transfer_params", None)
     if params:
         body["kv_transfer_params"] = params
     added = False
@@ -176,16 +187,20 @@ class Pairing:
                 await self.wait()
                 self.avoid.discard(p["url"])
                 continue
+            # a stream's headers come at once and its chunks each token; a whole reply only at the end
+            read = self.fleet.token_gap_timeout if body.get("stream") else WHOLE_REPLY_S
             req = self.fleet.http.build_request(
                 "POST", f"{d['engine_url']}{path}", json=body, headers={"X-Request-Id": self.rid},
-                timeout=httpx.Timeout(None, connect=2, read=self.fleet.token_gap_timeout))
+                timeout=httpx.Timeout(None, connect=2, read=read))
             try:
                 r = await self.fleet.http.send(req, stream=True)
-            except httpx.HTTPError as e:
+            except DECODER_UNREACHED as e:   # it never saw the request: another decoder may take it
                 self.refuse(type(e).__name__, d["url"])
                 await self.wait()
                 continue
-            if r.status_code in RETRYABLE_STATUS:
+            except httpx.HTTPError as e:      # it had the request, and may have pulled: the request ends
+                raise EngineError(d["name"], type(e).__name__, str(e) or type(e).__name__) from e
+            if r.status_code in DECODER_REFUSED:
                 await r.aclose()
                 self.refuse(f"HTTP{r.status_code}", d["url"])
                 await self.wait()
@@ -223,7 +238,9 @@ async def serve(gw, request: web.Request, key: str, api: str, data: dict, body, 
     """One request of a vLLM route through pd-gateway `gw`: the key's budget reserved, the P-D
     relay, usage and metrics from the engine's reply."""
     path = "/v1/chat/completions" if api == "chat" else "/v1/completions"
-    estimate, asked = _estimate(body), body.asked_tokens() or body.default_tokens()
+    given = data.get("n")
+    n = given if isinstance(given, int) and not isinstance(given, bool) and given > 0 else 1
+    estimate, asked = _estimate(body), (body.asked_tokens() or body.default_tokens()) * n
     reserved = 0
     pol = gw.policies.get(key)
     if pol is not None and pol.tokens_per_day is not None:
@@ -285,9 +302,14 @@ async def serve(gw, request: web.Request, key: str, api: str, data: dict, body, 
         if r is not None:
             await r.aclose()
         gw.usage.settle(key, reserved)
-        prompt, completion = out.usage or (0, 0)
-        if out.decoder and (out.usage or status == "200"):
-            gw._account(key, api, None, t0, times, prompt, completion, route.model)
+        if out.decoder:
+            # the engine's usage; a reply cut short before its usage chunk counts the prompt's bound
+            # and the chunks that carried text (a client must not get an answer for nothing)
+            prompt, completion = out.usage or (estimate, len(times))
+            if status == "200" and out.usage:
+                gw._account(key, api, None, t0, times, prompt, completion, route.model)
+            else:
+                gw.usage.record(key, route.model, prompt, completion, gw.clock())
         gw.counted(key, api, status, out.prefill, out.decoder, pairing.refusals)
 
 

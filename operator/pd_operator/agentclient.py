@@ -66,11 +66,22 @@ def code_label(code: str) -> str:
     return code if code in STATUS_CODES else "OTHER"
 
 
-def _cut(model: M) -> M:
-    """The reply with its long strings cut (the field's first MAX_STRING characters, marked)."""
-    long = {k: v[:MAX_STRING - 6] + " (cut)" for k, v in model.__dict__.items()
-            if isinstance(v, str) and len(v) > MAX_STRING}
-    return model.model_copy(update=long) if long else model
+def _cut(v: Any) -> Any:
+    """The reply with every long string in it cut (its first MAX_STRING characters, marked), nested
+    ones too (a link's code, a rank's error); what holds none is returned as it is."""
+    if isinstance(v, str):
+        return v if len(v) <= MAX_STRING else v[:MAX_STRING - 6] + " (cut)"
+    if isinstance(v, BaseModel):
+        update = {k: y for k, x in v.__dict__.items() if (y := _cut(x)) is not x}
+        return v.model_copy(update=update) if update else v
+    if isinstance(v, list):
+        out = [_cut(x) for x in v]
+        return out if any(a is not b for a, b in zip(out, v)) else v
+    if isinstance(v, dict):
+        pairs = [(_cut(k), _cut(x)) for k, x in v.items()]
+        changed = any(a is not k or b is not x for (a, b), (k, x) in zip(pairs, v.items()))
+        return dict(pairs) if changed else v
+    return v
 
 
 def _error_of(content: bytes) -> dict[str, Any]:

@@ -66,11 +66,15 @@ async def test_nesting_too_deep_is_a_bad_reply():
 
 
 async def test_long_strings_are_bounded_before_they_are_kept():
-    big = {**STATUS, "last_error": "x" * (2 << 20), "device_error": "y" * 100000, "pod": "p" * 5000}
+    big = {**STATUS, "last_error": "x" * (2 << 20), "device_error": "y" * 100000, "pod": "p" * 5000,
+           "links": [{"name": "n" * 9000, "cluster_id": 1, "ip": "1.2.3.4", "port": 1, "code": "c" * 100000}],
+           "ranks": [{"rank": 0, "cluster_id": 1, "last_error": "e" * 100000}], "proxy_env": {"k" * 9000: "v"}}
     c = client(lambda request: httpx.Response(200, content=json.dumps(big).encode()))
     st = await c.status("http://agent", "t")
     assert len(st.last_error) <= agentclient.MAX_STRING and len(st.device_error) <= agentclient.MAX_STRING
     assert st.last_error.endswith("(cut)")
+    nested = [st.links[0].name, st.links[0].code, st.ranks[0].last_error, *st.proxy_env]
+    assert all(len(x) <= agentclient.MAX_STRING for x in nested), [len(x) for x in nested]
     assert all(len(body) <= agentclient.MAX_CACHED_BODY for body, _ in c._statuses.values())
     await c.close()
 

@@ -29,6 +29,11 @@ def test_the_decoder_gets_the_clients_body_with_the_prefills_params():
     assert d["stream_options"] == {"include_usage": True}
     assert {k: v for k, v in d.items() if k not in ("kv_transfer_params", "stream_options")} == \
         {k: v for k, v in BODY.items() if k != "stream_options"}
+    smuggled = {**BODY, "kv_transfer_params": {"do_remote_prefill": True, "remote_block_ids": [7]}}
+    d, _ = vr.decode_body(smuggled, None)
+    assert "kv_transfer_params" not in d, "a client's own kv_transfer_params never reach a decoder"
+    assert vr.prefill_body({**BODY, "min_tokens": 5})["max_tokens"] == 1
+    assert "min_tokens" not in vr.prefill_body({**BODY, "min_tokens": 5})
     plain = {k: v for k, v in BODY.items() if k not in ("stream", "stream_options")}
     d, added = vr.decode_body(plain, params)
     assert added is False and "stream_options" not in d
