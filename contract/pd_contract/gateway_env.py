@@ -13,10 +13,20 @@ PD_GATEWAY_RPM = "PD_GATEWAY_RPM"                        # JSON {key name: reque
 # the engines' own OpenAI port (spec.engine.port with adapter vLLM): requests go there with vLLM's P-D
 # protocol, not to the agents (a PDGateway's route carries it as `enginePort`)
 PD_GATEWAY_ENGINE_PORT = "PD_GATEWAY_ENGINE_PORT"
-# the model's own tokenizer (spec.model.tokenizer): tokenizer.json's path, and the chat template
-# (a PDGateway's route carries them as `tokenizer` and `chatTemplate`)
+# the model's own tokenizer (spec.model.tokenizer): tokenizer.json's path, the chat template and
+# its special tokens (a PDGateway's route carries them as `tokenizer`, `chatTemplateEnv` (the
+# variable holding the template: each in one of its own, within the kernel's bound on one variable),
+# `bosToken` and `eosToken`)
 PD_GATEWAY_TOKENIZER = "PD_GATEWAY_TOKENIZER"
 PD_GATEWAY_CHAT_TEMPLATE = "PD_GATEWAY_CHAT_TEMPLATE"
+PD_GATEWAY_BOS_TOKEN = "PD_GATEWAY_BOS_TOKEN"
+PD_GATEWAY_EOS_TOKEN = "PD_GATEWAY_EOS_TOKEN"
+PD_CHAT_TEMPLATE_ = "PD_CHAT_TEMPLATE_"
+
+
+def route_template_env(deployment: str) -> str:
+    """The variable holding a served deployment's chat template (a route's chatTemplateEnv)."""
+    return PD_CHAT_TEMPLATE_ + hashlib.sha256(deployment.encode()).hexdigest()[:12].upper()
 # either gateway
 PD_GATEWAY_KEYS_SECRET = "PD_GATEWAY_KEYS_SECRET"        # the Secret of the API keys
 # a PDGateway

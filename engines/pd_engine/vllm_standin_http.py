@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -155,9 +156,13 @@ async def _stream(request: web.Request, standin: StandIn, chat: bool, rid: str, 
     loop = asyncio.get_running_loop()
     q: asyncio.Queue = asyncio.Queue()
 
+    gone = threading.Event()   # the client left: the generation stops, as vLLM aborts the request
+
     def produce() -> None:
         try:
             for c, text in standin.choices(gen, source):
+                if gone.is_set():
+                    return
                 loop.call_soon_threadsafe(q.put_nowait, (c, text))
             loop.call_soon_threadsafe(q.put_nowait, _DONE)
         except BaseException as e:  # noqa: BLE001 - ends the stream with an error event
@@ -167,17 +172,20 @@ async def _stream(request: web.Request, standin: StandIn, chat: bool, rid: str, 
     await resp.prepare(request)
     seen: dict[int, Choice] = {}
     worker = loop.run_in_executor(None, produce)
-    while (item := await q.get()) is not _DONE:
-        if isinstance(item, BaseException):
-            await resp.write(_sse(proto.error(f"{type(item).__name__}: {item}", 500)))
-            break
-        c, text = item
-        if chat and c.index not in seen:
-            await resp.write(_sse(proto.chunk(chat, rid, model, c.index, None, role=True)))
-        seen[c.index] = c
-        if text:
-            await resp.write(_sse(proto.chunk(chat, rid, model, c.index, text)))
-    await worker
+    try:
+        while (item := await q.get()) is not _DONE:
+            if isinstance(item, BaseException):
+                await resp.write(_sse(proto.error(f"{type(item).__name__}: {item}", 500)))
+                break
+            c, text = item
+            if chat and c.index not in seen:
+                await resp.write(_sse(proto.chunk(chat, rid, model, c.index, None, role=True)))
+            seen[c.index] = c
+            if text:
+                await resp.write(_sse(proto.chunk(chat, rid, model, c.index, text)))
+    finally:
+        gone.set()
+        await worker
     for i in range(gen.n):
         c = seen.get(i) or Choice(i)
         await resp.write(_sse(proto.chunk(chat, rid, model, i, "", finish=c.finish)))

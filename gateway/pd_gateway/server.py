@@ -34,7 +34,6 @@ from typing import Any, Callable, Coroutine
 import httpx
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
-from jinja2.exceptions import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
@@ -47,9 +46,11 @@ from pd_contract.engine_env import (
     POD_NAMESPACE,
 )
 from pd_contract.gateway_env import (
+    PD_GATEWAY_BOS_TOKEN,
     PD_GATEWAY_CHAT_TEMPLATE,
     PD_GATEWAY_DEPLOYMENT,
     PD_GATEWAY_ENGINE_PORT,
+    PD_GATEWAY_EOS_TOKEN,
     PD_GATEWAY_KEY_POLICY,
     PD_GATEWAY_KEYS_SECRET,
     PD_GATEWAY_ROUTES,
@@ -75,7 +76,8 @@ from . import policy, vllm_route, wire
 from .keys import MIN_KEY_LENGTH, REFRESH_S, Keys, RateLimits, from_env, from_secret
 from .metrics import GatewayMetrics
 from .stops import StopScanner
-from .tokenizer import Cl100k, HuggingFace, ModelTokenizer
+from .tokenizer import Cl100k, HuggingFace, ModelTokenizer, PromptRefused
+from .tokenizer import Unavailable as TokenizerUnavailable
 from .tokenizer import load as load_tokenizer
 from .usage import DAY, MAX_NAME, SYNC_S, ConfigMapStore, Usage
 
@@ -149,6 +151,8 @@ class Config:
     # the model's own tokenizer.json and chat template (spec.model.tokenizer); default cl100k
     tokenizer: str | None = None
     chat_template: str | None = None
+    bos_token: str = ""
+    eos_token: str = ""
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "Config":
@@ -178,7 +182,8 @@ class Config:
                    usage_configmap=env.get(PD_GATEWAY_USAGE_CONFIGMAP) or None,
                    engine_port=_positive(env, PD_GATEWAY_ENGINE_PORT, None),
                    tokenizer=env.get(PD_GATEWAY_TOKENIZER) or None,
-                   chat_template=env.get(PD_GATEWAY_CHAT_TEMPLATE) or None)
+                   chat_template=env.get(PD_GATEWAY_CHAT_TEMPLATE) or None,
+                   bos_token=env.get(PD_GATEWAY_BOS_TOKEN, ""), eos_token=env.get(PD_GATEWAY_EOS_TOKEN, ""))
 
 
 @dataclass
@@ -573,18 +578,21 @@ class Gateway:
         model = route.model
         stream, include_usage = bool(body.stream), body.include_usage()
         t0 = time.monotonic()
-        tok = route.tokenizer
+        tok, wire_api = route.tokenizer, "anthropic" if api == "anthropic" else "openai"
         try:
             prompt = await asyncio.to_thread(tok.prompt, body) if isinstance(tok, HuggingFace) else tok.prompt(body)
-        except TemplateError as e:   # the chat template refused the messages (raise_exception)
+        except PromptRefused as e:   # the chat template refused the messages (raise_exception, or any error)
             self.m.requests.labels(key, api, "400").inc()
-            return self.error("anthropic" if api == "anthropic" else "openai", 400,
-                              f"the model's chat template refused the messages: {e}", "invalid_request_error",
-                              "invalid_value", param=body.PROMPT_PARAM)
+            return self.error(wire_api, 400, f"the model's chat template refused the messages: {e}",
+                              "invalid_request_error", "invalid_value", param=body.PROMPT_PARAM)
+        except TokenizerUnavailable as e:
+            self.m.requests.labels(key, api, "503").inc()
+            return self.error(wire_api, 503, str(e), "overloaded_error", "tokenizer_unavailable")
+        templated = tok.templated(body)
         if len(prompt) > THREAD_TOKENIZE_CHARS:   # the tokenizer lets go of the GIL meanwhile
-            ids = await asyncio.to_thread(tok.encode, prompt)
+            ids = await asyncio.to_thread(tok.encode, prompt, templated)
         else:
-            ids = tok.encode(prompt)
+            ids = tok.encode(prompt, templated)
         if not ids:   # an empty prompt: the model starts from a document boundary
             ids = tok.boundary()
         prompt_tokens = len(ids)
@@ -928,15 +936,19 @@ async def serve(cfg: Config, host: str, port: int, metrics_port: int = GATEWAY_M
             routes.append(Route(r["model"], Fleet(http, token, pod_finder(cfg.namespace, r["deployment"]),
                                                   engine_port=r.get("enginePort") or None),
                                 r["deployment"], tuple(r.get("aliases") or ()),
-                                load_tokenizer(r.get("tokenizer"), r.get("chatTemplate"), local_root)))
+                                load_tokenizer(r.get("tokenizer"), os.environ.get(r.get("chatTemplateEnv") or "")
+                                               or None, local_root, r.get("bosToken") or "", r.get("eosToken") or "",
+                                               strict=False)))
     elif cfg.agents:
         fleet = Fleet(http, cfg.data_token, fixed_finder(cfg.agents), engine_port=cfg.engine_port)
         routes.append(Route(cfg.model, fleet, None, cfg.aliases,
-                            load_tokenizer(cfg.tokenizer, cfg.chat_template, local_root)))
+                            load_tokenizer(cfg.tokenizer, cfg.chat_template, local_root, cfg.bos_token,
+                                           cfg.eos_token)))
     elif cfg.deployment:
         routes.append(Route(cfg.model, Fleet(http, cfg.data_token, pod_finder(cfg.namespace, cfg.deployment),
                                              engine_port=cfg.engine_port), cfg.deployment, cfg.aliases,
-                            load_tokenizer(cfg.tokenizer, cfg.chat_template, local_root)))
+                            load_tokenizer(cfg.tokenizer, cfg.chat_template, local_root, cfg.bos_token,
+                                           cfg.eos_token)))
     else:
         raise SystemExit("pd_gateway: set PD_GATEWAY_DEPLOYMENT, PD_GATEWAY_ROUTES or PD_GATEWAY_AGENTS")
     keys = Keys(from_secret(cfg.namespace, cfg.keys_secret) if cfg.keys_secret else from_env(),

@@ -4,12 +4,15 @@ Jinja2 chat template as tokenizer_config.json's `chat_template`), else cl100k (p
 the reference engine's) with a line `role: content` per message."""
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Protocol
 
 from pd_contract import tokens
 
 from . import wire
+
+log = logging.getLogger("pd_gateway")
 
 
 class Detokenizer(Protocol):
@@ -21,11 +24,13 @@ class Detokenizer(Protocol):
 class ModelTokenizer(Protocol):
     name: str
 
+    def templated(self, body: wire.ApiRequest) -> bool: ...
+
     def prompt(self, body: wire.ApiRequest) -> str:
         """The request's text as the model reads it (a chat laid out by the chat template)."""
         ...
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, templated: bool = False) -> list[int]: ...
 
     def boundary(self) -> list[int]:
         """What an empty prompt is: the document boundary the model starts from."""
@@ -37,10 +42,13 @@ class ModelTokenizer(Protocol):
 class Cl100k:
     name = "cl100k_base"
 
+    def templated(self, body: wire.ApiRequest) -> bool:
+        return False
+
     def prompt(self, body: wire.ApiRequest) -> str:
         return body.text()
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, templated: bool = False) -> list[int]:
         return tokens.encode(text)
 
     def boundary(self) -> list[int]:
@@ -69,12 +77,14 @@ class _Stream:
 
 class HuggingFace:
     """A tokenizer.json; with a chat template, a chat is rendered by it (in a sandbox: the template is
-    the deployment author's, the messages the client's) and its special tokens are the template's."""
+    the deployment author's, the messages the client's) with the model's bos_token and eos_token,
+    and its special tokens are the template's."""
 
-    def __init__(self, path: str, chat_template: str | None = None):
+    def __init__(self, path: str, chat_template: str | None = None, bos_token: str = "", eos_token: str = ""):
         from tokenizers import Tokenizer
         self.tok = Tokenizer.from_file(path)
         self.name = path
+        self.specials = {"bos_token": bos_token, "eos_token": eos_token}
         self.template = None
         if chat_template:
             from jinja2.exceptions import TemplateError
@@ -86,15 +96,22 @@ class HuggingFace:
             env.globals["raise_exception"] = raise_exception
             self.template = env.from_string(chat_template)
 
+    def templated(self, body: wire.ApiRequest) -> bool:
+        """Whether the request's prompt is the chat template's (which writes the special tokens)."""
+        return self.template is not None and body.chat_messages() is not None
+
     def prompt(self, body: wire.ApiRequest) -> str:
         messages = body.chat_messages()
         if self.template is None or messages is None:
             return body.text()
-        return self.template.render(messages=messages, add_generation_prompt=True, bos_token="", eos_token="")
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=True, **self.specials)
+        except Exception as e:  # noqa: BLE001 - whatever the author's template raises is about these messages
+            raise PromptRefused(f"{type(e).__name__}: {e}") from e
 
-    def encode(self, text: str) -> list[int]:
-        # a chat template writes the special tokens itself; a plain prompt gets the tokenizer's
-        return list(self.tok.encode(text, add_special_tokens=self.template is None).ids)
+    def encode(self, text: str, templated: bool = False) -> list[int]:
+        # a chat template writes the special tokens itself; any other prompt gets the tokenizer's
+        return list(self.tok.encode(text, add_special_tokens=not templated).ids)
 
     def boundary(self) -> list[int]:
         return list(self.tok.encode("", add_special_tokens=True).ids) or [0]
@@ -103,15 +120,51 @@ class HuggingFace:
         return _Stream(self.tok)
 
 
-def load(path: str | None, chat_template: str | None = None, root: str | None = None) -> ModelTokenizer:
-    """The route's tokenizer: the file's, else cl100k. A file that cannot be read stops the gateway
-    at start, naming it (a wrong tokenizer would count every request wrong). `root`: where mount
-    paths resolve when the process has no mount namespace of its own (PD_LOCAL_ROOT, the local
-    cluster's process runtime)."""
+class PromptRefused(Exception):
+    """The chat template refused the messages (raise_exception, or anything it raised): a 400."""
+
+
+class Unavailable(Exception):
+    """The route's tokenizer could not be loaded: its model answers 503, the others are served."""
+
+
+class Unloadable:
+    """A route whose tokenizer.json could not be loaded (a PDGateway serves other models beside it)."""
+
+    def __init__(self, name: str, why: str):
+        self.name, self.why = name, why
+
+    def templated(self, body: wire.ApiRequest) -> bool:
+        return False
+
+    def prompt(self, body: wire.ApiRequest) -> str:
+        raise Unavailable(f"the model's tokenizer {self.name!r} (spec.model.tokenizer) could not be loaded: {self.why}")
+
+    def encode(self, text: str, templated: bool = False) -> list[int]:
+        raise Unavailable(self.why)
+
+    def boundary(self) -> list[int]:
+        return [0]
+
+    def detokenizer(self) -> Detokenizer:
+        return tokens.Detokenizer()
+
+
+def load(path: str | None, chat_template: str | None = None, root: str | None = None, bos_token: str = "",
+         eos_token: str = "", strict: bool = True) -> ModelTokenizer:
+    """The route's tokenizer: the file's, else cl100k. `root`: where mount paths resolve when the
+    process has no mount namespace of its own (PD_LOCAL_ROOT, the local cluster's process runtime).
+    A file that cannot be read stops a gateway of one model at start, naming it (`strict`: a wrong
+    tokenizer would count every request wrong); in a gateway of several models (a PDGateway) that
+    model answers 503 saying why, and the others are served."""
     if not path:
         return Cl100k()
     where = os.path.join(root, path.lstrip("/")) if root else path
     try:
-        return HuggingFace(where, chat_template)
+        return HuggingFace(where, chat_template, bos_token, eos_token)
     except Exception as e:
-        raise SystemExit(f"pd_gateway: the tokenizer {path!r} (spec.model.tokenizer) cannot be loaded: {e}") from None
+        if strict:
+            raise SystemExit(f"pd_gateway: the tokenizer {path!r} (spec.model.tokenizer) cannot be loaded: {e}") \
+                from None
+        log.error("the tokenizer %r (spec.model.tokenizer) cannot be loaded: %s; its model answers 503", path, e)
+        return Unloadable(path, str(e))

@@ -32,14 +32,15 @@ for name in pd-operator pd-sim-agent pd-gateway pd-reference-engine; do
 done
 # The engine wheel in vendors' images (hack/images/vendor.Dockerfile): NAME:TAG TARGET BASE. The bases
 # are the vendors' published images (set the variables to your registry's copies); where one cannot
-# be pulled, a stand-in with vllm-ascend 0.9.1's Python packages (hack/images/vendor-standin.Dockerfile).
+# be pulled, a stand-in with vllm-ascend 0.9.1's Python packages (hack/images/vendor-standin.Dockerfile),
+# and the image's tag says so (`...:v0.9.1-standin`): it is no image to run.
 VENDOR_IMAGES=(
   "vllm-ascend-pd:v0.9.1 engine ${VLLM_ASCEND_BASE:-quay.io/ascend/vllm-ascend:v0.9.1}"
   "pd-ascend-agent:8.0 agent ${CANN_BASE:-quay.io/ascend/cann:8.0.0-910b-ubuntu22.04-py3.10}"
   "mindie-pd-agent:2.1 agent ${MINDIE_BASE:-swr.cn-south-1.myhuaweicloud.com/ascendhub/mindie:2.1.RC1-800I-A2-py311-openeuler24.03-lts}"
 )
 STANDIN=pd-local/vendor-standin:vllm-ascend-0.9.1
-"$PY" hack/engine-wheel/build.py --out dist >/dev/null 2>&1
+"$PY" hack/engine-wheel/build.py --out dist >/dev/null
 standin() {
   if ! docker image inspect "$STANDIN" >/dev/null 2>&1; then
     rm -rf build/vllm-standin-wheels
@@ -54,6 +55,8 @@ vendor_tags=()
 for entry in "${VENDOR_IMAGES[@]}"; do
   read -r image target base <<<"$entry"
   if ! docker image inspect "$base" >/dev/null 2>&1 && ! timeout 30 docker pull -q "$base" >/dev/null 2>&1; then
+    # tagged as what it is: never the name of the image built on the vendor's release
+    image="$image-standin"
     echo "[images] $base cannot be pulled here: $REGISTRY/$image FROM a stand-in"
     base=$(standin)
   fi

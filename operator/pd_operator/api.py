@@ -96,9 +96,14 @@ class Tokenizer(Model):
     config_map: TokenizerConfigMap | None = None
     persistent_volume_claim: TokenizerClaim | None = None
     chat_template: str | None = Field(
-        default=None, max_length=65536,
-        description="a Jinja2 chat template as in tokenizer_config.json's chat_template (rendered with messages and "
-                    "add_generation_prompt true, in a sandbox); without one, a line `role: content` per message")
+        default=None, max_length=24576,
+        description="a Jinja2 chat template as in tokenizer_config.json's chat_template (rendered with messages, "
+                    "add_generation_prompt true, bos_token and eos_token, in a sandbox); without one, a line "
+                    "`role: content` per message")
+    bos_token: str | None = Field(default=None, max_length=256,
+                                  description="tokenizer_config.json's bos_token, as the chat template writes it")
+    eos_token: str | None = Field(default=None, max_length=256,
+                                  description="tokenizer_config.json's eos_token, as the chat template writes it")
 
     @model_validator(mode="after")
     def _one_source(self) -> "Tokenizer":

@@ -115,9 +115,10 @@ def gateway_objects(name: str, namespace: str, spec: PDDeploymentSpec, owner: di
         env.append({"name": gwenv.PD_GATEWAY_ENGINE_PORT, "value": str(port)})
     tok = tokenizer_mount(name, spec)
     if tok is not None:
-        env.append({"name": gwenv.PD_GATEWAY_TOKENIZER, "value": tok[2]["tokenizer"]})
-        if "chatTemplate" in tok[2]:
-            env.append({"name": gwenv.PD_GATEWAY_CHAT_TEMPLATE, "value": tok[2]["chatTemplate"]})
+        for k, var in (("tokenizer", gwenv.PD_GATEWAY_TOKENIZER), ("chatTemplate", gwenv.PD_GATEWAY_CHAT_TEMPLATE),
+                       ("bosToken", gwenv.PD_GATEWAY_BOS_TOKEN), ("eosToken", gwenv.PD_GATEWAY_EOS_TOKEN)):
+            if k in tok[2]:
+                env.append({"name": var, "value": tok[2][k]})
     config = config or OperatorConfig()
     meta = object_meta(n, namespace, owner, labels)
     resources = with_defaults(gw.resources.model_dump(exclude_none=True) if gw.resources else None,
@@ -140,8 +141,8 @@ def tokenizer_mount(deployment: str, spec: PDDeploymentSpec) -> tuple[dict, dict
         return None
     vol = f"tok-{hashlib.sha256(deployment.encode()).hexdigest()[:12]}"
     where = f"{TOKENIZERS_DIR}/{deployment}"
-    if t.config_map is not None:
-        volume = {"name": vol, "configMap": {"name": t.config_map.name,
+    if t.config_map is not None:   # optional: a missing one is the gateway's to report, not a pod that never starts
+        volume = {"name": vol, "configMap": {"name": t.config_map.name, "optional": True,
                                              "items": [{"key": t.config_map.key, "path": "tokenizer.json"}]}}
         path = f"{where}/tokenizer.json"
     else:
@@ -149,7 +150,8 @@ def tokenizer_mount(deployment: str, spec: PDDeploymentSpec) -> tuple[dict, dict
         volume = {"name": vol, "persistentVolumeClaim": {"claimName": t.persistent_volume_claim.claim_name,
                                                          "readOnly": True}}
         path = f"{where}/{t.persistent_volume_claim.path}"
-    route = {"tokenizer": path, **({"chatTemplate": t.chat_template} if t.chat_template else {})}
+    route = {"tokenizer": path, **{k: v for k, v in (("chatTemplate", t.chat_template), ("bosToken", t.bos_token),
+                                                      ("eosToken", t.eos_token)) if v}}
     return volume, {"name": vol, "mountPath": where, "readOnly": True}, route
 
 

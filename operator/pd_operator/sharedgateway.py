@@ -155,7 +155,11 @@ def objects(name: str, namespace: str, spec: PDGatewaySpec, owner: dict, r: Rout
         if s.engine_port:
             route["enginePort"] = s.engine_port
         if s.tokenizer:
-            route.update(s.tokenizer[2])
+            settings = dict(s.tokenizer[2])
+            if "chatTemplate" in settings:   # in a variable of its own: one variable holds at most 128 KiB
+                route["chatTemplateEnv"] = gwenv.route_template_env(s.deployment)
+                env.append({"name": route["chatTemplateEnv"], "value": settings.pop("chatTemplate")})
+            route.update(settings)
         routes.append(route)
         # optional: a deployment just selected may not have its token yet; its requests wait for it
         env.append({"name": token_env, "valueFrom": {"secretKeyRef": {

@@ -51,11 +51,17 @@ def recordable() -> dict[str, type]:
     return out
 
 
+_registry: tuple[int, dict[str, type]] = (-1, {})
+
+
 def _class(qual: str) -> type:
+    global _registry
     mod, _, name = qual.partition(":")
     if not mod.startswith(_MODULES):
         raise ValueError(f"a recording may name only the operator's types, not {qual}")
-    cls = recordable().get(qual)
+    if _registry[0] != len(sys.modules):   # built again only when modules were loaded since
+        _registry = (len(sys.modules), recordable())
+    cls = _registry[1].get(qual)
     if cls is None:
         raise ValueError(f"{qual} is not a type the operator's or the contract's modules define")
     return cls

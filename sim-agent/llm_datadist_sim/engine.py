@@ -110,6 +110,7 @@ class Cache:
         return self
 
     registered = False
+    users = 0   # pulls reading or writing it now (registered memory is given back only when none is)
 
     def slot(self, tensor: int, index: int) -> memoryview:
         return memoryview(self.tensors[tensor])[index * self.slot_bytes:(index + 1) * self.slot_bytes]
@@ -364,6 +365,15 @@ class _PromptServer:
         mgr = self.engine.kv_cache_manager
         with mgr.lock:
             cache = mgr.blocks.get(req["model_id"])
+            if cache is not None:
+                cache.users += 1     # registered memory is not given back while it is read
+        try:
+            self._send_blocks(conn, req, cache)
+        finally:
+            if cache is not None:
+                mgr.done_with(cache)
+
+    def _send_blocks(self, conn: socket.socket, req: dict, cache: "Cache | None") -> None:
         if cache is None:
             send_msg(conn, {"ret": C.LLM_KV_CACHE_NOT_EXIST.name,
                             "message": f"no blocks cache for model_id={req['model_id']} on prompt "
@@ -400,6 +410,7 @@ class KvCacheManager:
     def __init__(self, engine: "LLMDataDist"):
         self.engine = engine
         self.lock = threading.RLock()
+        self.idle = threading.Condition(self.lock)   # a cache's pulls ended
         self.caches: dict[int, Cache] = {}
         self.keyed: dict[tuple[int, int, int], tuple[Cache, int]] = {}
         self.blocks: dict[int, Cache] = {}  # model_id -> prompt blocks cache
@@ -534,8 +545,14 @@ class KvCacheManager:
         return self._add_blocks_cache(lambda: Cache.at(cache_desc, addrs, is_blocks=True), blocks_cache_key,
                                       "register_blocks_cache")
 
+    def done_with(self, cache: Cache) -> None:
+        with self.lock:
+            cache.users -= 1
+            self.idle.notify_all()
+
     def unregister_cache(self, cache_id: int) -> None:
-        """Give registered memory back: nothing reads or writes it after this returns."""
+        """Give registered memory back: nothing reads or writes it after this returns (pulls of it
+        under way end first; no new one starts)."""
         self._check()
         with self.lock:
             cache = self.caches.get(cache_id)
@@ -545,6 +562,8 @@ class KvCacheManager:
             cache.deallocated = True
             if cache.blocks_key is not None:
                 self.blocks.pop(cache.blocks_key.model_id, None)
+            while cache.users:
+                self.idle.wait(timeout=1.0)
             for ident in list(cache.keys):
                 self.keyed.pop(ident, None)
             cache.keys.clear()
@@ -639,9 +658,15 @@ class KvCacheManager:
         header = {"op": "pull_blocks", "model_id": prompt_cache_key.model_id, "blocks": list(prompt_blocks),
                   "num_tensors": decoder_kv_cache.cache_desc.num_tensors,
                   "slot_bytes": decoder_kv_cache.slot_bytes}
-        targets = [decoder_kv_cache.slot(t, b) for t in range(decoder_kv_cache.cache_desc.num_tensors)
-                   for b in decoder_blocks]
-        self._exchange(link, header, targets)
+        with self.lock:
+            raise_if(decoder_kv_cache.deallocated, C.LLM_PARAM_INVALID, "decoder_kv_cache was given back")
+            decoder_kv_cache.users += 1
+        try:
+            targets = [decoder_kv_cache.slot(t, b) for t in range(decoder_kv_cache.cache_desc.num_tensors)
+                       for b in decoder_blocks]
+            self._exchange(link, header, targets)
+        finally:
+            self.done_with(decoder_kv_cache)
 
     def copy_cache(self, dst: Cache, src: Cache, dst_batch_index: int = 0, src_batch_index: int = 0,
                    offset: int = 0, size: int = -1) -> None:

@@ -1,6 +1,7 @@
 """The slim engine wheel (pd-engine, hack/engine-wheel/build.py) installs where vllm-ascend's images
-are: into a Python 3.10 venv that already has numpy 1.26, leaving numpy as it was, and the vLLM
-connector's and the vLLM stand-in's tests pass against the installed wheel (not the checkout)."""
+are: into a venv that already has numpy 1.26, leaving numpy as it was, and the vLLM connector's and
+the vLLM stand-in's tests pass against the installed wheel (not the checkout). The venv is Python
+3.10 where the machine has one (this one does, through pyenv), else this Python (printed)."""
 from __future__ import annotations
 
 import shutil

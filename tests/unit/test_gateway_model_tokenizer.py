@@ -36,8 +36,8 @@ serve = test_gateway_hardening.serve   # the fixture: a gateway on a loopback po
 
 @pytest.fixture
 def serve_with(serve, tokenizer_json):
-    async def make(template: str | None) -> tuple[Served, gwtok.HuggingFace]:
-        tok = gwtok.load(str(tokenizer_json), template)
+    async def make(template: str | None, bos: str = "") -> tuple[Served, gwtok.HuggingFace]:
+        tok = gwtok.load(str(tokenizer_json), template, bos_token=bos)
         assert isinstance(tok, gwtok.HuggingFace)
         agents = FakeAgents()
         agents.reply_ids = tok.encode("engines share the load")
@@ -75,11 +75,9 @@ async def test_a_template_that_refuses_the_messages_is_a_400(serve_with):
 
 async def test_the_template_runs_in_a_sandbox(tokenizer_json):
     tok = gwtok.load(str(tokenizer_json), "{{ messages.__class__.__mro__[1].__subclasses__() }}")
-    from jinja2.exceptions import SecurityError
-
     from pd_gateway import wire
     body = wire.ChatRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}]})
-    with pytest.raises(SecurityError):
+    with pytest.raises(gwtok.PromptRefused, match="SecurityError"):
         tok.prompt(body)
 
 
@@ -89,3 +87,29 @@ def test_a_tokenizer_that_cannot_be_read_stops_the_gateway_naming_it(tmp_path):
     with pytest.raises(SystemExit, match="tokenizer.json"):
         gwtok.load(str(bad))
     assert isinstance(gwtok.load(None), gwtok.Cl100k)
+    assert isinstance(gwtok.load(str(bad), strict=False), gwtok.Unloadable)   # a PDGateway's route
+
+
+async def test_a_routes_tokenizer_that_cannot_be_read_answers_503_for_its_model_alone(serve, tmp_path):
+    tok = gwtok.load(str(tmp_path / "missing.json"), strict=False)
+    s = await serve(tokenizer=tok)
+    r = await s.post(CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
+    assert r.status_code == 503 and "missing.json" in r.json()["error"]["message"]
+    assert s.agents.engine_calls == 0
+
+
+async def test_the_template_gets_the_models_special_tokens_and_any_error_it_raises_is_a_400(serve_with):
+    s, tok = await serve_with("{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}", bos="<s>")
+    r = await s.post(CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "a link"}], "max_tokens": 2})
+    assert s.agents.bodies["/v1/prefill"][0]["token_ids"] == tok.tok.encode("<s>a link",
+                                                                            add_special_tokens=False).ids
+    s, _ = await serve_with("{{ messages + 1 }}")
+    r = await s.post(CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
+    assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
+
+
+async def test_a_completion_prompt_gets_the_tokenizers_special_tokens_beside_a_template(serve_with):
+    s, tok = await serve_with(TEMPLATE)
+    r = await s.post("/v1/completions", {"model": MODEL, "prompt": "a link", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert s.agents.bodies["/v1/prefill"][0]["token_ids"] == tok.tok.encode("a link", add_special_tokens=True).ids

@@ -33,16 +33,19 @@ def pod(objs: list[dict], name: str) -> dict:
 
 
 def test_a_configmap_tokenizer_is_mounted_and_named_in_the_env():
-    sp = parse_spec(spec({"configMap": {"name": "qwen-tok", "key": "tok.json"}, "chatTemplate": "{{ x }}"}))
+    sp = parse_spec(spec({"configMap": {"name": "qwen-tok", "key": "tok.json"}, "chatTemplate": "{{ x }}",
+                          "bosToken": "<s>"}))
     p = pod(gateway_objects("d", "ns", sp, {"uid": "u"}, image="g:1", config=OperatorConfig()), "d-gateway")
     vol = next(v for v in p["volumes"] if "configMap" in v)
-    assert vol["configMap"] == {"name": "qwen-tok", "items": [{"key": "tok.json", "path": "tokenizer.json"}]}
+    assert vol["configMap"] == {"name": "qwen-tok", "optional": True,
+                                "items": [{"key": "tok.json", "path": "tokenizer.json"}]}
     c = p["containers"][0]
     mount = next(m for m in c["volumeMounts"] if m["name"] == vol["name"])
     assert mount["readOnly"] is True and mount["mountPath"] == "/etc/pd-gateway/tokenizers/d"
     env = {e["name"]: e.get("value") for e in c["env"]}
     assert env["PD_GATEWAY_TOKENIZER"] == "/etc/pd-gateway/tokenizers/d/tokenizer.json"
-    assert env["PD_GATEWAY_CHAT_TEMPLATE"] == "{{ x }}"
+    assert env["PD_GATEWAY_CHAT_TEMPLATE"] == "{{ x }}" and env["PD_GATEWAY_BOS_TOKEN"] == "<s>"
+    assert "PD_GATEWAY_EOS_TOKEN" not in env
 
 
 def test_a_claim_tokenizer_is_mounted_read_only():
@@ -82,5 +85,6 @@ def test_a_pdgateway_mounts_each_routes_tokenizer():
     env = {e["name"]: e.get("value") for e in p["containers"][0]["env"]}
     routes = {x["deployment"]: x for x in json.loads(env["PD_GATEWAY_ROUTES"])}
     assert routes["a"]["tokenizer"] == "/etc/pd-gateway/tokenizers/a/tokenizer.json"
-    assert routes["a"]["chatTemplate"] == "T" and "tokenizer" not in routes["b"]
+    assert env[routes["a"]["chatTemplateEnv"]] == "T" and "chatTemplate" not in routes["a"]
+    assert "tokenizer" not in routes["b"]
     assert [v["configMap"]["name"] for v in p["volumes"] if "configMap" in v] == ["tok-a"]
