@@ -8,6 +8,9 @@ kubectl="$BIN_DIR/kubectl"
 helm="$BIN_DIR/helm"
 step() { printf '\n\033[1m==> %s\033[0m\n' "$*"; }
 
+# the namespace it watches first: the chart gives the operator its rights there, in Roles
+"$kubectl" create namespace pd-demo --dry-run=client -o yaml | "$kubectl" apply -f - >/dev/null
+
 step "installing the operator (charts/pd-operator) into pd-system, watching pd-demo"
 # watching pd-demo only: the cluster is also where `make test` runs, and an operator watching every
 # namespace would act on the tests' deployments beside each test's own operator
@@ -16,7 +19,6 @@ step "installing the operator (charts/pd-operator) into pd-system, watching pd-d
 "$kubectl" -n pd-system get pods -o wide
 
 step "applying examples/sim-small.yaml (2 prefill + 2 decoder, simulator backend)"
-"$kubectl" create namespace pd-demo --dry-run=client -o yaml | "$kubectl" apply -f - >/dev/null
 "$kubectl" -n pd-demo apply -f examples/sim-small.yaml
 
 step "waiting for phase Ready (links up, KV path verified)"
