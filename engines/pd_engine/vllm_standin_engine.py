@@ -17,8 +17,10 @@ Requests (pd_engine.vllm_standin serves them over HTTP, with vLLM's request and 
   connector's kv_transfer_params.
 - `kv_transfer_params: {"do_remote_prefill": true, ...}`: the connector pulls the prompt's blocks over
   the operator's link into this engine's blocks; as vLLM does, the last prompt token is computed
-  again here (its logits give the first output token) and decoding goes on from the pulled KV. A pull
-  that fails is recomputed locally, as vLLM recomputes blocks it could not load.
+  again here from the KV before it (its logits give the first output token), and decoding goes on
+  over every pulled position (the last one's KV kept as the prefill computed it, so the state is the
+  one a single engine decodes from). A pull that fails is recomputed locally, as vLLM recomputes
+  blocks it could not load.
 - neither: the whole request here.
 The model is the one `--reference-model` or `PD_REFERENCE_MODEL` names, else one built from the
 CacheDesc. Prompts are tokenized with cl100k (pd_contract.tokens), a chat as a line
@@ -256,7 +258,7 @@ class StandIn:
                 self._schedule()
                 failed = self.worker.load_errors.pop(rid, None)
                 self.worker.get_block_ids_with_load_errors()
-                kv = None if failed or n < 2 else self.read_kv(blocks, n - 1)
+                kv = None if failed or n < 2 else self.read_kv(blocks, n)
             finally:
                 self.free += blocks
             self.counts["decode"] += 1
@@ -266,10 +268,14 @@ class StandIn:
                 self.counts["recomputed"] += 1
             yield from self.local(gen)
             return
+        # the last prompt token's logits computed here, from the pulled KV before it (as vLLM's decoder
+        # does); the decode then attends over every pulled position, the last one's KV as the prefill
+        # computed it: the state one engine decodes from, so the output is that engine's
+        logits = m.step(m.state([kv], n - 1), gen.ids[-1])
         for i in range(gen.n):
-            st = m.state([kv], n - 1, reserve=n + gen.max_tokens)
+            st = m.state([kv], n, reserve=n + gen.max_tokens)
             seed = gen.seed + i
-            first = m.sample(m.step(st, gen.ids[-1]), gen.temperature, gen.top_p, seed, 0)
+            first = m.sample(logits, gen.temperature, gen.top_p, seed, 0)
             for tok in m.continue_(st, first, gen.max_tokens, gen.temperature, gen.top_p, seed):
                 yield i, tok
 
