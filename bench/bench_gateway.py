@@ -14,7 +14,12 @@ The vLLM path (`--paths vllm`): one prefill and one decoder vLLM stand-in
 chat completion sent with vLLM's P-D protocol straight to the engines (the prefill, then the
 decoder with its kv_transfer_params) and through the gateway, which does the same.
 
-    python bench/bench_gateway.py [--paths token,vllm] [--requests 300] [--concurrency 32] [--seconds 10]"""
+The abusive tenant (`--paths abuse`): on the token path, one key sends what a hostile client
+would: huge bodies (8 MiB chats of ~270,000 tiny messages, 8 MiB one-word prompts, 8 MiB of
+empty arrays) from 8 connections, and headers with no body from 32 more, while another key sends
+the same small request one at a time; its latency beside its latency on an idle gateway.
+
+    python bench/bench_gateway.py [--paths token,vllm,abuse] [--requests 300] [--concurrency 32] [--seconds 10]"""
 from __future__ import annotations
 
 import argparse
@@ -36,6 +41,7 @@ from common import cpu_seconds  # noqa: E402
 from tests.agent_procs import TOKEN, AgentProc, next_ip  # noqa: E402
 
 KEY = "sk-bench-gateway-0001"
+ABUSER = "sk-bench-gateway-abuser-0001"
 MODEL = "bench-model"
 OUTPUT_TOKENS = 4
 
@@ -145,7 +151,8 @@ async def ready(http: httpx.AsyncClient, url: str, what: str, timeout: float = 9
 def start_gateway(agents: str, logs: Path, **extra: str) -> tuple[subprocess.Popen, str]:
     ip = next_ip()
     e = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
-    e.update(PD_GATEWAY_AGENTS=agents, PD_GATEWAY_API_KEYS=json.dumps({"bench": KEY}), PD_MODEL_NAME=MODEL,
+    e.update(PD_GATEWAY_AGENTS=agents, PD_GATEWAY_API_KEYS=json.dumps({"bench": KEY, "abuser": ABUSER}),
+             PD_MODEL_NAME=MODEL,
              PD_AGENT_DATA_TOKEN=TOKEN, PD_LOCAL_POD_IP=ip, **extra)
     gw = subprocess.Popen([sys.executable, "-m", "pd_gateway"], env=e, stdout=subprocess.DEVNULL,
                           stderr=open(logs / "bench-gateway.log", "ab"))
@@ -224,26 +231,36 @@ async def closed_loop(fn, concurrency: int, seconds: float) -> tuple[int, int]:
     return done, failed
 
 
-async def token_path(args) -> dict:
+def agent_pair(logs: Path) -> tuple[AgentProc, AgentProc]:
+    """A prefill and a decoder agent on CPU 1, linked, the simulator's timing near zero."""
     env = {"PD_SIM_TIME_SCALE": "0.001"}
-    logs = Path(os.environ.get("TMPDIR", "/tmp"))
     p = AgentProc("prompt", 0, env=env, log=open(logs / "bench-gateway-prompt.log", "wb"))
     d = AgentProc("decoder", 1000, env=env, log=open(logs / "bench-gateway-decoder.log", "wb"))
+    assert d.post("/v1/link", {"peers": [p.peer()]}).json()["ret"] == "LLM_SUCCESS"
+    for a in (p, d):
+        os.sched_setaffinity(a.proc.pid, {1})
+    return p, d
+
+
+async def has_decoders(http: httpx.AsyncClient, url: str) -> None:
+    for _ in range(100):
+        try:
+            if (await http.get(f"{url}/healthz")).json().get("decoders"):
+                return
+        except httpx.HTTPError:
+            pass
+        await asyncio.sleep(0.1)
+
+
+async def token_path(args) -> dict:
+    logs = Path(os.environ.get("TMPDIR", "/tmp"))
+    p, d = agent_pair(logs)
     gw = None
     try:
-        assert d.post("/v1/link", {"peers": [p.peer()]}).json()["ret"] == "LLM_SUCCESS"
-        for a in (p, d):
-            os.sched_setaffinity(a.proc.pid, {1})
         gw, url = start_gateway(f"{p.url},{d.url}", logs)
         async with httpx.AsyncClient(trust_env=False, timeout=30,
                                      limits=httpx.Limits(max_connections=512)) as http:
-            for _ in range(100):
-                try:
-                    if (await http.get(f"{url}/healthz")).json().get("decoders"):
-                        break
-                except httpx.HTTPError:
-                    pass
-                await asyncio.sleep(0.1)
+            await has_decoders(http, url)
             ids = iter(range(1, 10**9))
             for _ in range(20):   # warm up both paths
                 await direct_once(http, p, d, next(ids))
@@ -264,6 +281,101 @@ async def token_path(args) -> dict:
             "direct_name": "straight to the agents"}
 
 
+def huge_bodies() -> list[bytes]:
+    """What an abusive client sends: 8 MiB each, just under the gateway's body limit."""
+    size = (8 << 20) - 4096
+    chat = {"model": MODEL, "max_tokens": 4, "messages": []}
+    one = {"role": "user", "content": "hi"}
+    chat["messages"] = [one] * ((size - 64) // (len(json.dumps(one)) + 2))
+    word = {"model": MODEL, "max_tokens": 4, "prompt": "a" * (size - 64)}
+    empties = b'{"model": "' + MODEL.encode() + b'", "messages": [' + b",".join([b"[]"] * ((size - 64) // 3)) + b"]}"
+    return [json.dumps(chat).encode(), json.dumps(word).encode(), empties]
+
+
+async def header_only(host: str, port: int, stop: float) -> None:
+    """A connection that sends a request's headers and never its body, opened again when closed."""
+    while time.monotonic() < stop:
+        try:
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {ABUSER}\r\n"
+                         f"Content-Type: application/json\r\nContent-Length: {8 << 20}\r\n\r\n".encode())
+            await writer.drain()
+            await asyncio.wait_for(reader.read(), max(0.1, stop - time.monotonic()))
+            writer.close()
+        except (OSError, TimeoutError):
+            await asyncio.sleep(0.1)
+
+
+async def abuse_path(args) -> dict:
+    logs = Path(os.environ.get("TMPDIR", "/tmp"))
+    p, d = agent_pair(logs)
+    gw = None
+    statuses: dict[str, int] = {}
+    try:
+        gw, url = start_gateway(f"{p.url},{d.url}", logs)
+        host, port = url.split("//")[1].split(":")
+        bodies = huge_bodies()
+        async with httpx.AsyncClient(trust_env=False, timeout=120,
+                                     limits=httpx.Limits(max_connections=512)) as http:
+            await has_decoders(http, url)
+            for _ in range(20):
+                await gateway_once(http, url)
+            idle = await latency(lambda: gateway_once(http, url), args.requests)
+            stop = time.monotonic() + 3600
+
+            async def huge(i: int) -> None:
+                while time.monotonic() < stop:
+                    body = bodies[i % len(bodies)]
+                    path = "/v1/completions" if b'"prompt"' in body[:200] else "/v1/chat/completions"
+                    try:
+                        r = await http.post(f"{url}{path}", content=body, headers={
+                            "Authorization": f"Bearer {ABUSER}", "Content-Type": "application/json"})
+                        statuses[str(r.status_code)] = statuses.get(str(r.status_code), 0) + 1
+                    except httpx.HTTPError as e:
+                        statuses[type(e).__name__] = statuses.get(type(e).__name__, 0) + 1
+                    i += 1
+            abusers = [asyncio.create_task(huge(i)) for i in range(8)]
+            abusers += [asyncio.create_task(header_only(host, int(port), stop)) for _ in range(32)]
+            await asyncio.sleep(3)   # the abuse in full swing
+            c0, t0 = cpu_seconds(gw.pid), time.monotonic()
+            failed: dict[str, int] = {}
+
+            async def victim() -> None:
+                try:
+                    await gateway_once(http, url)
+                except Exception as e:  # noqa: BLE001 - counted: the other key's request refused or failed
+                    failed[str(e)[:60]] = failed.get(str(e)[:60], 0) + 1
+            abused = await latency(victim, args.requests)
+            span = time.monotonic() - t0
+            cpu = (cpu_seconds(gw.pid) - c0) / span * 100
+            stop = 0.0
+            for t in abusers:
+                t.cancel()
+            await asyncio.gather(*abusers, return_exceptions=True)
+    finally:
+        if gw is not None:
+            gw.terminate()
+            try:   # a tokenizer thread cannot be cut short: the gateway ends when it returns
+                gw.wait(60)
+            except subprocess.TimeoutExpired:
+                gw.kill()
+        p.stop()
+        d.stop()
+    return {"idle": idle, "abused": abused, "statuses": statuses, "span": span, "cpu": cpu, "failed": failed}
+
+
+def report_abuse(r: dict, args) -> None:
+    print(f"an abusive key beside another key ({args.requests} sequential {OUTPUT_TOKENS}-token streamed chats "
+          f"from the other key):")
+    for what, xs in (("the gateway idle", r["idle"]), ("under abuse", r["abused"])):
+        print(f"  {what:24s} p50 {pct(xs, 0.5):7.2f} ms  p99 {pct(xs, 0.99):7.2f} ms  max {max(xs):7.2f} ms")
+    print(f"  the other key's requests failed: {sum(r['failed'].values())} of {args.requests}")
+    for err, n in r["failed"].items():
+        print(f"    {n}x {err}")
+    answered = ", ".join(f"{n}x {s}" for s, n in sorted(r["statuses"].items()))
+    print(f"  abusive huge bodies answered: {answered or 'none'}; gateway CPU {r['cpu']:.0f}% over {r['span']:.0f} s")
+
+
 def report(name: str, r: dict, args) -> None:
     direct, via = r["direct"], r["via"]
     print(f"{name}: per request ({OUTPUT_TOKENS}-token streamed completion, {args.requests} sequential requests each):")
@@ -281,6 +393,9 @@ async def main_async(args) -> None:
     paths = {"token": ("the token path (agents)", token_path), "vllm": ("the vLLM path (vLLM's P-D protocol)",
                                                                        vllm_path)}
     for key in args.paths.split(","):
+        if key == "abuse":
+            report_abuse(await abuse_path(args), args)
+            continue
         name, run = paths[key]
         ERRORS.clear()
         report(name, await run(args), args)
@@ -290,7 +405,7 @@ async def main_async(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--paths", default="token,vllm", help="token, vllm or both (comma-separated)")
+    ap.add_argument("--paths", default="token,vllm,abuse", help="token, vllm, abuse (comma-separated)")
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--seconds", type=float, default=10)

@@ -72,11 +72,12 @@ from pd_contract.routing import (
     summary,
 )
 
-from . import policy, vllm_route, wire
+from . import bodies, policy, vllm_route, wire
+from .bodies import BodyBytes, Held, Lanes, Refused
 from .keys import MIN_KEY_LENGTH, REFRESH_S, Keys, RateLimits, from_env, from_secret
 from .metrics import GatewayMetrics
 from .stops import StopScanner
-from .tokenizer import Cl100k, HuggingFace, ModelTokenizer, PromptRefused
+from .tokenizer import Cl100k, HuggingFace, ModelTokenizer, PromptRefused, PromptTooLong
 from .tokenizer import Unavailable as TokenizerUnavailable
 from .tokenizer import load as load_tokenizer
 from .usage import DAY, MAX_NAME, SYNC_S, ConfigMapStore, Usage
@@ -138,6 +139,8 @@ class Config:
     max_streams_per_key: int = MAX_STREAMS_PER_KEY
     max_body_bytes: int = MAX_BODY_BYTES
     max_body_bytes_in_flight: int = MAX_BODY_BYTES_IN_FLIGHT
+    max_body_bytes_per_key: int | None = None   # default: half the bytes in flight, at least one body
+    max_json_values: int = bodies.MAX_JSON_VALUES
     body_timeout_s: float = BODY_TIMEOUT_S
     header_timeout_s: float = HEADER_TIMEOUT_S
     token_gap_timeout_s: float = TOKEN_GAP_TIMEOUT_S
@@ -172,6 +175,8 @@ class Config:
                    max_body_bytes=_positive(env, "PD_GATEWAY_MAX_BODY_BYTES", MAX_BODY_BYTES),
                    max_body_bytes_in_flight=_positive(env, "PD_GATEWAY_MAX_BODY_BYTES_IN_FLIGHT",
                                                       MAX_BODY_BYTES_IN_FLIGHT),
+                   max_body_bytes_per_key=_positive(env, "PD_GATEWAY_MAX_BODY_BYTES_PER_KEY", None),
+                   max_json_values=_positive(env, "PD_GATEWAY_MAX_JSON_VALUES", bodies.MAX_JSON_VALUES),
                    body_timeout_s=_positive(env, "PD_GATEWAY_BODY_TIMEOUT_S", BODY_TIMEOUT_S, float),
                    header_timeout_s=_positive(env, "PD_GATEWAY_HEADER_TIMEOUT_S", HEADER_TIMEOUT_S, float),
                    token_gap_timeout_s=_positive(env, "PD_GATEWAY_UPSTREAM_READ_TIMEOUT_S", TOKEN_GAP_TIMEOUT_S,
@@ -251,23 +256,6 @@ class Streams:
             del self.by_key[key]
 
 
-class BodyBytes:
-    """Body bytes held by the requests in flight: past the budget a request is refused at once,
-    as past the streams' bounds."""
-
-    def __init__(self, total: int):
-        self.total, self.used = total, 0
-
-    def take(self, n: int) -> bool:
-        if self.used + n > self.total:
-            return False
-        self.used += n
-        return True
-
-    def give(self, n: int) -> None:
-        self.used -= n
-
-
 def api_of(path: str) -> str:
     return "anthropic" if "messages" in path else "openai"
 
@@ -297,7 +285,10 @@ class Gateway:
         self.m = metrics or GatewayMetrics()
         self.streams = Streams(cfg.max_streams_per_key, cfg.max_streams)
         # never below one body of the largest size, or that body could never be taken
-        self.body_bytes = BodyBytes(max(cfg.max_body_bytes_in_flight, cfg.max_body_bytes))
+        total = max(cfg.max_body_bytes_in_flight, cfg.max_body_bytes)
+        self.body_bytes = BodyBytes(total, min(total, max(cfg.max_body_bytes_per_key or total // 2,
+                                                          cfg.max_body_bytes)))
+        self.lanes = Lanes()
         self.tasks: dict[str, asyncio.Task] = {}
         self.dead: dict[str, str] = {}   # background task -> how it ended
         for r in routes:
@@ -348,28 +339,34 @@ class Gateway:
                                     headers={"Retry-After": str(max(1, round(wait)))})
         return name, None
 
-    async def read_json(self, request: web.Request, api: str) -> tuple[Any, web.Response | None]:
-        """The body as JSON, bounded in size and read time; every way it can be wrong is a 4xx."""
-        limit = self.cfg.max_body_bytes
-        too_large = self.error(api, 413, f"the body is over {limit} bytes", "invalid_request_error",
-                               "request_too_large")
-        if request.content_length is not None and request.content_length > limit:
-            return None, too_large
+    async def read_body(self, request: web.Request, api: str, held: Held) -> tuple[bytes, web.Response | None]:
+        """The body, bounded in size and read time, its bytes charged to the body budget as they
+        arrive (`held`); every way it can be wrong is a 4xx."""
         charset = request.charset
         if charset and charset.lower() not in JSON_CHARSETS:
-            return None, self.error(api, 415, f"charset {charset[:40]!r}: the body must be JSON in UTF-8",
-                                    "invalid_request_error", "unsupported_charset")
+            return b"", self.error(api, 415, f"charset {charset[:40]!r}: the body must be JSON in UTF-8",
+                                   "invalid_request_error", "unsupported_charset")
         try:
-            raw = await asyncio.wait_for(request.read(), self.cfg.body_timeout_s)
-        except TimeoutError:
-            err = self.error(api, 408, f"the body was not received within {self.cfg.body_timeout_s:g}s",
-                             "invalid_request_error", "request_timeout")
-            err.force_close()
-            return None, err
-        except web.HTTPRequestEntityTooLarge:
-            return None, too_large
+            return await bodies.read(request, self.body_bytes, held, self.cfg.max_body_bytes,
+                                     self.cfg.body_timeout_s), None
+        except Refused as e:
+            return b"", self.refused_body(api, e)
         except HttpProcessingError as e:   # a bad chunked or compressed body
-            return None, self.error(api, 400, f"the body could not be read: {e.message}", "invalid_request_error")
+            return b"", self.error(api, 400, f"the body could not be read: {e.message}", "invalid_request_error")
+
+    def refused_body(self, api: str, e: Refused) -> web.Response:
+        err = self.error(api, e.status, e.message, e.etype, e.code,
+                         headers={"Retry-After": "1"} if e.status in (429, 503) else None)
+        if e.status in (408, 413, 429, 503):   # the rest of the body is not read: the connection is not reused
+            err.force_close()
+        return err
+
+    async def read_json(self, raw: bytes, api: str) -> tuple[Any, web.Response | None]:
+        """The body as JSON, bounded in its values before it is parsed."""
+        try:
+            await bodies.check_values(raw, self.cfg.max_json_values)
+        except Refused as e:
+            return None, self.refused_body(api, e)
         try:
             return json.loads(raw.decode("utf-8")), None
         except UnicodeDecodeError as e:
@@ -385,8 +382,17 @@ class Gateway:
             names.append(repr(r.model) + (f" (aliases {', '.join(map(repr, r.aliases))})" if r.aliases else ""))
         return ", ".join(names) or "no model yet"
 
-    async def parse(self, request: web.Request, model: type[wire.ApiRequest], api: str, key: str = ""):
-        data, err = await self.read_json(request, api)
+    async def parse(self, request: web.Request, model: type[wire.ApiRequest], api: str, key: str, held: Held):
+        raw, err = await self.read_body(request, api, held)
+        if err:
+            return None, err
+        if len(raw) < bodies.HEAVY_BYTES:
+            return await self._parse(raw, model, api, key)
+        async with self.lanes.lane(key):   # parsed and validated on the event loop: the key's turn
+            return await self._parse(raw, model, api, key)
+
+    async def _parse(self, raw: bytes, model: type[wire.ApiRequest], api: str, key: str):
+        data, err = await self.read_json(raw, api)
         if err:
             return None, err
         try:
@@ -511,17 +517,9 @@ class Gateway:
             return self.error(api, 503, f"the gateway has {self.cfg.max_streams} requests in flight, the most it "
                                         f"takes; retry shortly", "overloaded_error", "overloaded",
                               headers={"Retry-After": "1"})
-        # a body over the limit is refused (413) by the read: it holds no more than the limit
-        weight = min(request.content_length if request.content_length is not None else self.cfg.max_body_bytes,
-                     self.cfg.max_body_bytes)
-        if not self.body_bytes.take(weight):
-            self.streams.give(name)
-            self.m.requests.labels(name, endpoint, "503").inc()
-            return self.error(api, 503, f"the gateway holds {self.body_bytes.used} bytes of request bodies in "
-                                        f"flight, the most it takes; retry shortly", "overloaded_error",
-                              "overloaded", headers={"Retry-After": "1"})
+        held = Held(name)   # the body's bytes, charged as they arrive
         try:
-            parsed, err = await self.parse(request, model, api, name)
+            parsed, err = await self.parse(request, model, api, name, held)
             if err:
                 self.m.requests.labels(name, endpoint, str(err.status)).inc()
                 return err
@@ -540,9 +538,9 @@ class Gateway:
                                             f"token path, which does not implement {unsupported}; the request is "
                                             f"refused rather than answered without it", "invalid_request_error",
                                   "unsupported_parameter", param=unsupported)
-            return await self.serve(request, name, endpoint, body, route)
+            return await self.serve(request, name, endpoint, body, route, heavy=held.n >= bodies.HEAVY_BYTES)
         finally:
-            self.body_bytes.give(weight)
+            self.body_bytes.give(name, held.n)
             self.streams.give(name)
 
     async def not_found(self, request: web.Request) -> web.Response:
@@ -572,15 +570,35 @@ class Gateway:
                               "internal_error")
 
     # ---- one request -----------------------------------------------------------------------------
+    async def tokenize(self, route: Route, body: wire.ApiRequest) -> tuple[str, list[int]]:
+        """The prompt as the model reads it, and its token ids. A prompt too long for any
+        tokenization to fit the context is refused from its length, before it is tokenized."""
+        tok = route.tokenizer
+        prompt = await asyncio.to_thread(tok.prompt, body) if isinstance(tok, HuggingFace) else tok.prompt(body)
+        context = self.context(route)
+        at_least = -(-len(prompt) // tok.max_token_chars())   # no token is longer than that
+        if at_least >= context:
+            raise PromptTooLong(context, at_least, len(prompt))
+        templated = tok.templated(body)
+        if len(prompt) > THREAD_TOKENIZE_CHARS:   # the tokenizer lets go of the GIL meanwhile
+            ids = await asyncio.to_thread(tok.encode, prompt, templated)
+        else:
+            ids = tok.encode(prompt, templated)
+        return prompt, ids or tok.boundary()   # an empty prompt: the model starts from a document boundary
+
     async def serve(self, request: web.Request, key: str, api: str, body: wire.ApiRequest,
-                    route: Route | None = None) -> web.StreamResponse:
+                    route: Route | None = None, heavy: bool = False) -> web.StreamResponse:
         route = route or self.routes[0]
         model = route.model
         stream, include_usage = bool(body.stream), body.include_usage()
         t0 = time.monotonic()
-        tok, wire_api = route.tokenizer, "anthropic" if api == "anthropic" else "openai"
+        wire_api = "anthropic" if api == "anthropic" else "openai"
         try:
-            prompt = await asyncio.to_thread(tok.prompt, body) if isinstance(tok, HuggingFace) else tok.prompt(body)
+            if heavy:   # a large body's prompt: laid out and tokenized in its key's turn
+                async with self.lanes.lane(key):
+                    prompt, ids = await self.tokenize(route, body)
+            else:
+                prompt, ids = await self.tokenize(route, body)
         except PromptRefused as e:   # the chat template refused the messages (raise_exception, or any error)
             self.m.requests.labels(key, api, "400").inc()
             return self.error(wire_api, 400, f"the model's chat template refused the messages: {e}",
@@ -588,13 +606,10 @@ class Gateway:
         except TokenizerUnavailable as e:
             self.m.requests.labels(key, api, "503").inc()
             return self.error(wire_api, 503, str(e), "overloaded_error", "tokenizer_unavailable")
-        templated = tok.templated(body)
-        if len(prompt) > THREAD_TOKENIZE_CHARS:   # the tokenizer lets go of the GIL meanwhile
-            ids = await asyncio.to_thread(tok.encode, prompt, templated)
-        else:
-            ids = tok.encode(prompt, templated)
-        if not ids:   # an empty prompt: the model starts from a document boundary
-            ids = tok.boundary()
+        except PromptTooLong as e:
+            self.m.requests.labels(key, api, "400").inc()
+            return self.error(wire_api, 400, wire.prompt_too_long(api, e.context, e.at_least, e.chars),
+                              "invalid_request_error", "context_length_exceeded", param=body.PROMPT_PARAM)
         prompt_tokens = len(ids)
         # before any engine work: the prompt and the output asked for must fit the context; when
         # the client named no number, the default output shrinks to what fits

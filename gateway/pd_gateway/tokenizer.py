@@ -32,6 +32,11 @@ class ModelTokenizer(Protocol):
 
     def encode(self, text: str, templated: bool = False) -> list[int]: ...
 
+    def max_token_chars(self) -> int:
+        """The most characters of a prompt one token can stand for: a prompt of n characters is at
+        least n / this many tokens, known before it is tokenized."""
+        ...
+
     def boundary(self) -> list[int]:
         """What an empty prompt is: the document boundary the model starts from."""
         ...
@@ -50,6 +55,9 @@ class Cl100k:
 
     def encode(self, text: str, templated: bool = False) -> list[int]:
         return tokens.encode(text)
+
+    def max_token_chars(self) -> int:
+        return _cl100k_longest()
 
     def boundary(self) -> list[int]:
         return [tokens.ENDOFTEXT]
@@ -85,6 +93,7 @@ class HuggingFace:
         self.tok = Tokenizer.from_file(path)
         self.name = path
         self.specials = {"bos_token": bos_token, "eos_token": eos_token}
+        self._longest: int | None = None
         self.template = None
         if chat_template:
             from jinja2.exceptions import TemplateError
@@ -113,11 +122,37 @@ class HuggingFace:
         # a chat template writes the special tokens itself; any other prompt gets the tokenizer's
         return list(self.tok.encode(text, add_special_tokens=not templated).ids)
 
+    def max_token_chars(self) -> int:
+        if self._longest is None:
+            # a vocabulary entry's characters bound the text it stands for (a byte-level entry's
+            # character is one byte; a byte-fallback entry is longer than its byte); a normalizer
+            # may compose up to three characters into one (Hangul), so 4x
+            self._longest = 4 * max((len(t) for t in self.tok.get_vocab(with_added_tokens=True)), default=1)
+        return self._longest
+
     def boundary(self) -> list[int]:
         return list(self.tok.encode("", add_special_tokens=True).ids) or [0]
 
     def detokenizer(self) -> Detokenizer:
         return _Stream(self.tok)
+
+
+class PromptTooLong(Exception):
+    """A prompt that no tokenization could fit in the context, refused before it is tokenized."""
+
+    def __init__(self, context: int, at_least: int, chars: int):
+        super().__init__(f"{chars} characters: at least {at_least} tokens, over the context of {context}")
+        self.context, self.at_least, self.chars = context, at_least, chars
+
+
+_longest_cl100k: int | None = None
+
+
+def _cl100k_longest() -> int:
+    global _longest_cl100k
+    if _longest_cl100k is None:
+        _longest_cl100k = max(len(b) for b in tokens.encoding().token_byte_values())
+    return _longest_cl100k
 
 
 class PromptRefused(Exception):
@@ -142,6 +177,9 @@ class Unloadable:
 
     def encode(self, text: str, templated: bool = False) -> list[int]:
         raise Unavailable(self.why)
+
+    def max_token_chars(self) -> int:
+        return 1 << 30
 
     def boundary(self) -> list[int]:
         return [0]

@@ -336,6 +336,15 @@ def openai_error(message: str, etype: str, code: str | None = None, param: str |
     return {"error": {"message": message, "type": etype, "param": param, "code": code}}
 
 
+def prompt_too_long(api: str, context: int, at_least: int, chars: int) -> str:
+    """Why a prompt is refused from its length alone, before it is tokenized."""
+    if api == "anthropic":
+        return f"prompt is too long: at least {at_least} tokens ({chars} characters) > {context} maximum"
+    what = {"completions": "prompt", "responses": "input"}.get(api, "messages")
+    return (f"This model's maximum context length is {context} tokens. However, your {what} is {chars} characters, "
+            f"at least {at_least} tokens. Please reduce the length of the {what}.")
+
+
 def context_exceeded(api: str, context: int, prompt: int, output: int | None) -> str:
     """Why a request does not fit the model's context, in the words of the API's own error:
     `output` is what the client asked for, None if it named no number (then the prompt alone

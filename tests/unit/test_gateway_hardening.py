@@ -466,20 +466,27 @@ async def test_requests_in_flight_are_bounded_per_key_and_in_total(serve):
     assert 'pd_gateway_requests_total{api="chat",key="team-a",status="429"} 1.0' in metrics
 
 
-async def test_body_bytes_in_flight_are_bounded(serve):
+async def test_body_bytes_in_flight_are_bounded_per_key_and_in_total(serve):
     agents = FakeAgents()
     agents.hold = asyncio.Event()
     body = with_(CHAT, stream=True)
-    s = await serve(agents, max_body_bytes=len(body), max_body_bytes_in_flight=2 * len(body) + 10)
+    n = len(body)
+    s = await serve(agents, max_body_bytes=n, max_body_bytes_per_key=2 * n + 5, max_body_bytes_in_flight=3 * n + 10)
     held = [asyncio.create_task(s.post(CHAT, body)) for _ in range(2)]
     while agents.calls["/v1/decode"] < 2:
         await asyncio.sleep(0.01)
-    r = await s.post(CHAT, body, key=OTHER)   # another key: the budget is the gateway's, not a key's
+    r = await s.post(CHAT, body)   # the key's share is taken
+    assert r.status_code == 429 and r.headers["Retry-After"] == "1"
+    assert "its share" in openai_shaped(r)["message"] and agents.calls["/v1/prefill"] == 2
+    held.append(asyncio.create_task(s.post(CHAT, body, key=OTHER)))   # another key still gets in
+    while agents.calls["/v1/decode"] < 3:
+        await asyncio.sleep(0.01)
+    r = await s.post(CHAT, body, key=OTHER)   # now the gateway's total is taken
     assert r.status_code == 503 and r.headers["Retry-After"] == "1"
-    assert "bytes of request bodies" in openai_shaped(r)["message"] and agents.calls["/v1/prefill"] == 2
+    assert "bytes of request bodies" in openai_shaped(r)["message"] and agents.calls["/v1/prefill"] == 3
     agents.hold.set()
-    assert [t.status_code for t in await asyncio.gather(*held)] == [200, 200]
-    assert s.gw.body_bytes.used == 0 and s.gw.streams.count == 0
+    assert [t.status_code for t in await asyncio.gather(*held)] == [200, 200, 200]
+    assert s.gw.body_bytes.used == 0 and s.gw.body_bytes.by_key == {} and s.gw.streams.count == 0
     assert (await s.post(CHAT, body, key=OTHER)).status_code == 200
 
 
