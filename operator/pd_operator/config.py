@@ -39,6 +39,12 @@ DEFAULT_METRICS_NAMESPACES: dict = {"matchLabels": {"kubernetes.io/metadata.name
 # where the gateways reach the API server: its Service's port and the usual ports it listens on
 # (NetworkPolicies see the address after the Service's translation); no CIDRs: any address
 DEFAULT_API_SERVER_PORTS = (443, 6443)
+# scheduling a PDDeployment's author may ask for (chart values scheduling.*): any priority class
+# but the system ones (which preempt everything); the default scheduler only
+SYSTEM_PRIORITY_PREFIX = "system-"
+DEFAULT_SCHEDULER_NAMES = ("default-scheduler",)
+# hostPath types that create what they name on the node: refused, an admin makes host paths
+CREATING_HOST_PATH_TYPES = ("DirectoryOrCreate", "FileOrCreate")
 
 
 def _list(raw: str | None) -> tuple[str, ...] | None:
@@ -89,6 +95,11 @@ class OperatorConfig:
     metrics_namespaces: dict | None = field(default_factory=lambda: DEFAULT_METRICS_NAMESPACES, hash=False)
     api_server_cidrs: tuple[str, ...] = ()
     api_server_ports: tuple[int, ...] = DEFAULT_API_SERVER_PORTS
+    # priority classes spec.*.priorityClassName may name (None: any but system-*), scheduler names
+    # spec.*.schedulerName may name, and whether affinity terms may select pods of other namespaces
+    allowed_priority_classes: tuple[str, ...] | None = None
+    allowed_scheduler_names: tuple[str, ...] = DEFAULT_SCHEDULER_NAMES
+    cross_namespace_affinity: bool = False
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> OperatorConfig:
@@ -108,7 +119,12 @@ class OperatorConfig:
                    or None,
                    api_server_cidrs=_list(env.get("PD_OPERATOR_API_SERVER_CIDRS")) or (),
                    api_server_ports=tuple(int(p) for p in _list(env.get("PD_OPERATOR_API_SERVER_PORTS")) or ())
-                   or DEFAULT_API_SERVER_PORTS)
+                   or DEFAULT_API_SERVER_PORTS,
+                   allowed_priority_classes=_list(env.get("PD_OPERATOR_ALLOWED_PRIORITY_CLASSES") or None),
+                   allowed_scheduler_names=_list(env.get("PD_OPERATOR_ALLOWED_SCHEDULER_NAMES") or None)
+                   or DEFAULT_SCHEDULER_NAMES,
+                   cross_namespace_affinity=(env.get("PD_OPERATOR_CROSS_NAMESPACE_AFFINITY") or "").lower()
+                   in ("1", "true", "yes"))
 
 
 def path_allowed(path: str, allowed: tuple[str, ...]) -> bool:
@@ -127,9 +143,58 @@ def ascend_mount_paths(spec: PDDeploymentSpec) -> tuple[str, ...]:
     return (a.hccn_conf, a.driver_path, *a.extra_host_paths)
 
 
-def not_allowed(spec: PDDeploymentSpec, config: OperatorConfig) -> str | None:
+def _affinity_namespaces(affinity: dict | None, namespace: str | None) -> list[str]:
+    """Where pod affinity or anti-affinity terms select pods of other namespaces than the
+    deployment's own: `<field>: why` each."""
+    found = []
+    for kind in ("podAffinity", "podAntiAffinity"):
+        rules = (affinity or {}).get(kind) or {}
+        if not isinstance(rules, dict):
+            continue
+        terms = [(f"{kind}.requiredDuringSchedulingIgnoredDuringExecution[{i}]", t)
+                 for i, t in enumerate(rules.get("requiredDuringSchedulingIgnoredDuringExecution") or [])]
+        terms += [(f"{kind}.preferredDuringSchedulingIgnoredDuringExecution[{i}].podAffinityTerm",
+                   (t or {}).get("podAffinityTerm") if isinstance(t, dict) else None)
+                  for i, t in enumerate(rules.get("preferredDuringSchedulingIgnoredDuringExecution") or [])]
+        for where, term in terms:
+            if not isinstance(term, dict):
+                continue
+            if term.get("namespaceSelector") is not None:
+                found.append(f"{where}.namespaceSelector: selects pods of other namespaces")
+            others = [n for n in term.get("namespaces") or [] if n != namespace]
+            if others:
+                found.append(f"{where}.namespaces: names {', '.join(map(str, others[:5]))}")
+    return found
+
+
+def _scheduling(group: str, g, config: OperatorConfig, namespace: str | None) -> list[str]:
+    """What a group's scheduling asks for beyond the admin's allow-lists."""
+    problems = []
+    pc = g.priority_class_name
+    if pc and (pc not in config.allowed_priority_classes if config.allowed_priority_classes is not None
+               else pc.startswith(SYSTEM_PRIORITY_PREFIX)):
+        allowed = (", ".join(config.allowed_priority_classes) or "none") if config.allowed_priority_classes \
+            is not None else f"any but {SYSTEM_PRIORITY_PREFIX}*"
+        problems.append(f"spec.{group}.priorityClassName: {pc} is not allowed (allowed: {allowed}; chart value "
+                        f"scheduling.allowedPriorityClasses)")
+    if g.scheduler_name and g.scheduler_name not in config.allowed_scheduler_names:
+        problems.append(f"spec.{group}.schedulerName: {g.scheduler_name} is not allowed (allowed: "
+                        f"{', '.join(config.allowed_scheduler_names) or 'none'}; chart value "
+                        f"scheduling.allowedSchedulerNames)")
+    if not config.cross_namespace_affinity:
+        problems += [f"spec.{group}.affinity.{why}, which is not allowed (chart value "
+                     f"scheduling.crossNamespaceAffinity)" for why in _affinity_namespaces(g.affinity, namespace)]
+    for i, v in enumerate(g.volumes or []):
+        if v.host_path is not None and v.host_path.type in CREATING_HOST_PATH_TYPES:
+            problems.append(f"spec.{group}.volumes[{i}].hostPath.type: {v.host_path.type} would create the path "
+                            f"on the node; use Directory or File (an admin makes host paths)")
+    return problems
+
+
+def not_allowed(spec: PDDeploymentSpec, config: OperatorConfig, namespace: str | None = None) -> str | None:
     """Why the spec asks for more than the operator's configuration allows, naming the field
-    and the allow-list; None if it does not."""
+    and the allow-list; None if it does not. `namespace`: the deployment's (affinity terms may
+    select pods there)."""
     problems = []
     if spec.ascend is not None:
         asked = [("spec.ascend.hccnConf", spec.ascend.hccn_conf), ("spec.ascend.driverPath", spec.ascend.driver_path)]
@@ -151,6 +216,7 @@ def not_allowed(spec: PDDeploymentSpec, config: OperatorConfig) -> str | None:
                 problems.append(f"spec.{group}.volumes[{i}].hostPath.path: host path {v.host_path.path} is not "
                                 f"allowed (allowed: {', '.join(config.engine_host_paths) or 'none'}; chart value "
                                 f"engine.allowedHostPaths, or use a PersistentVolume)")
+        problems += _scheduling(group, g, config, namespace)
         taken = ascend_mount_paths(spec)
         for i, m in enumerate(g.volume_mounts or []):
             if m.mount_path in taken:

@@ -211,7 +211,7 @@ def _blocked(snap: Snapshot, mem: Memory) -> tuple[Diagnosis | None, bool]:
     blocked: Diagnosis | None = None
     if mismatch := npu_mismatch(snap.spec, snap.npu_resource):
         blocked = Diagnosis("NPURequestMismatch", mismatch)   # admission cannot see which resource means NPUs
-    elif refused := not_allowed(snap.spec, snap.config):
+    elif refused := not_allowed(snap.spec, snap.config, snap.key[0]):
         # the admission policy refuses these; an install without it is refused here
         blocked = Diagnosis("NotAllowed", f"{refused}; nothing of this generation is applied")
     elif snap.token_problem:

@@ -61,6 +61,25 @@ def test_operator_installed_by_the_chart_runs_with_its_rbac(cluster: Cluster, cr
         r = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(bad), check=False)
         assert r.returncode != 0 and "spec.gateway.image: example.com/evil/reads-secrets:1 is not an allowed " \
             "gateway image (allowed: example.com/pd/pd-gateway:0.1.0" in r.stderr, r.stderr
+        # scheduling: no system priority class, no other scheduler, no affinity across namespaces
+        for field, value, said in [
+                ("priorityClassName", "system-node-critical",
+                 "spec.decoder.priorityClassName: system-node-critical is not allowed (allowed: any but system-*"),
+                ("schedulerName", "my-scheduler", "spec.decoder.schedulerName: my-scheduler is not allowed"),
+                ("affinity", {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+                    {"topologyKey": "kubernetes.io/hostname", "labelSelector": {}, "namespaceSelector": {}}]}},
+                 "spec.decoder.affinity: pod affinity and anti-affinity terms may not select pods of other "
+                 "namespaces")]:
+            bad = sample(name="hostile")
+            bad["spec"]["decoder"][field] = value
+            r = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(bad), check=False)
+            assert r.returncode != 0 and said in r.stderr, (field, r.stderr)
+        own = sample(name="own-affinity")
+        own["spec"]["decoder"]["affinity"] = {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+            {"topologyKey": "kubernetes.io/hostname", "labelSelector": {}, "namespaces": [namespace]}]}}
+        r = cluster.kubectl("apply", "-n", namespace, "-f", "-", "--dry-run=server", input=json.dumps(own),
+                            check=False)
+        assert r.returncode == 0, r.stderr
 
         # the gateway's objects too: its Role grants only what the chart's ServiceAccount holds
         assert can("create", "roles.rbac.authorization.k8s.io", "-n", namespace) == "yes"

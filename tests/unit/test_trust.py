@@ -48,6 +48,61 @@ def test_host_paths_outside_the_allow_list_are_refused_naming_field_and_list():
     assert not_allowed(spec_with(), narrow) is None   # sim mounts nothing
 
 
+def group_with(**kw) -> dict:
+    return {**copy.deepcopy(SPEC["prefill"]), **kw}
+
+
+CROSS = [
+    {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+        {"topologyKey": "kubernetes.io/hostname", "labelSelector": {}, "namespaceSelector": {}}]}},
+    {"podAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 1, "podAffinityTerm": {
+        "topologyKey": "kubernetes.io/hostname", "labelSelector": {}, "namespaces": ["t", "kube-system"]}}]}},
+]
+
+
+@pytest.mark.parametrize("affinity", CROSS)
+def test_affinity_terms_across_namespaces_are_refused_unless_allowed(affinity):
+    spec = spec_with(prefill=group_with(affinity=affinity))
+    why = not_allowed(spec, OperatorConfig(), "t")
+    assert why is not None and "spec.prefill.affinity.pod" in why and "scheduling.crossNamespaceAffinity" in why
+    assert not_allowed(spec, OperatorConfig(cross_namespace_affinity=True), "t") is None
+    own = {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+        {"topologyKey": "kubernetes.io/hostname", "labelSelector": {}, "namespaces": ["t"]}]}}
+    assert not_allowed(spec_with(prefill=group_with(affinity=own)), OperatorConfig(), "t") is None
+
+
+def test_priority_classes_and_schedulers_come_from_the_admins_lists():
+    system = spec_with(decoder={**copy.deepcopy(SPEC["decoder"]), "priorityClassName": "system-node-critical"})
+    why = not_allowed(system, OperatorConfig(), "t")
+    assert why and "spec.decoder.priorityClassName: system-node-critical is not allowed (allowed: any but system-*" \
+        in why
+    assert not_allowed(spec_with(prefill=group_with(priorityClassName="batch-high")), OperatorConfig(), "t") is None
+    listed = OperatorConfig(allowed_priority_classes=("inference",))
+    assert "allowed: inference" in (not_allowed(spec_with(prefill=group_with(priorityClassName="batch-high")),
+                                                listed, "t") or "")
+    evil = spec_with(prefill=group_with(schedulerName="my-scheduler"))
+    assert "spec.prefill.schedulerName: my-scheduler is not allowed (allowed: default-scheduler" in \
+        (not_allowed(evil, OperatorConfig(), "t") or "")
+    assert not_allowed(evil, OperatorConfig(allowed_scheduler_names=("my-scheduler",)), "t") is None
+    cfg = OperatorConfig.from_env({"PD_OPERATOR_ALLOWED_PRIORITY_CLASSES": "a,b", "PD_OPERATOR_ALLOWED_SCHEDULER_NAMES":
+                                   "volcano", "PD_OPERATOR_CROSS_NAMESPACE_AFFINITY": "true"})
+    assert cfg.allowed_priority_classes == ("a", "b") and cfg.allowed_scheduler_names == ("volcano",)
+    assert cfg.cross_namespace_affinity
+    default = OperatorConfig.from_env({"PD_OPERATOR_ALLOWED_PRIORITY_CLASSES": "",
+                                       "PD_OPERATOR_ALLOWED_SCHEDULER_NAMES": ""})
+    assert default.allowed_priority_classes is None and default.allowed_scheduler_names == ("default-scheduler",)
+
+
+def test_host_path_types_that_create_paths_are_refused():
+    vol = {"name": "models", "hostPath": {"path": "/data/models", "type": "DirectoryOrCreate"}}
+    spec = spec_with(prefill=group_with(volumes=[vol]))
+    why = not_allowed(spec, OperatorConfig(engine_host_paths=("/data",)), "t")
+    assert why and "spec.prefill.volumes[0].hostPath.type: DirectoryOrCreate" in why
+    vol["hostPath"]["type"] = "Directory"
+    assert not_allowed(spec_with(prefill=group_with(volumes=[vol])), OperatorConfig(engine_host_paths=("/data",)),
+                       "t") is None
+
+
 def test_dot_segments_are_refused_by_the_schema():
     with pytest.raises(ValueError):
         spec_with(ascend={"hccnConf": "etc/hccn.conf"})   # relative
