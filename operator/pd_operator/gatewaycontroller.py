@@ -25,10 +25,12 @@ from .kube import Kube, KubeError
 from .runtime import SYSTEM_CLOCK, Clock, Runtime
 from .sharedgateway import (
     Routing,
+    current_owners,
     keys_state,
     objects,
     owner_reference,
     routing,
+    serving,
     status,
     usage_configmap,
     usage_configmap_name,
@@ -52,6 +54,7 @@ class GatewayController:
         self.deployment_seen: dict[Key, tuple] = {}   # PDDeployment -> what a gateway's routing reads of it
         self.token_seen: dict[Key, float] = {}        # PDDeployment -> when its data token was last seen
         self.applied: dict[Key, tuple[str, float]] = {}   # PDGateway -> (digest of its objects, when applied)
+        self.unserving: dict[Key, float] = {}   # PDDeployment -> since when it has had no serving pair
 
     def on_gateway(self, etype: str | None, body: dict) -> None:
         key = (body["metadata"]["namespace"], body["metadata"]["name"])
@@ -127,7 +130,8 @@ class GatewayController:
         deployments = await self.kube.list(f"{GROUP}/{VERSION}", DEPLOYMENT_KIND, ns)
         secret = await self.kube.get("v1", "Secret", ns, spec.api_keys_secret)
         keys = keys_state(secret, spec.api_keys_secret)
-        r = routing(deployments, spec.selector, await self._with_tokens(ns, deployments))
+        r = routing(deployments, spec.selector, await self._with_tokens(ns, deployments),
+                    current_owners(gw.get("status")), self._outages(ns, deployments))
         owner = owner_reference(name, gw["metadata"]["uid"])
         image = self.config.gateway_image
         if not image:
@@ -161,6 +165,22 @@ class GatewayController:
         await self._write_status(gw, {**prev, "conditions": conds, "phase": "Degraded"})
         if event:
             await self.events.post(gw, "Warning", reason, msg)
+
+    def _outages(self, ns: str, deployments: list[dict]) -> dict[str, float]:
+        """Seconds each deployment has gone without a serving pair, as this operator saw it (a new
+        leader starts counting afresh: an owner keeps its model longer, never shorter)."""
+        now, out = self.clock.monotonic(), {}
+        listed = set()
+        for d in deployments:
+            k = (ns, d["metadata"]["name"])
+            listed.add(k)
+            if serving(d):
+                self.unserving.pop(k, None)
+            else:
+                out[k[1]] = now - self.unserving.setdefault(k, now)
+        for k in [k for k in self.unserving if k[0] == ns and k not in listed]:
+            del self.unserving[k]
+        return out
 
     async def _with_tokens(self, ns: str, deployments: list[dict]) -> set[str]:
         """The deployments routed: those whose data token exists (pods read it at start) and is the

@@ -74,6 +74,25 @@ def foreign(pod: dict, own: set[str]) -> Problem | None:
                    "not linked); delete it or remove the labels")
 
 
+# pods that only wear a deployment's labels listed in its status, at most: anyone who can create
+# pods in the namespace can make more, and status has a size
+MAX_STRAYS_LISTED = 8
+
+
+def listed_strays(pods: list[dict], own: set[str]) -> tuple[tuple[dict, ...], list[Problem]]:
+    """The pods that wear the labels without being members (by name, at most MAX_STRAYS_LISTED),
+    and their problems; the last one says how many more there are."""
+    all_strays = sorted((p for p in pods if claimed_owner(p) not in own), key=lambda p: p["metadata"]["name"])
+    shown = tuple(all_strays[:MAX_STRAYS_LISTED])
+    problems = [pr for p in shown if (pr := foreign(p, own))]
+    more = len(all_strays) - len(shown)
+    if more and problems:
+        last = problems[-1]
+        problems[-1] = Problem(last.pod, last.group, f"{last.message} ({more} more pods carry the deployment's "
+                                                     f"labels and are not listed)")
+    return shown, problems
+
+
 def member_of(pod: dict, spec: PDDeploymentSpec) -> Engine | Problem:
     meta = pod["metadata"]
     labels = meta.get("labels", {})

@@ -21,7 +21,7 @@ from .config import OperatorConfig
 from .decide import Snapshot
 from .errors import TerminalError
 from .kube import Kube, KubeError
-from .members import Problem, claimed_owner, foreign, member_of, pod_ready
+from .members import Problem, claimed_owner, listed_strays, member_of, pod_ready
 from .observe import ask_always, to_ask
 from .runtime import Clock, Limiters, spread
 from .state import Memory, Seen
@@ -70,9 +70,8 @@ class Observer:
             await c.relist(self.kube, key)
             own = c.own_statefulsets(key, uid)
             cached = c.cached_pods(key)
-        strays = [pr for p in cached if (pr := foreign(p, own))]
+        stray_pods, strays = listed_strays(cached, own)
         all_pods = [p for p in cached if claimed_owner(p) in own]
-        stray_pods = tuple(p for p in cached if claimed_owner(p) not in own)
         members = [member_of(p, spec) for p in all_pods]
         problems = tuple(strays) + tuple(m for m in members if isinstance(m, Problem))
         engines = [m for m in members if not isinstance(m, Problem)]

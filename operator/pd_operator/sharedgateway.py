@@ -69,12 +69,32 @@ def serving(deployment: dict) -> bool:
     return (st.get("prefill") or 0) > 0 and (st.get("decoder") or 0) > 0
 
 
-def routing(deployments: list[dict], selector: Selector | None, tokens: set[str] | None = None) -> Routing:
+# how long a model's owner keeps its name while it has no ready engines in a role (a restart, a
+# roll): another deployment claiming the name takes it only past this
+OWNER_OUTAGE_GRACE_S = 300.0
+
+
+def current_owners(gw_status: dict | None) -> dict[str, str]:
+    """Model name or alias -> the deployment the gateway routes it to now (its status.models)."""
+    out: dict[str, str] = {}
+    for m in (gw_status or {}).get("models") or []:
+        for n in [m.get("model"), *(m.get("aliases") or [])]:
+            if isinstance(n, str) and isinstance(m.get("deployment"), str):
+                out[n] = m["deployment"]
+    return out
+
+
+def routing(deployments: list[dict], selector: Selector | None, tokens: set[str] | None = None,
+            current: dict[str, str] | None = None, outage: dict[str, float] | None = None,
+            grace: float = OWNER_OUTAGE_GRACE_S) -> Routing:
     """`tokens`: the deployments whose data-token Secret exists (None: all). A gateway pod reads
     the token at its start, so a deployment is routed once its token exists (the routes change,
     and the gateway rolls). A name (model or alias) claimed by several deployments goes to one
     that serves; among several (or none) that serve, to the oldest claim: a deployment scaled to
-    zero, or one made later, cannot take a served model offline."""
+    zero, or one made later, cannot take a served model offline. `current`: the name's owner now
+    (current_owners), which keeps it while it claims it and has not been out of service
+    (`outage`: seconds without serving, by deployment) for `grace`: a brief outage of the owner
+    does not hand its model to another claim."""
     claims: dict[str, list[dict]] = {}
     picked: list[tuple[str, str, list[str], int | None, tuple | None]] = []
     invalid: dict[str, str] = {}
@@ -95,7 +115,9 @@ def routing(deployments: list[dict], selector: Selector | None, tokens: set[str]
     owner: dict[str, str] = {}
     conflicts: dict[str, list[str]] = {}
     for n, ds in claims.items():
-        candidates = [d for d in ds if serving(d)] or ds
+        held = [d for d in ds if d["metadata"]["name"] == (current or {}).get(n)
+                and (serving(d) or (outage or {}).get(d["metadata"]["name"], 0.0) < grace)]
+        candidates = held or [d for d in ds if serving(d)] or ds
         win = min(candidates, key=lambda d: (d["metadata"].get("creationTimestamp") or "", d["metadata"]["name"]))
         owner[n] = win["metadata"]["name"]
         if len(ds) > 1:

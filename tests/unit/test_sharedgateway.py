@@ -9,7 +9,16 @@ import yaml
 
 from pd_operator import crdgen
 from pd_operator.api_gateway import PDGatewaySpec, Selector, parse_spec
-from pd_operator.sharedgateway import keys_state, matches, objects, owner_reference, routing, status
+from pd_operator.sharedgateway import (
+    OWNER_OUTAGE_GRACE_S,
+    current_owners,
+    keys_state,
+    matches,
+    objects,
+    owner_reference,
+    routing,
+    status,
+)
 from tests.conftest import REPO
 
 BASE = yaml.safe_load((REPO / "examples" / "sim-small.yaml").read_text())
@@ -59,6 +68,26 @@ def aged(d: dict, created: str, prefill: int = 0, decoder: int = 0) -> dict:
     d["metadata"]["creationTimestamp"] = created
     d["status"] = {"prefill": prefill, "decoder": decoder}
     return d
+
+
+def test_an_owner_keeps_its_model_through_a_short_outage():
+    """The attack: while the model's owner briefly has no ready engines, a later deployment naming
+    the model as an alias would take its route."""
+    owner = aged(dep("owner", "llama-8b"), "2026-12-01T00:00:00Z")   # restarting: no serving pair
+    later = aged(dep("later", "mine", ["llama-8b"]), "2026-12-02T00:00:00Z", prefill=1, decoder=1)
+    current = current_owners({"models": [{"model": "llama-8b", "deployment": "owner"}]})
+    r = routing([owner, later], None, current=current, outage={"owner": 30.0})
+    assert ("llama-8b", "owner") in [(s.model, s.deployment) for s in r.served]
+    assert r.conflicts == {"llama-8b": ["owner", "later"]}
+    # past the grace a serving claim takes it; and without a current owner, as before
+    r = routing([owner, later], None, current=current, outage={"owner": OWNER_OUTAGE_GRACE_S + 1})
+    assert r.conflicts == {"llama-8b": ["later", "owner"]}
+    assert routing([owner, later], None).conflicts == {"llama-8b": ["later", "owner"]}
+    # an owner that no longer claims the name keeps nothing
+    renamed = aged(dep("owner", "other"), "2026-12-01T00:00:00Z")
+    r = routing([renamed, later], None, current=current, outage={"owner": 1.0})
+    assert sorted((s.model, s.deployment, tuple(s.aliases)) for s in r.served) == [
+        ("mine", "later", ("llama-8b",)), ("other", "owner", ())]
 
 
 def test_a_deployment_that_does_not_serve_cannot_take_a_served_model_offline():

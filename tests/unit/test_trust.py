@@ -15,7 +15,7 @@ import yaml
 from pd_operator import builders, resources
 from pd_operator.api import parse_spec
 from pd_operator.config import DEFAULT_HOST_PATHS, OperatorConfig, not_allowed, path_allowed
-from pd_operator.members import foreign, own_statefulsets
+from pd_operator.members import MAX_STRAYS_LISTED, foreign, listed_strays, own_statefulsets
 from tests.unit.test_operator_pure import SPEC, by_kind_name
 
 REPO = Path(__file__).resolve().parents[2]
@@ -244,6 +244,19 @@ def test_members_are_pods_of_the_deployments_own_statefulsets():
     for stray in (pod("s4"), pod("s1", kind="ReplicaSet"), {"metadata": {"name": "p"}}):
         problem = foreign(stray, own)
         assert problem is not None and "not a pod of its StatefulSets" in problem.message
+
+
+def test_pods_that_only_wear_the_labels_are_listed_within_a_bound():
+    pods = [{"metadata": {"name": f"stray-{i:04d}", "labels": {"pdoperator.io/group": "decoder"}}}
+            for i in range(1000)]
+    pods.append({"metadata": {"name": "llm-prefill-0", "labels": {"pdoperator.io/group": "prefill"},
+                              "ownerReferences": [{"kind": "StatefulSet", "uid": "s1", "controller": True}]}})
+    shown, problems = listed_strays(pods, {"s1"})
+    assert len(shown) == len(problems) == MAX_STRAYS_LISTED
+    assert [p.pod for p in problems] == [f"stray-{i:04d}" for i in range(MAX_STRAYS_LISTED)]
+    assert f"{1000 - MAX_STRAYS_LISTED} more pods" in problems[-1].message
+    shown, problems = listed_strays(pods[:3], set())
+    assert len(problems) == 3 and "more pods" not in problems[-1].message
 
 
 def test_config_from_env():
