@@ -337,6 +337,9 @@ class RegisterRank(_Body):
     boot_id: str = Field(min_length=1)
 
 
+MAX_STATUS_LINKS = 16384
+
+
 class AgentStatus(_Reply):
     pod: str
     role: Role
@@ -347,8 +350,10 @@ class AgentStatus(_Reply):
     ip: str
     port: int
     model_id: int
-    links: list[LinkState] = []
-    incoming: list[int] = []  # prompt side: decoder cluster ids linked to it
+    # bounded (what an answer may hold, whatever code answers): a rank engine links at most 512
+    # peers, a pod holds at most 256 ranks' links
+    links: list[LinkState] = Field(default=[], max_length=MAX_STATUS_LINKS)
+    incoming: list[int] = Field(default=[], max_length=MAX_STATUS_LINKS)  # prompt side: decoder cluster ids linked
     load: Load = Load()
     draining: bool = False
     terminating: bool = False     # SIGTERM received: draining, then exiting
@@ -359,6 +364,6 @@ class AgentStatus(_Reply):
     engine: str = "timing"           # what serves requests: "timing" (the timing model) or "reference"
     last_error: str = ""
     tensor_parallel: int = 1
-    ranks: list[RankInfo] = []       # multi-rank pods: every rank, registered or not
+    ranks: list[RankInfo] = Field(default=[], max_length=512)   # multi-rank pods: every rank, registered or not
     device_ips: str = ""             # where the device IPs came from: annotation, hccn.conf, list, pod-ip
     device_error: str = ""           # DeviceIPUnknown: which rank has no device IP, and why

@@ -83,3 +83,13 @@ def test_link_codes_an_agent_invents_are_one_label():
     assert agentclient.code_label("LLM_LINK_FAILED") == "LLM_LINK_FAILED"
     assert agentclient.code_label("LLM_SUCCESS") == "LLM_SUCCESS"
     assert {agentclient.code_label(f"MADE_UP_{i}") for i in range(1000)} == {"OTHER"}
+
+
+async def test_a_status_listing_more_links_than_a_pod_can_hold_is_a_bad_reply():
+    from pd_contract.agent_api import MAX_STATUS_LINKS
+    links = [{"name": f"p{i}", "cluster_id": i, "code": "LLM_SUCCESS"} for i in range(MAX_STATUS_LINKS + 1)]
+    c = client(lambda request: httpx.Response(200, json={**STATUS, "links": links}))
+    with pytest.raises(AgentCallError) as e:
+        await c.status("http://agent", "t")
+    assert e.value.kind == "AgentBadReply"
+    await c.close()
