@@ -95,6 +95,9 @@ class Keys:
     def __len__(self) -> int:
         return 0 if self.revoked else len(self._keys)
 
+    def names(self) -> list[str]:
+        return sorted(self._keys)
+
     def digest_of(self, names: list[str], purpose: bytes) -> bytes | None:
         """A secret derived from the named keys' values (for `purpose`), for whoever holds them
         and no one else; None if none of them is held."""

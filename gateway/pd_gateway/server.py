@@ -272,6 +272,8 @@ class Gateway:
         self.usage.on_reject = lambda reason: self.m.usage_rejected.labels(reason).inc()
         if self.usage.secret is None:
             self.usage.secret = self._reset_secret
+        if self.usage.doc_secret is None:   # the usage document is signed with all the keys
+            self.usage.doc_secret = lambda: self.keys.digest_of(self.keys.names(), b"pd-gateway usage document")
         self.clock = clock
         if routes is None:
             assert fleet is not None, "a fleet or routes"

@@ -31,7 +31,19 @@ it is trusted:
 - the one way counts go down is an admin's reset of a key's day (reset()): a marker in the
   document, signed with a secret a ConfigMap editor does not have (the gateway derives it from
   its admin keys), newer than the one a replica knows, makes that (day, key) take the loaded
-  counts as they are. A marker that does not verify is ignored, and dropped at the next write."""
+  counts as they are. A marker that does not verify is ignored, and dropped at the next write;
+- the whole document is signed (`mac`) with a secret derived from every API key, which a
+  ConfigMap editor who cannot read the keys Secret does not have: a document whose signature
+  verifies under neither the current keys' secret nor the one before them (a key rotation, while
+  replicas reload the keys at different times) is rejected, so no count, reservation or reset
+  can be forged, not even within the growth bound. An unsigned document is taken only at a
+  replica's first load (a new ConfigMap, or one an older gateway wrote).
+
+Reservations are shared too: each replica writes the tokens its requests in flight may still use
+(`reserved`, per replica, with the time it last wrote them) and counts every other replica's
+fresh reservations against a key's tokensPerDay, so replicas do not each admit the whole budget
+for requests longer than a sync interval. A replica that stopped writing (gone) is forgotten
+after RESERVATION_TTL_S."""
 from __future__ import annotations
 
 import asyncio
@@ -42,6 +54,7 @@ import json
 import logging
 import re
 import threading
+import uuid
 from typing import Any, Callable, Protocol
 
 from .policy import DAY_S, day_of, minute_of
@@ -72,6 +85,9 @@ TOKENS_PER_S = 1_000_000
 REQUESTS_PER_S = 10_000
 GROWTH_FLOOR_S = 60.0
 REJECTED_SHOWN_S = 600.0   # how long /healthz lists a rejected document
+RESERVATION_TTL_S = 30.0   # another replica's reservations count while it wrote them this recently
+RESERVATION_REFRESH_S = 10.0   # a replica holding reservations writes them again this often
+MAX_REPLICAS = 64
 
 
 class Conflict(Exception):
@@ -93,7 +109,7 @@ class Store(Protocol):
 
 
 def empty() -> Doc:
-    return {"days": {}, "minutes": {}, "resets": {}}
+    return {"days": {}, "minutes": {}, "resets": {}, "reserved": {}}
 
 
 # ---- the schema ---------------------------------------------------------------------------------
@@ -173,18 +189,58 @@ def _resets(resets: Any, budget: _Budget) -> None:
             _name(marker["mac"], MAC, "resets", day, key)
 
 
+def _reserved(reserved: Any, budget: _Budget) -> None:
+    if len(_obj(reserved, "reserved")) > MAX_REPLICAS:
+        raise Invalid("too_large", f"more than {MAX_REPLICAS} replicas hold reservations")
+    for replica, held in reserved.items():
+        _name(replica, None, "reserved")
+        if set(_obj(held, "reserved", replica)) != {"at", "keys"}:
+            raise Invalid("bad_shape", f"{_where('reserved', replica)} is not {{at, keys}}")
+        _count(held["at"], "reserved", replica, "at")
+        for key, n in _obj(held["keys"], "reserved", replica, "keys").items():
+            budget.take()
+            _name(key, None, "reserved", replica, "keys")
+            _count(n, "reserved", replica, "keys", key)
+
+
 def check(doc: Any) -> Doc:
     """The document if it is one this gateway could have written, else Invalid saying what is
-    not (missing sections are empty: a new ConfigMap, an older gateway's document)."""
-    unknown = set(_obj(doc)) - {"days", "minutes", "resets"}
+    not (missing sections are empty: a new ConfigMap, an older gateway's document). Its
+    signature is left out: verified() checks it."""
+    unknown = set(_obj(doc)) - {"days", "minutes", "resets", "reserved", "mac"}
     if unknown:
         raise Invalid("bad_shape", f"unknown field {str(sorted(map(str, unknown))[0])[:40]!r}")
-    out = {"days": doc.get("days", {}), "minutes": doc.get("minutes", {}), "resets": doc.get("resets", {})}
+    out = {part: doc.get(part, {}) for part in empty()}
     budget = _Budget()
     _days(out["days"], budget)
     _minutes(out["minutes"], budget)
     _resets(out["resets"], budget)
+    _reserved(out["reserved"], budget)
+    if "mac" in doc:
+        _name(doc["mac"], MAC, "mac")
     return out
+
+
+def doc_mac(secret: bytes, doc: Doc) -> str:
+    """The document's signature: over its canonical JSON, its own `mac` left out."""
+    body = {part: doc.get(part, {}) for part in empty()}
+    return hmac.new(secret, json.dumps(body, sort_keys=True, separators=(",", ":")).encode(),
+                    hashlib.sha256).hexdigest()
+
+
+def verified(raw: Doc, doc: Doc, secrets: list[bytes], first: bool) -> Invalid | None:
+    """Why a loaded document is not one the gateway's replicas signed (None if it is): signed
+    under one of `secrets`, or unsigned at a replica's first load (`first`) or holding nothing."""
+    if not secrets:
+        return None   # no key to derive a secret from: nothing is served, nothing to protect
+    mac = raw.get("mac")
+    if mac is None:
+        holds = any(doc[part] for part in ("days", "resets", "reserved"))
+        return Invalid("unsigned", "the document is not signed by the gateway") if holds and not first else None
+    if any(hmac.compare_digest(mac, doc_mac(s, doc)) for s in secrets):
+        return None
+    return Invalid("bad_signature", "the document's signature does not verify: it was written by someone "
+                                    "without the gateway's keys")
 
 
 # ---- merging ---------------------------------------------------------------------------------------
@@ -236,6 +292,8 @@ def merge(mine: Doc, theirs: Doc, secret: bytes | None) -> Doc:
                 out["days"].setdefault(day, {})[key] = models
             if marker is not None:
                 out["resets"].setdefault(day, {})[key] = marker
+    # reservations are each replica's own: the loaded document's say what the others hold now
+    out["reserved"] = copy.deepcopy(theirs["reserved"] if "reserved" in theirs else mine.get("reserved", {}))
     return out
 
 
@@ -302,9 +360,11 @@ def prune(doc: Doc, now: float) -> Doc:
     must not push today out."""
     first, last = day_of(now - (DAYS_KEPT - 1) * DAY_S), day_of(now + DAY_S)
     keep = {minute_of(now), minute_of(now - 60)}
+    fresh = int((now - RESERVATION_TTL_S) * 1000)
     return {"days": {d: v for d, v in doc.get("days", {}).items() if first <= d <= last},
             "minutes": {m: v for m, v in doc.get("minutes", {}).items() if m in keep},
-            "resets": {d: v for d, v in doc.get("resets", {}).items() if first <= d <= last}}
+            "resets": {d: v for d, v in doc.get("resets", {}).items() if first <= d <= last},
+            "reserved": {r: v for r, v in doc.get("reserved", {}).items() if v["at"] >= fresh}}
 
 
 def _lasting(doc: Doc) -> tuple:
@@ -313,9 +373,13 @@ def _lasting(doc: Doc) -> tuple:
 
 
 class Usage:
-    def __init__(self, store: Store | None = None, secret: Callable[[], bytes | None] | None = None):
+    def __init__(self, store: Store | None = None, secret: Callable[[], bytes | None] | None = None,
+                 doc_secret: Callable[[], bytes | None] | None = None, replica: str | None = None):
         self.store = store
         self.secret = secret            # signs and verifies reset markers (None: set by the gateway)
+        self.doc_secret = doc_secret    # signs and verifies the document (None: set by the gateway)
+        self.secrets: list[bytes] = []  # the document's secret now, and the one before it (a key rotation)
+        self.replica = replica or uuid.uuid4().hex[:12]
         self.remote: Doc = empty()      # the shared document as of the last sync: the last good copy
         self.pending: Doc = empty()     # counted here since
         self.syncing: Doc = empty()     # being added to the shared document right now
@@ -362,10 +426,14 @@ class Usage:
         return sum(d["minutes"].get(m, {}).get(key, 0) for d in self._both())
 
     def tokens_today(self, key: str, now: float) -> int:
-        """Used today (every replica, as of the last sync) and reserved here by requests in flight."""
+        """Used today (every replica, as of the last sync) and reserved by requests in flight: here,
+        and on the other replicas as they last wrote it (if recently)."""
         day = day_of(now)
-        return self.reserved.get(key, 0) + sum(c["input"] + c["output"] for d in self._both()
-                                               for c in d["days"].get(day, {}).get(key, {}).values())
+        fresh = int((now - RESERVATION_TTL_S) * 1000)
+        others = sum(held["keys"].get(key, 0) for replica, held in self.remote["reserved"].items()
+                     if replica != self.replica and held["at"] >= fresh)
+        return self.reserved.get(key, 0) + others + sum(c["input"] + c["output"] for d in self._both()
+                                                        for c in d["days"].get(day, {}).get(key, {}).values())
 
     def report(self, key: str | None = None) -> dict:
         """{key: {day: {model: {requests, input, output}}}}, one key's or everyone's."""
@@ -424,19 +492,30 @@ class Usage:
     async def _attempt(self, now: float) -> bool:
         """Read, check, merge and, if the shared document must change, write: False if another
         replica wrote in between."""
-        doc, version, bad = await asyncio.to_thread(self._read)
+        raw, doc, version, bad = await asyncio.to_thread(self._read)
+        secrets = self._doc_secrets()
+        if bad is None:
+            bad = verified(raw, doc, secrets, first=self.trusted_at is None)
         secret = self._secret()
         base, tampered = self._judge(doc, bad, now, secret)
         taken = tampered is None or tampered.reason == "lowered"   # its counts are in `base`
+        mine = self._reservations(now)
         if tampered is not None:
             self._reject(tampered, now)
-        elif self.syncing == empty() and _lasting(base) == _lasting(doc):   # nothing to write
+        elif self.syncing == empty() and _lasting(base) == _lasting(doc) and self._held_as_written(doc, mine, now) \
+                and (raw.get("mac") is not None or not secrets):   # nothing to write
             self._synced(base, now, secret, trusted=True)
             return True
         # a repair goes alone: counts added to this replica's copy could vanish in another replica's
         # max() with its own newer copy; they are added at the next sync, onto the repaired document
         adding = empty() if tampered else self.syncing
         merged = prune(add(base, adding), now)
+        if mine is None:
+            merged["reserved"].pop(self.replica, None)
+        else:
+            merged["reserved"][self.replica] = mine
+        if secrets:
+            merged = {**merged, "mac": doc_mac(secrets[0], merged)}
         try:
             check(merged)   # never write what the other replicas would reject
         except Invalid as e:
@@ -465,17 +544,36 @@ class Usage:
         low = lowered(self.remote, doc, day_of(now - DAY_S), secret)
         return base, Invalid("lowered", low) if low else None
 
-    def _read(self) -> tuple[Doc, str | None, Invalid | None]:
-        """The shared document checked (in a worker thread: it may be large), or why not."""
+    def _read(self) -> tuple[Doc, Doc, str | None, Invalid | None]:
+        """The shared document as loaded and as checked (in a worker thread: it may be large), or why not."""
         assert self.store is not None
         try:
             raw, version = self.store.load()
         except Invalid as e:
-            return empty(), e.version, e
+            return {}, empty(), e.version, e
         try:
-            return check(raw), version, None
+            return raw, check(raw), version, None
         except Invalid as e:
-            return empty(), version, e
+            return {}, empty(), version, e
+
+    def _doc_secrets(self) -> list[bytes]:
+        """The secrets a document may be signed with: the current keys', then the previous keys'."""
+        now = self.doc_secret() if self.doc_secret is not None else None
+        if now is not None and (not self.secrets or self.secrets[0] != now):
+            self.secrets = [now, *self.secrets[:1]]
+        return self.secrets
+
+    def _reservations(self, now: float) -> dict | None:
+        """This replica's entry of `reserved`: the tokens its requests in flight may still use."""
+        held = {k: n for k, n in self.reserved.items() if n > 0}
+        return {"at": int(now * 1000), "keys": held} if held else None
+
+    def _held_as_written(self, doc: Doc, mine: dict | None, now: float) -> bool:
+        """The document holds this replica's reservations as they are, written recently enough."""
+        there = doc["reserved"].get(self.replica)
+        if mine is None or there is None:
+            return mine is None and there is None
+        return there["keys"] == mine["keys"] and now * 1000 - there["at"] < RESERVATION_REFRESH_S * 1000
 
     def _synced(self, doc: Doc, now: float, secret: bytes | None, trusted: bool) -> None:
         # merged into the copy, not put in its place: a reset made meanwhile stays

@@ -170,7 +170,8 @@ def test_the_schema_takes_what_the_gateway_writes():
     assert usage_mod.check({}) == usage_mod.empty()
     assert usage_mod.check(copy.deepcopy(GOOD))["days"] == GOOD["days"]
     mac = usage_mod.sign(SECRET, DAY, "k", 5)
-    ok = {"days": {}, "minutes": {"2026-12-03T12:00": {"k": 3}}, "resets": {DAY: {"k": {"at": 5, "mac": mac}}}}
+    ok = {"days": {}, "minutes": {"2026-12-03T12:00": {"k": 3}}, "resets": {DAY: {"k": {"at": 5, "mac": mac}}},
+          "reserved": {"r1": {"at": 7, "keys": {"k": 100}}}}
     assert usage_mod.check(ok) == ok
 
 
@@ -372,3 +373,91 @@ async def test_a_reset_on_one_gateway_replica_frees_the_quota_on_the_other(share
     assert r.status_code == 200 and r.json()["error"] is None   # written before the answer
     await two.gw.usage.sync(two.gw.clock())
     assert (await two.post("/v1/chat/completions", chat("llama-8b"))).status_code == 200
+
+
+# ---- replicas share their reservations; the whole document is signed --------------------------------
+
+DOC_SECRET, ROTATED = b"d" * 32, b"r" * 32
+
+
+async def test_reservations_of_requests_in_flight_are_shared_across_replicas():
+    """Two replicas must not each admit a key's whole tokensPerDay for requests that outlast a sync."""
+    store = MemoryStore()
+    a, b = Usage(store, replica="a"), Usage(store, replica="b")
+    a.reserve("team-a", 900)
+    await a.sync(NOW)
+    await b.sync(NOW + 1)
+    assert b.tokens_today("team-a", NOW + 1) == 900, "replica b does not see a's request in flight"
+    assert policy_refuses(b, 200, NOW + 1), "b admitted past the day's budget"
+    assert b.tokens_today("team-b", NOW + 1) == 0
+    # a long request: a writes its reservation again while it lasts, so b keeps counting it
+    await a.sync(NOW + usage_mod.RESERVATION_REFRESH_S + 1)
+    await b.sync(NOW + usage_mod.RESERVATION_TTL_S)
+    assert b.tokens_today("team-a", NOW + usage_mod.RESERVATION_TTL_S) == 900
+    # the request ends: a counts what it used and its reservation goes
+    a.settle("team-a", 900)
+    a.record("team-a", "m", 100, 50, NOW + 32)
+    await a.sync(NOW + 32)
+    await b.sync(NOW + 33)
+    assert b.tokens_today("team-a", NOW + 33) == 150 and "a" not in store.doc["reserved"]
+    # a replica that stopped writing (gone) is forgotten
+    a.reserve("team-a", 500)
+    await a.sync(NOW + 40)
+    await b.sync(NOW + 41)
+    assert b.tokens_today("team-a", NOW + 41) == 650
+    assert b.tokens_today("team-a", NOW + 41 + usage_mod.RESERVATION_TTL_S) == 150
+
+
+def policy_refuses(u: Usage, need: int, now: float) -> bool:
+    from pd_gateway import policy
+    p = policy.parse(json.dumps({"team-a": {"tokensPerDay": 1000}}))["team-a"]
+    return policy.tokens_fit("team-a", p, now, u.tokens_today("team-a", now), need) is not None
+
+
+async def test_a_forged_document_is_rejected_even_within_the_growth_bound():
+    """An editor of the ConfigMap adds 50M tokens to a key 60 s later (within what the fleet could
+    serve): without the gateway's keys they cannot sign it."""
+    store = MemoryStore()
+    a = Usage(store, doc_secret=lambda: DOC_SECRET, replica="a")
+    a.record("team-b", "m", 10, 5, NOW)
+    await a.sync(NOW)
+    assert "mac" in store.doc
+    doc = copy.deepcopy(store.doc)
+    doc["days"][DAY]["team-b"]["m"]["input"] += 50_000_000
+    forge(store, doc)
+    await a.sync(NOW + 60)
+    assert a.tokens_today("team-b", NOW + 60) == 15, "the forged count reached team-b's quota"
+    assert a.rejected["reason"] == "bad_signature"
+    assert stored(store, "team-b") == c(1, 10, 5) and usage_mod.verified(
+        store.doc, usage_mod.check(store.doc), [DOC_SECRET], first=False) is None, "written back, signed"
+    # reservations cannot be forged to lock a key out either
+    doc = copy.deepcopy(store.doc)
+    doc["reserved"]["x"] = {"at": int((NOW + 61) * 1000), "keys": {"team-b": 10**9}}
+    forge(store, doc)
+    await a.sync(NOW + 61)
+    assert a.tokens_today("team-b", NOW + 61) == 15
+    # an unsigned document is taken only at a replica's first load
+    forge(store, {"days": {DAY: {"team-b": {"m": c(1, 10, 5)}}}, "minutes": {}})
+    fresh = Usage(store, doc_secret=lambda: DOC_SECRET, replica="c")
+    await fresh.sync(NOW + 62)
+    assert fresh.tokens_today("team-b", NOW + 62) == 15 and fresh.rejected is None and "mac" in store.doc
+    forge(store, {"days": {DAY: {"team-b": {"m": c(1, 10, 5)}}}, "minutes": {}})
+    await fresh.sync(NOW + 63)
+    assert fresh.rejected["reason"] == "unsigned"
+
+
+async def test_a_key_rotation_keeps_the_counts_of_replicas_not_yet_reloaded():
+    store = MemoryStore()
+    secret = {"a": DOC_SECRET, "b": DOC_SECRET}
+    a = Usage(store, doc_secret=lambda: secret["a"], replica="a")
+    b = Usage(store, doc_secret=lambda: secret["b"], replica="b")
+    a.record("team-a", "m", 100, 50, NOW)
+    await a.sync(NOW)
+    await b.sync(NOW + 1)
+    secret["b"] = ROTATED   # b reloaded the keys first
+    b.record("team-a", "m", 10, 5, NOW + 2)
+    await b.sync(NOW + 2)   # b takes a's document (the previous keys') and signs with the new
+    assert b.rejected is None and b.tokens_today("team-a", NOW + 2) == 165
+    secret["a"] = ROTATED
+    await a.sync(NOW + 3)
+    assert a.rejected is None and a.tokens_today("team-a", NOW + 3) == 165
