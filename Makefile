@@ -89,6 +89,12 @@ crd: venv ## regenerate the CRD (crds/ and the chart's copy) from the pydantic m
 	$(PY) -m pd_operator.crdgen --out crds/pddeployment.yaml --out charts/pd-operator/crds/pddeployment.yaml
 	$(PY) -m pd_operator.crdgen --kind PDGateway --out crds/pdgateway.yaml --out charts/pd-operator/crds/pdgateway.yaml
 
+crd-check: venv ## fail if a CRD (crds/ or the chart's copy) differs from what the pydantic models generate
+	$(PY) -m pd_operator.crdgen --check crds/pddeployment.yaml
+	$(PY) -m pd_operator.crdgen --check charts/pd-operator/crds/pddeployment.yaml
+	$(PY) -m pd_operator.crdgen --kind PDGateway --check crds/pdgateway.yaml
+	$(PY) -m pd_operator.crdgen --kind PDGateway --check charts/pd-operator/crds/pdgateway.yaml
+
 docs: venv ## regenerate docs/reference/ (custom resources, chart values, kubectl pdd, environment) from the code
 	$(PY) hack/docs/gen.py
 

@@ -23,9 +23,16 @@ log() { printf '[k8s-bins %4ss] %s\n' "$(( $(date +%s) - start ))" "$*"; }
 build() {
   local dir=$1 pkg=$2 out=$3 ldflags=${4:-}
   if [ -x "$BIN_DIR/$out" ]; then log "$out: cached"; return; fi
+  # two builds at once (two suites, a suite and a benchmark): one builds, the other waits for it;
+  # each writes its own temporary file, and the rename is atomic
+  exec 9>"$BIN_DIR/.$out.lock"
+  flock 9
+  if [ -x "$BIN_DIR/$out" ]; then log "$out: built meanwhile"; exec 9>&-; return; fi
   log "$out: building $pkg (first build takes several minutes)"
-  (cd "$here/$dir" && go build -ldflags "-s -w $ldflags" -o "$BIN_DIR/$out.tmp" "$pkg")
-  mv "$BIN_DIR/$out.tmp" "$BIN_DIR/$out"
+  local tmp="$BIN_DIR/$out.tmp.$$"
+  (cd "$here/$dir" && go build -ldflags "-s -w $ldflags" -o "$tmp" "$pkg")
+  mv "$tmp" "$BIN_DIR/$out"
+  exec 9>&-
   log "$out: done"
 }
 
