@@ -576,14 +576,14 @@ class Gateway:
         """The prompt as the model reads it, and its token ids. A prompt too long for any
         tokenization to fit the context is refused from its length, before it is tokenized."""
         tok = route.tokenizer
-        prompt = await asyncio.to_thread(tok.prompt, body) if isinstance(tok, HuggingFace) else tok.prompt(body)
+        prompt = await bodies.in_thread(tok.prompt, body) if isinstance(tok, HuggingFace) else tok.prompt(body)
         context = self.context(route)
         at_least = -(-len(prompt) // tok.max_token_chars())   # no token is longer than that
         if at_least >= context:
             raise PromptTooLong(context, at_least, len(prompt))
         templated = tok.templated(body)
         if len(prompt) > THREAD_TOKENIZE_CHARS:   # the tokenizer lets go of the GIL meanwhile
-            ids = await asyncio.to_thread(tok.encode, prompt, templated)
+            ids = await bodies.in_thread(tok.encode, prompt, templated)
         else:
             ids = tok.encode(prompt, templated)
         return prompt, ids or tok.boundary()   # an empty prompt: the model starts from a document boundary

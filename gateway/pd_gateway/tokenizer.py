@@ -124,10 +124,7 @@ class HuggingFace:
 
     def max_token_chars(self) -> int:
         if self._longest is None:
-            # a vocabulary entry's characters bound the text it stands for (a byte-level entry's
-            # character is one byte; a byte-fallback entry is longer than its byte); a normalizer
-            # may compose up to three characters into one (Hangul), so 4x
-            self._longest = 4 * max((len(t) for t in self.tok.get_vocab(with_added_tokens=True)), default=1)
+            self._longest = _longest_hf(self.tok)
         return self._longest
 
     def boundary(self) -> list[int]:
@@ -135,6 +132,37 @@ class HuggingFace:
 
     def detokenizer(self) -> Detokenizer:
         return _Stream(self.tok)
+
+
+# normalizers that never drop text (a composition takes at most three characters into one)
+_KEEPING_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "Prepend"}
+UNBOUNDED = 1 << 30
+
+
+def _longest_hf(tok: Any) -> int:
+    """The most prompt characters one token stands for, where a tokenizer's parts say so: byte-level
+    BPE (each vocabulary character one byte), pre-tokenizers that split without dropping,
+    normalizers that drop nothing (4x: Hangul composes three characters into one), no added token
+    that swallows whitespace. Any other tokenizer (WordPiece's [UNK] for a long word, a normalizer
+    that strips, a pre-tokenizer that drops whitespace) is not bounded: UNBOUNDED, no refusal from
+    the length alone."""
+    import json as _json
+    try:
+        cfg = _json.loads(tok.to_str())
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot say what it is: not bounded
+        return UNBOUNDED
+    pre = cfg.get("pre_tokenizer") or {}
+    pres = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    norm = cfg.get("normalizer") or {}
+    norms = norm.get("normalizers", []) if norm.get("type") == "Sequence" else ([norm] if norm else [])
+    byte_level = any(p.get("type") == "ByteLevel" for p in pres)
+    keeps = all(p.get("type") == "ByteLevel" or (p.get("type") == "Split" and p.get("behavior") != "Removed")
+                for p in pres)
+    if (cfg.get("model") or {}).get("type") != "BPE" or not byte_level or not keeps \
+            or any(n.get("type") not in _KEEPING_NORMALIZERS for n in norms) \
+            or any(t.get("lstrip") or t.get("rstrip") for t in cfg.get("added_tokens") or []):
+        return UNBOUNDED
+    return 4 * max((len(t) for t in tok.get_vocab(with_added_tokens=True)), default=1)
 
 
 class PromptTooLong(Exception):
@@ -179,7 +207,7 @@ class Unloadable:
         raise Unavailable(self.why)
 
     def max_token_chars(self) -> int:
-        return 1 << 30
+        return UNBOUNDED
 
     def boundary(self) -> list[int]:
         return [0]

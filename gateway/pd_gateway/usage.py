@@ -36,8 +36,10 @@ it is trusted:
   ConfigMap editor who cannot read the keys Secret does not have: a document whose signature
   verifies under neither the current keys' secret nor the one before them (a key rotation, while
   replicas reload the keys at different times) is rejected, so no count, reservation or reset
-  can be forged, not even within the growth bound. An unsigned document is taken only at a
-  replica's first load (a new ConfigMap, or one an older gateway wrote).
+  can be forged, not even within the growth bound. A document the replicas signed with keys
+  since rotated out is signed again by the first replica to read it with the new keys. At a
+  replica's first load any document is taken, as before signing (a new ConfigMap, one an older
+  gateway wrote, one signed with keys this replica never held).
 
 Reservations are shared too: each replica writes the tokens its requests in flight may still use
 (`reserved`, per replica, with the time it last wrote them) and counts every other replica's
@@ -230,13 +232,15 @@ def doc_mac(secret: bytes, doc: Doc) -> str:
 
 def verified(raw: Doc, doc: Doc, secrets: list[bytes], first: bool) -> Invalid | None:
     """Why a loaded document is not one the gateway's replicas signed (None if it is): signed
-    under one of `secrets`, or unsigned at a replica's first load (`first`) or holding nothing."""
-    if not secrets:
-        return None   # no key to derive a secret from: nothing is served, nothing to protect
+    under one of `secrets`, or holding nothing at all. At a replica's first load (`first`) any
+    document is taken, as before signing: a replica that just started knows no earlier keys, and
+    one signed with keys rotated out while it was down is honest (its replicas re-sign it)."""
+    if not secrets or first:
+        return None
     mac = raw.get("mac")
     if mac is None:
-        holds = any(doc[part] for part in ("days", "resets", "reserved"))
-        return Invalid("unsigned", "the document is not signed by the gateway") if holds and not first else None
+        holds = any(doc[part] for part in empty())
+        return Invalid("unsigned", "the document is not signed by the gateway") if holds else None
     if any(hmac.compare_digest(mac, doc_mac(s, doc)) for s in secrets):
         return None
     return Invalid("bad_signature", "the document's signature does not verify: it was written by someone "
@@ -503,7 +507,7 @@ class Usage:
         if tampered is not None:
             self._reject(tampered, now)
         elif self.syncing == empty() and _lasting(base) == _lasting(doc) and self._held_as_written(doc, mine, now) \
-                and (raw.get("mac") is not None or not secrets):   # nothing to write
+                and (not secrets or raw.get("mac") == doc_mac(secrets[0], doc)):   # nothing to write (signed as now)
             self._synced(base, now, secret, trusted=True)
             return True
         # a repair goes alone: counts added to this replica's copy could vanish in another replica's

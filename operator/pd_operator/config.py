@@ -161,7 +161,8 @@ def _affinity_namespaces(affinity: dict | None, namespace: str | None) -> list[s
                 continue
             if term.get("namespaceSelector") is not None:
                 found.append(f"{where}.namespaceSelector: selects pods of other namespaces")
-            others = [n for n in term.get("namespaces") or [] if n != namespace]
+            listed = term.get("namespaces")
+            others = [n for n in listed if n != namespace] if isinstance(listed, list) else []
             if others:
                 found.append(f"{where}.namespaces: names {', '.join(map(str, others[:5]))}")
     return found

@@ -75,8 +75,11 @@ def test_operator_installed_by_the_chart_runs_with_its_rbac(cluster: Cluster, cr
             r = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(bad), check=False)
             assert r.returncode != 0 and said in r.stderr, (field, r.stderr)
         own = sample(name="own-affinity")
-        own["spec"]["decoder"]["affinity"] = {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
-            {"topologyKey": "kubernetes.io/hostname", "labelSelector": {}, "namespaces": [namespace]}]}}
+        own["spec"]["decoder"]["affinity"] = {"podAffinity": None, "podAntiAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": [
+                {"topologyKey": "kubernetes.io/hostname", "labelSelector": {}, "namespaces": [namespace],
+                 "namespaceSelector": None}],
+            "preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 1, "podAffinityTerm": None}]}}
         r = cluster.kubectl("apply", "-n", namespace, "-f", "-", "--dry-run=server", input=json.dumps(own),
                             check=False)
         assert r.returncode == 0, r.stderr

@@ -113,3 +113,18 @@ async def test_a_completion_prompt_gets_the_tokenizers_special_tokens_beside_a_t
     r = await s.post("/v1/completions", {"model": MODEL, "prompt": "a link", "max_tokens": 2})
     assert r.status_code == 200, r.text
     assert s.agents.bodies["/v1/prefill"][0]["token_ids"] == tok.tok.encode("a link", add_special_tokens=True).ids
+
+
+def test_a_prompt_is_refused_from_its_length_only_where_the_tokenizer_bounds_it(tokenizer_json):
+    """Byte-level BPE bounds the characters a token stands for; WordPiece (a long word is one
+    [UNK]) or a pre-tokenizer that drops whitespace does not: no refusal from the length there."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    bounded = gwtok.load(str(tokenizer_json))
+    assert isinstance(bounded, gwtok.HuggingFace) and bounded.max_token_chars() < gwtok.UNBOUNDED
+    wp = Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    wp.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = tokenizer_json.parent / "wordpiece.json"
+    wp.save(str(path))
+    unbounded = gwtok.load(str(path))
+    assert unbounded.max_token_chars() == gwtok.UNBOUNDED
+    assert len(unbounded.encode("x" * 10_000 + " " * 10_000)) <= 2   # what the bound would have got wrong

@@ -8,7 +8,7 @@ import asyncio
 import json
 import threading
 
-from pd_gateway import server, tokenizer
+from pd_gateway import bodies, server, tokenizer
 from tests.unit import test_gateway_hardening
 from tests.unit.test_gateway_hardening import (
     BODY_LIMIT,
@@ -25,14 +25,31 @@ from tests.unit.test_gateway_hardening import (
 serve = test_gateway_hardening.serve
 
 
+async def until(done, timeout: float = 30) -> None:
+    async def poll():
+        while not done():
+            await asyncio.sleep(0.01)
+    await asyncio.wait_for(poll(), timeout)
+
+
+def test_counting_values_is_linear_whatever_the_strings():
+    """Strings that never close, escaped quotes by the hundred thousand, empty strings back to back:
+    one pass each (a backtracking scan of these would hold the event loop's lock for hours)."""
+    bound = 65536
+    assert bodies.values(b'{"a": [1, 2, {"b": "x,[{"}], "c": "q\\"{,"}', bound) == 6
+    assert bodies.values(b'"' + b'\\"' * 500_000 + b"," * 70_000, bound) == 0      # one string, never closed
+    assert bodies.values(b'"' + b'\\"' * 500_000 + b"\\", bound) == 0
+    assert bodies.values(b'""' * 2_000_000, bound) <= bound                           # not JSON: ends early
+    assert bodies.values(b"[" + b'"",' * 2_000_000 + b'""]', bound) == bound + 1        # stops past the bound
+
+
 async def test_connections_that_send_only_headers_hold_no_body_budget(serve):
     s = await serve(max_body_bytes=BODY_LIMIT, max_body_bytes_in_flight=3 * BODY_LIMIT, body_timeout_s=30)
     idle = []
     for framing in [f"Content-Length: {BODY_LIMIT}"] * 3 + ["Transfer-Encoding: chunked"] * 2:
         idle.append(await _raw(s.port, f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
                                        f"Content-Type: application/json\r\n{framing}\r\n\r\n".encode()))
-    while s.gw.streams.count < 5:
-        await asyncio.sleep(0.01)
+    await until(lambda: s.gw.streams.count == 5)
     assert s.gw.body_bytes.used == 0
     r = await s.post(CHAT, with_(CHAT), key=OTHER)
     assert r.status_code == 200, r.text
@@ -88,9 +105,9 @@ async def test_a_keys_heavy_requests_take_turns_and_never_hold_up_another_key(se
     monkeypatch.setattr(tokenizer.Cl100k, "encode", held_encode)
     heavy = with_(COMPLETIONS, prompt="hello " * 20_000)
     first = asyncio.create_task(s.post(COMPLETIONS, heavy))
-    while inside[0] < 1:
-        await asyncio.sleep(0.01)
+    await until(lambda: inside[0] == 1)
     second = asyncio.create_task(s.post(COMPLETIONS, heavy))
+    await until(lambda: s.gw.lanes.locks.get("team-a", (None, 0))[1] == 2)   # queued behind the first
     await asyncio.sleep(0.3)
     assert inside[0] == 1 and not second.done(), "the key's second heavy request waits for its turn"
     r = await s.post(CHAT, with_(CHAT), key=OTHER)   # another key is served meanwhile

@@ -444,6 +444,11 @@ async def test_a_forged_document_is_rejected_even_within_the_growth_bound():
     forge(store, {"days": {DAY: {"team-b": {"m": c(1, 10, 5)}}}, "minutes": {}})
     await fresh.sync(NOW + 63)
     assert fresh.rejected["reason"] == "unsigned"
+    # a minute's count cannot be forged unsigned either (it would lock a key out of its requests per minute)
+    fresh.rejected = None
+    forge(store, {"minutes": {"2026-12-03T12:01": {"team-b": 600_000}}})
+    await fresh.sync(NOW + 64)
+    assert fresh.rejected["reason"] == "unsigned" and fresh.requests_this_minute("team-b", NOW + 64) == 0
 
 
 async def test_a_key_rotation_keeps_the_counts_of_replicas_not_yet_reloaded():
@@ -461,3 +466,20 @@ async def test_a_key_rotation_keeps_the_counts_of_replicas_not_yet_reloaded():
     secret["a"] = ROTATED
     await a.sync(NOW + 3)
     assert a.rejected is None and a.tokens_today("team-a", NOW + 3) == 165
+
+
+async def test_a_quiet_document_is_signed_again_after_a_rotation_and_a_new_replica_never_wipes_it():
+    store = MemoryStore()
+    secret = [DOC_SECRET]
+    a = Usage(store, doc_secret=lambda: secret[0], replica="a")
+    a.record("team-a", "m", 100, 50, NOW)
+    await a.sync(NOW)
+    secret[0] = ROTATED   # keys rotated; nothing counted since
+    await a.sync(NOW + 3)
+    assert usage_mod.verified(store.doc, usage_mod.check(store.doc), [ROTATED], first=False) is None, \
+        "not signed again with the new keys"
+    # a replica that never held the keys the document is signed with takes it at its first load
+    forge(store, {**copy.deepcopy(store.doc), "mac": usage_mod.doc_mac(b"x" * 32, store.doc)})
+    b = Usage(store, doc_secret=lambda: ROTATED, replica="b")
+    await b.sync(NOW + 4)
+    assert b.rejected is None and b.tokens_today("team-a", NOW + 4) == 150 and stored(store, "team-a") == c(1, 100, 50)
