@@ -36,9 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx  # noqa: E402
+from agentproc import TOKEN, AgentProc, next_ip  # noqa: E402
 from common import cpu_seconds  # noqa: E402
-
-from tests.agent_procs import TOKEN, AgentProc, next_ip  # noqa: E402
 
 KEY = "sk-bench-gateway-0001"
 ABUSER = "sk-bench-gateway-abuser-0001"

@@ -13,8 +13,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from agentproc import AgentProc  # noqa: E402
+
 import llm_datadist_sim as llm  # noqa: E402
-from tests.agent_procs import AgentProc  # noqa: E402
 
 
 def free_port() -> int:
