@@ -230,7 +230,7 @@ def doc_mac(secret: bytes, doc: Doc) -> str:
                     hashlib.sha256).hexdigest()
 
 
-def verified(raw: Doc, doc: Doc, secrets: list[bytes], first: bool) -> Invalid | None:
+def verified(raw: Doc, doc: Doc, secrets: list[bytes], first: bool, macs: list[str] | None = None) -> Invalid | None:
     """Why a loaded document is not one the gateway's replicas signed (None if it is): signed
     under one of `secrets`, or holding nothing at all. At a replica's first load (`first`) any
     document is taken, as before signing: a replica that just started knows no earlier keys, and
@@ -241,7 +241,8 @@ def verified(raw: Doc, doc: Doc, secrets: list[bytes], first: bool) -> Invalid |
     if mac is None:
         holds = any(doc[part] for part in empty())
         return Invalid("unsigned", "the document is not signed by the gateway") if holds else None
-    if any(hmac.compare_digest(mac, doc_mac(s, doc)) for s in secrets):
+    # `macs`: the document's signatures under `secrets`, if already computed
+    if any(hmac.compare_digest(mac, m) for m in (macs if macs is not None else [doc_mac(x, doc) for x in secrets])):
         return None
     return Invalid("bad_signature", "the document's signature does not verify: it was written by someone "
                                     "without the gateway's keys")
@@ -498,8 +499,10 @@ class Usage:
         replica wrote in between."""
         raw, doc, version, bad = await asyncio.to_thread(self._read)
         secrets = self._doc_secrets()
+        # its signatures under the current and previous keys, once, off the event loop (it may be large)
+        macs = await asyncio.to_thread(lambda: [doc_mac(x, doc) for x in secrets]) if secrets else []
         if bad is None:
-            bad = verified(raw, doc, secrets, first=self.trusted_at is None)
+            bad = verified(raw, doc, secrets, first=self.trusted_at is None, macs=macs)
         secret = self._secret()
         base, tampered = self._judge(doc, bad, now, secret)
         taken = tampered is None or tampered.reason == "lowered"   # its counts are in `base`
@@ -507,7 +510,7 @@ class Usage:
         if tampered is not None:
             self._reject(tampered, now)
         elif self.syncing == empty() and _lasting(base) == _lasting(doc) and self._held_as_written(doc, mine, now) \
-                and (not secrets or raw.get("mac") == doc_mac(secrets[0], doc)):   # nothing to write (signed as now)
+                and (not secrets or raw.get("mac") == macs[0]):   # nothing to write (signed as now)
             self._synced(base, now, secret, trusted=True)
             return True
         # a repair goes alone: counts added to this replica's copy could vanish in another replica's
