@@ -499,10 +499,8 @@ class Usage:
         replica wrote in between."""
         raw, doc, version, bad = await asyncio.to_thread(self._read)
         secrets = self._doc_secrets()
-        # its signatures under the current and previous keys, once, off the event loop (it may be large)
-        macs = await asyncio.to_thread(lambda: [doc_mac(x, doc) for x in secrets]) if secrets else []
-        if bad is None:
-            bad = verified(raw, doc, secrets, first=self.trusted_at is None, macs=macs)
+        macs = await asyncio.to_thread(lambda: [doc_mac(x, doc) for x in secrets]) if secrets else []   # off the loop
+        bad = bad or verified(raw, doc, secrets, first=self.trusted_at is None, macs=macs)
         secret = self._secret()
         base, tampered = self._judge(doc, bad, now, secret)
         taken = tampered is None or tampered.reason == "lowered"   # its counts are in `base`
