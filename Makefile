@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 KUBECONFIG_LOCAL := $(CURDIR)/.localcluster/kubeconfig
 BIN_DIR = $(shell hack/k8s-bins/build.sh --print-dir)
 
-.PHONY: help venv lint k8s-bins cluster-up cluster-down test test-unit test-vllm test-integration test-e2e e2e-kind images lint-workflows crd crd-check docs demo bench bench-sim bench-links bench-switch bench-gateway bench-decide bench-rebalance bench-policy-sim soak busy-machine busy-machine-stop clean
+.PHONY: help venv lint k8s-bins lwepp cluster-up cluster-down test test-unit test-vllm test-integration test-e2e e2e-kind images lint-workflows crd crd-check docs demo bench bench-sim bench-links bench-switch bench-gateway bench-decide bench-rebalance bench-policy-sim soak busy-machine busy-machine-stop clean
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
@@ -43,13 +43,16 @@ $(BENCH_STAMP): $(STAMP)
 k8s-bins: ## build etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, helm (cached)
 	@hack/k8s-bins/build.sh
 
+lwepp: ## build GIE's reference endpoint picker (cmd/lwepp), an ext_proc probe and the InferencePool CRD (cached)
+	@hack/lwepp/build.sh
+
 cluster-up: venv k8s-bins ## start the local control plane and node agent (idempotent)
 	@$(PY) -m pd_localcluster up --bin-dir "$(BIN_DIR)"
 
 cluster-down: venv ## stop the local cluster and remove its state (idempotent)
 	@$(PY) -m pd_localcluster down
 
-test: venv k8s-bins lint-workflows images ## every test: unit, integration on the local cluster, e2e from the images
+test: venv k8s-bins lwepp lint-workflows images ## every test: unit, integration on the local cluster, e2e from the images
 	$(PY) -m pytest tests -v -p no:cacheprovider
 
 test-unit: venv ## unit tests only (seconds; no control plane)
@@ -70,7 +73,7 @@ test-vllm: venv ## pd_engine against real vLLM releases (VLLM_VERSIONS, each in 
 	    -p no:cacheprovider -W ignore; \
 	done
 
-test-integration: venv k8s-bins ## integration tests only
+test-integration: venv k8s-bins lwepp ## integration tests only
 	$(PY) -m pytest tests/integration -v
 
 test-e2e: venv k8s-bins images ## e2e scenarios on a local cluster whose pods run from their images (Docker)
