@@ -25,6 +25,7 @@ from pathlib import Path
 import yaml
 
 from pd_contract.agent_api import AgentStatus, LinkState, RankInfo, RankLinkState, VerifyResult
+from pd_contract.names import llmd_labels
 from pd_operator import builders
 from pd_operator import children as ch
 from pd_operator.api import PDDeploymentSpec, parse_spec
@@ -59,7 +60,8 @@ def pod(group: str, index: int, ip: str) -> dict:
                          "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": f"x-{group}",
                                               "uid": f"uid-StatefulSet-x-{group}", "controller": True}],
                          "labels": {"pdoperator.io/deployment": "x", "pdoperator.io/group": group,
-                                    "pdoperator.io/role": group, "apps.kubernetes.io/pod-index": str(index)},
+                                    "pdoperator.io/role": group, "apps.kubernetes.io/pod-index": str(index),
+                                    **{k: v for k, v in llmd_labels(group).items() if v}},
                          "annotations": {"pdoperator.io/assigned-role": group}},
             "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True"}],
                        "containerStatuses": [{"state": {"running": {}}, "restartCount": 0}]}}

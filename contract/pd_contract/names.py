@@ -17,6 +17,19 @@ ANNOTATION_ROLE = f"{GROUP}/assigned-role"
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 SWITCHING = "switching"      # the role label while a pod is out of both role Services
 
+# llm-d's labels, kept true through switches for the inference gateways people already run (GIE
+# InferencePools, llm-d's P/D scheduler): the role an engine serves now, and whether it serves at
+# all. Both go when a switch starts (before the drain) and come back after relink and verify.
+LLMD_ROLE = "llm-d.ai/role"
+LLMD_SERVING = "llm-d.ai/inferenceServing"
+LLMD_ROLE_OF = {"prefill": "prefill", "decoder": "decode"}
+
+
+def llmd_labels(role_label: str) -> dict[str, str | None]:
+    """The llm-d labels of a pod whose pdoperator.io/role label is `role_label` (None: absent)."""
+    role = LLMD_ROLE_OF.get(role_label)
+    return {LLMD_ROLE: role, LLMD_SERVING: "true" if role else None}
+
 # the engine roles (LLM-DataDist's names), and the one each of the operator's groups starts in
 PROMPT = "prompt"
 DECODER = "decoder"

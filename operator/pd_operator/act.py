@@ -9,10 +9,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from pd_contract.agent_api import Peer, RankEndpoint
-from pd_contract.names import LINKED_CODES
+from pd_contract.names import LINKED_CODES, llmd_labels
 
 from . import children as ch
 from . import links as lk
+from . import pools
 from . import tokens as tk
 from .agentclient import AgentCallError, AgentClient, code_label
 from .builders import ANNOTATION_ROLE, LABEL_ROLE, token_secret
@@ -189,7 +190,11 @@ class _Switching:
 
 
 async def _label(c: _Switching, it: Intent, e: lk.Engine | None) -> None:
-    await c.kube.patch("v1", "Pod", c.namespace, it.pod, {"metadata": {"labels": {LABEL_ROLE: it.role}}})
+    """The role label and llm-d's labels in one patch: a pod leaves (or joins) the role Services
+    and every InferencePool that selects llm-d's labels at the same moment."""
+    assert it.role is not None
+    labels: dict[str, str | None] = {LABEL_ROLE: it.role, **llmd_labels(it.role)}
+    await c.kube.patch("v1", "Pod", c.namespace, it.pod, {"metadata": {"labels": labels}})
 
 
 async def _annotate(c: _Switching, it: Intent, e: lk.Engine | None) -> None:
@@ -278,3 +283,23 @@ async def _switch_verify(c: _Switching, e: lk.Engine, pairs: list[tuple[lk.Engin
             failed = failed or AgentCallError("AgentError", f"{d.pod} <- {p.pod}: {r.message}", r.code)
     if failed is not None:
         raise failed
+
+
+async def keep_pools(kube: Kube, ns: str, plan: pools.PoolPlan) -> bool:
+    """InferencePools applied and deleted. A refusal (an API server that stopped serving them,
+    RBAC) is logged and tried again at the pass's own pace, never the pass's failure. True if
+    any was written."""
+    wrote = False
+    for obj in plan.apply:
+        try:
+            await kube.apply(obj)
+            wrote = True
+        except KubeError as e:
+            log.warning("InferencePool %s/%s not applied: %s", ns, obj["metadata"]["name"], e)
+    for pool in plan.delete:
+        try:
+            await kube.delete(pools.POOL_API, pools.POOL_KIND, ns, pool)
+            wrote = True
+        except KubeError as e:
+            log.warning("InferencePool %s/%s not deleted: %s", ns, pool, e)
+    return wrote

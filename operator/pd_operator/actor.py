@@ -54,8 +54,7 @@ class Actor:
     # ---- record ------------------------------------------------------------------------------
     async def record(self, snap: Snapshot, plan: Plan) -> None:
         """The status first; once it is written, the decided memory is the memory."""
-        key = snap.key
-        mem = plan.memory
+        key, mem = snap.key, plan.memory
         # after a start or a takeover nothing is remembered as written: the status as stored
         # (the warm cache) stands for it, so a fleet taken over is not rewritten to the same
         written = mem.last_status if mem.last_status is not None else snap.body.get("status")
@@ -118,6 +117,7 @@ class Actor:
                               everything=len(plan.to_apply) == len(plan.desired),
                               keys_ok=snap.keys is None or bool(snap.keys[0]), observed=frozenset(snap.children))
             acted = True
+        acted = await act.keep_pools(self.kube, ns, plan.pools) or acted
         pairs = plan.verify
         if plan.links and token:
             dirty.update(p.decoder.pod for p in plan.links)  # ask them again next pass

@@ -488,6 +488,54 @@ class GatewaySpec(Model):
     resources: Resources | None = None
 
 
+_DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+
+class EndpointPickerRef(Model):
+    """An InferencePool's endpointPickerRef (inference.networking.k8s.io/v1): the endpoint
+    picker's Service that a gateway asks, over Envoy's ext_proc, which pod serves a request."""
+    name: str = Field(min_length=1, max_length=253, pattern=_DNS_LABEL)
+    port: int = Field(default=9002, ge=1, le=65535, description="the picker's ext_proc port")
+    kind: str = Field(default="Service", max_length=63, pattern=r"^[a-zA-Z]([-a-zA-Z0-9]*[a-zA-Z0-9])?$")
+    group: str = Field(default="", max_length=253, pattern=r"^$|^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]"
+                                                           r"([-a-z0-9]*[a-z0-9])?)*$")
+    failure_mode: Literal["FailOpen", "FailClose"] = "FailClose"
+
+
+class PickerRefs(Model):
+    prefill: EndpointPickerRef | None = None
+    decode: EndpointPickerRef | None = None
+
+
+class Routing(Model):
+    """Routing by the inference gateways people already run. Engine pods always carry llm-d's
+    labels (llm-d.ai/role prefill | decode, llm-d.ai/inferenceServing "true") while they serve, and
+    lose both from the moment a switch starts until it has relinked and verified them."""
+    model_config = ConfigDict(json_schema_extra=rules(
+        ("self.poolScope == 'Deployment' || !has(self.endpointPickerRef)",
+         "spec.routing.endpointPickerRef is the Deployment pool's picker; with poolScope Role set "
+         "spec.routing.endpointPickerRefs (prefill, decode)", ".endpointPickerRef"),
+        ("self.poolScope == 'Role' || !has(self.endpointPickerRefs)",
+         "spec.routing.endpointPickerRefs are the Role pools' pickers; with poolScope Deployment set "
+         "spec.routing.endpointPickerRef", ".endpointPickerRefs"),
+    ))
+    inference_pool: bool = Field(default=False, description="keep InferencePools (inference.networking.k8s.io/v1) "
+                                                            "that select this deployment's serving pods")
+    pool_scope: Literal["Deployment", "Role"] = Field(
+        default="Deployment", description="Deployment: one pool <name> of every serving pod (llm-d's P/D scheduler "
+                                          "tells the roles apart by llm-d.ai/role); Role: pools <name>-prefill and "
+                                          "<name>-decode, one per role")
+    target_ports: list[Annotated[int, Field(ge=1, le=65535)]] | None = Field(
+        default=None, min_length=1, max_length=8,
+        description="the pods' serving ports in the pools (default: spec.engine.port, else the agent's 8080)")
+    endpoint_picker_ref: EndpointPickerRef | None = None
+    endpoint_picker_refs: PickerRefs | None = None
+    leave_pool_seconds: float = Field(
+        default=2.0, ge=0, le=60,
+        description="how long a switch waits between taking a pod's labels and draining it, so routers that "
+                    "select the labels from outside see the pod leave before it refuses requests")
+
+
 def _host_path(default: str) -> Any:
     return Field(default=default, max_length=1024, pattern=HOST_PATH)
 
@@ -679,6 +727,7 @@ class PDDeploymentSpec(Model):
     ascend: Ascend | None = None
     sim: Sim | None = None
     gateway: GatewaySpec | None = None
+    routing: Routing | None = None
     mindie: MindIE | None = None
     engine: EngineContainer | None = Field(
         default=None, description="run your inference server's image beside the agent (the groups' command, args, "

@@ -17,6 +17,7 @@ from pd_contract.names import FIELD_MANAGER, LABEL_DEPLOYMENT, NPU_RESOURCE
 from . import children as ch
 from . import links as lk
 from . import policies, ranktable
+from . import pools as pools_
 from . import rebalance as rb
 from . import replace as rp
 from . import switch as sw_
@@ -26,6 +27,7 @@ from .builders import desired_children, npu_mismatch
 from .config import OperatorConfig, not_allowed
 from .diagnosis import Diagnosis
 from .members import Problem, pod_ready, with_report
+from .objmeta import owner_reference
 from .reports import Report
 from .state import RETRIED, Memory
 from .status import Observed, build_status
@@ -57,6 +59,8 @@ class Snapshot:
     token_digests: tuple[tuple[str, str], ...] = ()   # status.tokenDigests (tokens.judge)
     keys: tuple[bool, str, str] | None = None   # the gateway's keys Secret: opted in, or why not
     strays: tuple[dict, ...] = ()       # pods with the deployment's labels that its StatefulSets do not own
+    pool_api: bool | None = None        # the API server serves InferencePools (None: not asked)
+    pools: tuple[dict, ...] = ()        # this deployment's InferencePools, as listed
 
     @property
     def generation(self) -> int:
@@ -90,6 +94,7 @@ class Plan:
     events: list[Event] = field(default_factory=list)
     decisions: list[tuple[str, str]] = field(default_factory=list)   # (policy, reason) evaluated
     clear_abort: bool = False   # the switch-abort annotation was dealt with: remove it
+    pools: pools_.PoolPlan = pools_.PoolPlan()
 
     @property
     def book(self) -> sw_.Book:
@@ -118,6 +123,9 @@ def decide(snap: Snapshot) -> Plan:
     plans, pairs, complete_after = _links(snap, mem, engines, obs, sw, alive)
     obs.blocked = blocked
     obs.gateway_keys = snap.keys
+    pool_plan = pools_.plan(name, ns, owner_reference(name, snap.body["metadata"].get("uid", "")), snap.spec,
+                            snap.pool_api, {p["metadata"]["name"]: p for p in snap.pools}, live)
+    obs.inference_pool = pool_plan.verdict
     # observedGeneration moves only once the children of this generation were applied
     obs.observed_generation = snap.generation if not to_apply and not blocked else \
         (snap.body.get("status") or {}).get("observedGeneration")
@@ -134,7 +142,8 @@ def decide(snap: Snapshot) -> Plan:
     return Plan(memory=mem, status=status, engines=engines, reported=obs.reported, want=sw.want, desired=desired,
                 to_apply=to_apply, links=plans, verify=pairs, verify_after_links=complete_after,
                 switch_intents=sw.intents if snap.token else [], switch_probes=probes, started=sw.started,
-                outcomes=sw.outcomes, events=events, decisions=sw.decisions, clear_abort=sw.clear_abort)
+                outcomes=sw.outcomes, events=events, decisions=sw.decisions, clear_abort=sw.clear_abort,
+                pools=pool_plan)
 
 
 def _take(snap: Snapshot, mem: Memory, obs: Observed, events: list[Event]) -> list[lk.Engine]:
@@ -398,7 +407,7 @@ def _in_flight(spec: PDDeploymentSpec, mem: Memory, book: sw_.Book, view: Callab
     intents: list[sw_.Intent] = []
     outcomes: list[sw_.Outcome] = []
     kept: list[sw_.Switch] = []
-    timeout = rb.drain_timeout(spec)
+    timeout, leave_s = rb.drain_timeout(spec), rb.leave_pool_s(spec)
     for s in book.switches:
         if s.step != sw_.ABORT:
             s = replace(s, attempts=mem.switch_fails.get(s.pod, 0), message=mem.switch_errors.get(s.pod, ""))
@@ -406,7 +415,7 @@ def _in_flight(spec: PDDeploymentSpec, mem: Memory, book: sw_.Book, view: Callab
             s, obs.abort_refused = sw_.abort_on_request(s, wall)
         if paused and s.step == "Drain":
             s = s.at(sw_.ABORT, wall, f"{sw_.PAUSED}; {s.pod} stays {s.from_}")
-        new, its, out = sw_.advance(s, view(s), wall, timeout)
+        new, its, out = sw_.advance(s, view(s), wall, timeout, leave_s)
         if out is not None:
             outcomes.append(out)
             _forget_switch(mem, s.pod, interrupted=out.result == "Interrupted")

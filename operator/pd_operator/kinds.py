@@ -41,5 +41,6 @@ OTHERS = (
     Kind("Event", "v1", "events"),
     Kind("Lease", "coordination.k8s.io/v1", "leases"),
     Kind("Ingress", "networking.k8s.io/v1", "ingresses"),
+    Kind("InferencePool", "inference.networking.k8s.io/v1", "inferencepools"),   # only where its CRD is
 )
 BY_KIND = {k.kind: k for k in CHILDREN + OTHERS}

@@ -109,6 +109,16 @@ class Kube:
             params={"fieldManager": FIELD_MANAGER, "force": "true"},
             content=json.dumps(obj), headers={"Content-Type": "application/apply-patch+yaml"})
 
+    async def serves(self, api_version: str, plural: str) -> bool:
+        """Whether the API server serves `plural` in `api_version` (discovery; a CRD may be absent)."""
+        try:
+            out = await self._req("GET", f"/apis/{api_version}", f"discover {api_version}")
+        except KubeError as e:
+            if e.status == 404:
+                return False
+            raise
+        return any(r.get("name") == plural for r in out.get("resources") or [])
+
     async def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> dict | None:
         try:
             return await self._req("GET", object_path(api_version, kind, namespace, name), f"get {kind} {name}")

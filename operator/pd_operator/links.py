@@ -37,6 +37,7 @@ class Engine:
     starting: bool = False          # first container start, not Ready yet: its agent is coming up
     uid: str = ""
     label: str = ""                 # the pdoperator.io/role label (role may differ for a switching pod)
+    llmd_ok: bool = True            # its llm-d labels (llm-d.ai/role, inferenceServing) follow that label
     assigned: str | None = None     # pdoperator.io/assigned-role: the role its engine starts in
     engine_role: str | None = None  # prefill | decoder, as its agent reports the engine
     switchable: bool | None = None  # initialised with llm.EnableSwitchRole

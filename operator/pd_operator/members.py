@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from pd_contract.agent_api import AgentStatus
+from pd_contract.names import llmd_labels
 
 from .api import PDDeploymentSpec
 from .builders import (
@@ -109,7 +110,8 @@ def member_of(pod: dict, spec: PDDeploymentSpec) -> Engine | Problem:
     starting = not pod_ready(pod) and "running" in (statuses[0].get("state") or {}) \
         and not statuses[0].get("restartCount")
     role = labels.get(LABEL_ROLE, group)
-    return Engine(pod=meta["name"], group=group, role=role, label=role, uid=meta.get("uid", ""),
+    llmd_ok = all(labels.get(k) == v for k, v in llmd_labels(role).items())
+    return Engine(pod=meta["name"], group=group, role=role, label=role, llmd_ok=llmd_ok, uid=meta.get("uid", ""),
                   assigned=(meta.get("annotations") or {}).get(ANNOTATION_ROLE),
                   cluster_id=cluster_id(spec, group, index), ip=ip, port=spec.datadist.port, tp=spec.tp(group),
                   ready=pod_ready(pod), agent_url=f"http://{ip}:{AGENT_PORT}" if ip else None,

@@ -9,9 +9,10 @@ import asyncio
 import logging
 import os
 
-from pd_contract.names import LABEL_KEYS
+from pd_contract.names import LABEL_DEPLOYMENT, LABEL_KEYS
 
 from . import observe
+from . import pools as pools_
 from . import switch as sw_
 from . import tokens as tk
 from .agentclient import AgentClient
@@ -32,6 +33,7 @@ Key = tuple[str, str]
 RELIST_S = float(os.environ.get("PD_OPERATOR_RELIST_SECONDS", "30"))
 STRAY_RELIST_S = 5.0      # a pod claiming a StatefulSet not in the cache makes a fresh list this often
 TOKEN_TTL_S = 20.0
+POOL_API_TTL_S = 30.0     # whether InferencePools are served is asked again this often
 
 
 def relist_s(key: Key) -> float:
@@ -46,6 +48,7 @@ class Observer:
         self.kube, self.agents, self.caches, self.memory, self.config, self.clock = \
             kube, agents, caches, memory, config, clock
         self.limiters = limiters
+        self._pool_api_seen: tuple[bool | None, float | None] = (None, None)
 
     async def observe(self, key: Key, body: dict) -> Snapshot:
         """The Snapshot decide works from. What it writes to memory is bookkeeping of its own
@@ -93,6 +96,7 @@ class Observer:
         if rbs is not None and rbs.policy == "SLO" and spec.gateway and spec.gateway.enabled \
                 and wall >= book.next_evaluation:
             stats, read = await self._gateway_stats(ns, name), True
+        pool_api, pools = await self._pools(key, spec, seen)
         alive = {e.pod: e for e in engines}
         seen.agent_backoff.prune(lambda k: k[0] in alive and k == observe.backoff_key(alive[k[0]]))
         return Snapshot(key=key, body=body, spec=spec, now=now, wall=wall, pods=tuple(all_pods),
@@ -101,7 +105,32 @@ class Observer:
                         gateway_stats=stats, gateway_read=read, asked=frozenset(ask), memory=mem,
                         npu_resource=self.config.npu_resource, config=self.config, token_problem=seen.token_problem,
                         token_digests=tuple(sorted(seen.token_digests.items())),
-                        keys=keys, strays=stray_pods)
+                        keys=keys, strays=stray_pods, pool_api=pool_api, pools=pools)
+
+    async def _pool_api(self) -> bool | None:
+        """Whether the API server serves InferencePools, asked again every POOL_API_TTL_S (a CRD
+        installed later is found); None while it cannot be told."""
+        served, at = self._pool_api_seen
+        if at is None or self.clock.monotonic() - at >= POOL_API_TTL_S:
+            try:
+                served = await self.kube.serves(pools_.POOL_API, pools_.POOL_PLURAL)
+            except (KubeError, OSError) as e:
+                log.warning("cannot tell whether %s is served: %s", pools_.POOL_API, e)
+            self._pool_api_seen = (served, self.clock.monotonic())
+        return served
+
+    async def _pools(self, key: Key, spec: PDDeploymentSpec, seen: Seen) -> tuple[bool | None, tuple[dict, ...]]:
+        """The InferencePool API's presence and this deployment's pools: listed while pools are
+        wanted, and once more after that (to delete those that were kept)."""
+        if not pools_.wanted(spec) and not seen.pools_kept:
+            return None, ()
+        api = await self._pool_api()
+        if not api:
+            seen.pools_kept = False
+            return api, ()
+        listed = await self.kube.list(pools_.POOL_API, pools_.POOL_KIND, key[0], f"{LABEL_DEPLOYMENT}={key[1]}")
+        seen.pools_kept = pools_.wanted(spec) or bool(listed)
+        return api, tuple(listed)
 
     async def _gateway_stats(self, ns: str, name: str) -> tuple[dict, float] | None:
         """The gateway's recent client-side TTFT/TBT percentiles (what the SLO policy reads where

@@ -141,6 +141,12 @@ def drain_timeout(spec: PDDeploymentSpec) -> float:
     return float(spec.drain_timeout_seconds)
 
 
+def leave_pool_s(spec: PDDeploymentSpec) -> float:
+    """How long a switch waits between taking the pod's labels and draining it: only where
+    spec.routing says routers outside the operator select them (else at once, as always)."""
+    return float(spec.routing.leave_pool_seconds) if spec.routing is not None else 0.0
+
+
 def mesh(engines: list[lk.Engine], switches: list[Switch]) -> list[lk.Engine]:
     """The engines as the link planner must see them: a switching pod by its engine's role and
     step, not by its `switching` label."""
@@ -211,14 +217,15 @@ def candidates(engines: list[lk.Engine], switches: list[Switch], refused: set[st
 
 def repairs(engines: list[lk.Engine], switches: list[Switch]) -> list[Intent]:
     """Pods not in a switch whose label or assigned role disagrees with their engine (a switch
-    whose record was lost, a label edited by hand): follow the engine, and undrain a pod
-    left in the `switching` label."""
+    whose record was lost, a label edited by hand), or whose llm-d labels disagree with their
+    role label (a pod the StatefulSet just made, an operator upgrade): follow the engine, and
+    undrain a pod left in the `switching` label."""
     busy = {s.pod for s in switches}
     out = []
     for e in engines:
         if e.pod in busy or e.terminating or not e.agent_ok or e.engine_role is None:
             continue
-        if e.label != e.engine_role:
+        if e.label != e.engine_role or not e.llmd_ok:   # (the label intent sets llm-d's labels too)
             out.append(Intent("label", e.pod, e.engine_role))
         if e.assigned is not None and e.assigned != e.engine_role:
             out.append(Intent("annotate", e.pod, e.engine_role))

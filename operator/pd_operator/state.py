@@ -99,6 +99,8 @@ class Seen:
     token_create: dict[str, str] = field(default_factory=dict)    # role -> token recorded, not yet created
     keys_verdict: tuple[bool, str, str] | None = None   # the gateway's keys Secret: opted in or why not
     keys_read_at: float = 0.0
+    # this deployment may have InferencePools to keep or delete (True at start: look once)
+    pools_kept: bool = True
 
     def next_retry_in(self, now: float) -> float | None:
         return self.agent_backoff.next_in(now)

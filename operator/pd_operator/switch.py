@@ -166,35 +166,37 @@ def done(sw: Switch, v: View) -> bool:
     raise ValueError(f"unknown step {step!r}")
 
 
-def _hold(sw: Switch, v: View) -> list[Intent]:
-    """Out of the role Services and refusing new work, until the Undrain step."""
+def _hold(sw: Switch, v: View, now: float, leave_pool_s: float) -> list[Intent]:
+    """Out of the role Services and refusing new work, until the Undrain step. The labels go
+    first; the drain follows once routers that select the labels from outside (an InferencePool's
+    endpoint picker, llm-d's scheduler) had `leave_pool_s` to see them go, so none of them sends
+    a request to an engine that refuses it."""
     out = []
     if v.label != SWITCHING:
         out.append(Intent("label", sw.pod, SWITCHING))
-    if v.agent_ok and not v.draining:
+    left = leave_pool_s <= 0 or sw.step != "Drain" or \
+        (v.label == SWITCHING and now - sw.step_started >= leave_pool_s)
+    if v.agent_ok and not v.draining and left:
         out.append(Intent("drain", sw.pod))
     return out
 
 
-def intents(sw: Switch, v: View) -> list[Intent]:
+def intents(sw: Switch, v: View, now: float = 0.0, leave_pool_s: float = 0.0) -> list[Intent]:
     """What to do for the current step (each idempotent, each checked again next pass)."""
-    if sw.step == ABORT:
+    if sw.step in (ABORT, "Undrain"):
+        # serving first, labelled second: whatever the labels bring back (the role Services,
+        # llm-d's pools) finds an engine that takes requests
+        role = sw.from_ if sw.step == ABORT else sw.to
         out = []
-        if v.assigned != sw.from_:
+        if sw.step == ABORT and v.assigned != sw.from_:
             out.append(Intent("annotate", sw.pod, sw.from_))
-        if v.label != sw.from_:
-            out.append(Intent("label", sw.pod, sw.from_))
-        if v.agent_ok and v.draining:
+        undrain = bool(v.agent_ok and v.draining)
+        if undrain:
             out.append(Intent("undrain", sw.pod))
+        if v.label != role and (undrain or not v.draining):
+            out.append(Intent("label", sw.pod, role))
         return out
-    if sw.step == "Undrain":
-        out = []
-        if v.label != sw.to:
-            out.append(Intent("label", sw.pod, sw.to))
-        if v.agent_ok and v.draining:
-            out.append(Intent("undrain", sw.pod))
-        return out
-    out = _hold(sw, v)
+    out = _hold(sw, v, now, leave_pool_s)
     if sw.step in ("Unlink", "SwitchRole") and v.engine_role == sw.from_ and v.links_out:
         out.append(Intent("unlink_all", sw.pod))   # a decoder's own links (prefills' are the planner's)
     if sw.step == "SwitchRole":
@@ -207,8 +209,9 @@ def intents(sw: Switch, v: View) -> list[Intent]:
     return out
 
 
-def advance(sw: Switch, v: View, now: float, drain_timeout_s: float) -> tuple[Switch | None, list[Intent],
-                                                                                 Outcome | None]:
+def advance(sw: Switch, v: View, now: float, drain_timeout_s: float, leave_pool_s: float = 0.0
+            ) -> tuple[Switch | None, list[Intent], Outcome | None]:
+    """`leave_pool_s`: how long the Drain step waits between taking the pod's labels and draining it."""
     if not v.exists or v.uid != sw.uid or v.terminating:
         return None, [], Outcome("Interrupted", sw, f"{sw.pod} was deleted or replaced during step {sw.step}; "
                                                     f"a new pod starts in its group's home role", now)
@@ -229,7 +232,7 @@ def advance(sw: Switch, v: View, now: float, drain_timeout_s: float) -> tuple[Sw
                                    f"{sw.from_}")
             continue
         break
-    return sw, intents(sw, v), None
+    return sw, intents(sw, v, now, leave_pool_s), None
 
 
 def planning_role(sw: Switch, engine_role: str | None, draining: bool, terminating: bool) -> tuple[str, bool]:

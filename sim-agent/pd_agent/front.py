@@ -32,7 +32,7 @@ from typing import Awaitable, Callable
 
 import httpx
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 
 from pd_contract import engine_env as ev
@@ -83,7 +83,7 @@ from .http import (
 )
 from .identity import Identity, proxy_environment
 from .inference import OVERLOADED_RETRY_S, no_first_token
-from .metrics import AgentMetrics
+from .metrics import AgentMetrics, scrape
 from .mindie_hook import attach as attach_mindie
 from .routes import AgentService
 
@@ -696,7 +696,7 @@ class Front(AgentService):
         return web.json_response({"ok": True})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(request.app[METRICS].registry),
+        return web.Response(body=scrape(request.app[METRICS], self.id, self.status().load),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def get_status(self) -> AgentStatus:

@@ -30,6 +30,7 @@ class Identity:
     port: int
     backend: str = "sim"         # "sim" | "llm-datadist"
     model_id: int = 0
+    model_name: str = ""             # the served model id (PD_MODEL_NAME): the model-server metrics' label
     cache_desc: dict = field(default_factory=lambda: dict(DEFAULT_CACHE_DESC))
     link_timeout_ms: int = 3000
     sync_kv_timeout_ms: int = 1000
@@ -91,6 +92,7 @@ class Identity:
             pod=env.get(ev.POD_NAME) or env.get("HOSTNAME") or f"agent-{eid.cluster_id}",
             role=eid.role, cluster_id=eid.cluster_id, ip=eid.ip, port=eid.port,
             backend=env.get(ev.PD_BACKEND, "sim"),
+            model_name=env.get(ev.PD_MODEL_NAME, ""),
             model_id=eid.model_id,
             cache_desc=desc,
             link_timeout_ms=int(env.get(ev.LLM_DATADIST_LINK_TIMEOUT_MS, "3000")),

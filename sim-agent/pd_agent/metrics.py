@@ -1,10 +1,33 @@
 """Prometheus metrics of one agent (its own registry, so embedding hosts keep theirs)."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pd_contract.agent_api import Load
+
+from .identity import Identity
 
 LATENCY_BUCKETS_MS = (5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 500, 750, 1000, 1500, 2000, 3000, 5000,
                       10000, 30000)
+
+
+# The model-server protocol's names (Gateway API Inference Extension; vLLM's own), what endpoint
+# pickers scrape: GIE's reference picker and llm-d's read these per engine.
+WAITING = "vllm:num_requests_waiting"
+RUNNING = "vllm:num_requests_running"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+CACHE_CONFIG = "vllm:cache_config_info"
+
+
+def cache_blocks(cache_desc: dict) -> tuple[int, int]:
+    """(block_size, num_gpu_blocks) of an engine's KV cache as the protocol's cache_config_info
+    states them: the paged cache's blocks, or for a contiguous cache one block per batch slot of
+    the whole sequence length."""
+    paged = cache_desc.get("paged") or {}
+    if paged.get("block_size") and paged.get("num_blocks"):
+        return int(paged["block_size"]), int(paged["num_blocks"])
+    shape = list(cache_desc.get("shape") or [0, 0])
+    return int(shape[1] if len(shape) > 1 else 0), int(shape[0] if shape else 0)
 
 
 class AgentMetrics:
@@ -24,3 +47,31 @@ class AgentMetrics:
         self.requests = Counter("pd_agent_requests", "Requests finished", ["phase"], registry=r)
         self.failed = Counter("pd_agent_requests_failed", "Requests failed, by reason", ["reason"], registry=r)
         self.api_calls = Counter("pd_agent_api_calls", "Agent API calls", ["op", "code"], registry=r)
+        labels = ["model_name"]
+        self.ms_waiting = Gauge(WAITING, "Requests waiting to be processed (model-server protocol)", labels, registry=r)
+        self.ms_running = Gauge(RUNNING, "Requests being processed (model-server protocol)", labels, registry=r)
+        self.ms_kv_usage = Gauge(KV_USAGE, "KV cache usage, 0 to 1 (model-server protocol)", labels, registry=r)
+        self.ms_cache_config = Gauge(CACHE_CONFIG, "KV cache configuration (model-server protocol)",
+                                     ["model_name", "block_size", "num_gpu_blocks"], registry=r)
+        self._cache_config: tuple[str, str, str] | None = None
+
+    def model_server(self, model: str, waiting: int, running: int, kv_used: int, kv_capacity: int,
+                     cache_desc: dict) -> None:
+        """The model-server protocol's gauges from the engine's load, set at each scrape."""
+        self.ms_waiting.labels(model).set(waiting)
+        self.ms_running.labels(model).set(running)
+        self.ms_kv_usage.labels(model).set(min(1.0, kv_used / kv_capacity) if kv_capacity > 0 else 0.0)
+        block_size, blocks = cache_blocks(cache_desc)
+        config = (model, str(block_size), str(blocks))
+        if config != self._cache_config:
+            if self._cache_config is not None:
+                self.ms_cache_config.remove(*self._cache_config)
+            self.ms_cache_config.labels(*config).set(1)
+            self._cache_config = config
+
+
+def scrape(m: AgentMetrics, ident: Identity, load: Load) -> bytes:
+    """The registry as a scrape sees it, the model-server protocol's gauges set from `load`."""
+    m.model_server(ident.model_name, load.queue_depth, load.running, load.kv_used_bytes, load.kv_capacity_bytes,
+                   ident.cache_desc)
+    return generate_latest(m.registry)

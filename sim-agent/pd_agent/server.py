@@ -15,7 +15,7 @@ import time
 
 import httpx
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from pd_contract.agent_api import (
     AgentStatus,
@@ -52,7 +52,7 @@ from .front import serve_front
 from .http import METRICS, api_app, api_routes, app_runner, error_reply, model_reply, serve_metrics, wait_event
 from .identity import ConfigError, Identity, import_backend
 from .inference import Inference
-from .metrics import AgentMetrics
+from .metrics import AgentMetrics, scrape
 from .mindie_hook import attach as attach_mindie
 from .notify import Notifier
 from .routes import AgentService, Route
@@ -90,12 +90,13 @@ class CoreAPI(AgentService):
         return web.json_response({"ok": True, "boot_id": self.core.boot_id})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        m = request.app[METRICS]
-        st = self.core.status()
+        m, core = request.app[METRICS], self.core
+        st = core.status()
         m.kv_used.set(st.load.kv_used_bytes)
         m.links.labels("up").set(sum(1 for l in st.links if l.code == "LLM_SUCCESS"))
         m.links.labels("down").set(sum(1 for l in st.links if l.code != "LLM_SUCCESS"))
-        return web.Response(body=generate_latest(m.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(body=scrape(m, core.id, st.load),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def get_status(self) -> AgentStatus:
         return self.core.status()

@@ -36,6 +36,7 @@ class FakeKube:
         self.controller: Controller | None = None
         self.reject: dict[str, tuple[int, str]] = {}           # kind -> (status, message) for applies
         self._rv = itertools.count(1)
+        self.served: set[str] = set()                            # custom resources' plurals the server serves
 
     def store(self, obj: dict) -> dict:
         obj = copy.deepcopy(obj)
@@ -74,6 +75,9 @@ class FakeKube:
         stored = self.store(obj)
         self.feed(stored)
         return stored
+
+    async def serves(self, api_version: str, plural: str) -> bool:
+        return plural in self.served
 
     async def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> dict | None:
         obj = self.objects.get((kind, namespace or "", name))

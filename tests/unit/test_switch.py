@@ -56,7 +56,7 @@ def test_decoder_to_prefill_walks_every_step_on_what_is_observed():
     s, its, _ = advance(s, v(**obs, relinked=True), T0 + 0.8, 30)
     assert s.step == "Verify" and kinds(its) == [("verify", None)]
     s, its, _ = advance(s, v(**obs, relinked=True, verified=True), T0 + 0.9, 30)
-    assert s.step == "Undrain" and kinds(its) == [("label", "prefill"), ("undrain", None)]
+    assert s.step == "Undrain" and kinds(its) == [("undrain", None), ("label", "prefill")]
     s2, its, out = advance(s, v(**{**obs, "label": "prefill", "draining": False}), T0 + 1.0, 30)
     assert s2 is None and its == [] and out.result == "Completed"
     rec = out.record()
@@ -85,7 +85,7 @@ def test_switch_role_waits_while_any_link_remains():
 def test_drain_timeout_aborts_and_puts_the_pod_back():
     s, its, _ = advance(sw(), v(label="switching", draining=True, in_flight=3), T0 + 31, 30)
     assert s.step == ABORT and "3 requests in flight" in s.message
-    assert kinds(its) == [("label", "decoder"), ("undrain", None)]
+    assert kinds(its) == [("undrain", None), ("label", "decoder")]
     s2, _, out = advance(s, v(draining=False), T0 + 31.2, 30)
     assert s2 is None and out.result == "Aborted" and "drain timed out" in out.message
     assert "switchMs" not in out.record()

@@ -1,0 +1,121 @@
+"""InferencePools (Gateway API Inference Extension, inference.networking.k8s.io/v1) kept for a
+deployment whose spec.routing.inferencePool is true (decide: pure; observe and act below).
+
+A pool selects the deployment's serving pods by llm-d's labels, which the operator moves with
+every switch: a pod loses them before its drain and gets them back only after relink and verify,
+so a pool (and the endpoint picker reading it) never holds a pod that is draining, switching or
+not yet verified in its role. Scope Deployment keeps one pool `<name>` of every serving pod (llm-d's
+P/D scheduler tells the roles apart by llm-d.ai/role); scope Role keeps `<name>-prefill` and
+`<name>-decode`. Without the InferencePool CRD nothing is created, and the condition
+InferencePoolReady says why."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pd_contract.names import AGENT_PORT, LABEL_DEPLOYMENT, LLMD_ROLE, LLMD_SERVING
+
+from .api import EndpointPickerRef, PDDeploymentSpec
+from .objmeta import common_labels, object_meta
+
+POOL_API = "inference.networking.k8s.io/v1"
+POOL_KIND = "InferencePool"
+POOL_PLURAL = "inferencepools"
+CRD_NAME = f"{POOL_PLURAL}.inference.networking.k8s.io"
+CONDITION = "InferencePoolReady"
+Verdict = tuple[bool, str, str]
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    apply: tuple[dict, ...] = ()       # pools to server-side apply (only those that differ)
+    delete: tuple[str, ...] = ()       # pools of this deployment no longer wanted
+    verdict: Verdict | None = None     # InferencePoolReady; None: the condition goes
+
+
+def wanted(spec: PDDeploymentSpec) -> bool:
+    return spec.routing is not None and spec.routing.inference_pool
+
+
+def target_ports(spec: PDDeploymentSpec) -> list[int]:
+    r = spec.routing
+    if r is not None and r.target_ports:
+        return list(r.target_ports)
+    return [spec.engine.port] if spec.engine is not None and spec.engine.port else [AGENT_PORT]
+
+
+def selectors(name: str, spec: PDDeploymentSpec) -> dict[str, dict[str, str]]:
+    """Pool name -> the labels it selects on."""
+    base = {LABEL_DEPLOYMENT: name, LLMD_SERVING: "true"}
+    if spec.routing is not None and spec.routing.pool_scope == "Role":
+        return {f"{name}-{role}": {**base, LLMD_ROLE: role} for role in ("prefill", "decode")}
+    return {name: base}
+
+
+def _picker(spec: PDDeploymentSpec, pool: str, name: str) -> EndpointPickerRef | None:
+    r = spec.routing
+    assert r is not None
+    if r.pool_scope == "Deployment":
+        return r.endpoint_picker_ref
+    refs = r.endpoint_picker_refs
+    if refs is None:
+        return None
+    return refs.prefill if pool == f"{name}-prefill" else refs.decode
+
+
+def desired(name: str, namespace: str, owner: dict, spec: PDDeploymentSpec) -> list[dict]:
+    out = []
+    for pool, labels in selectors(name, spec).items():
+        # every field the API server would default is set, so what is stored compares equal
+        body: dict = {"appProtocol": "http", "selector": {"matchLabels": labels},
+                      "targetPorts": [{"number": p} for p in target_ports(spec)]}
+        ref = _picker(spec, pool, name)
+        if ref is not None:
+            body["endpointPickerRef"] = {"group": ref.group, "kind": ref.kind, "name": ref.name,
+                                         "port": {"number": ref.port}, "failureMode": ref.failure_mode}
+        out.append({"apiVersion": POOL_API, "kind": POOL_KIND,
+                    "metadata": object_meta(pool, namespace, owner, common_labels(name)), "spec": body})
+    return out
+
+
+def _matches(labels: dict, selector: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def _ready(pod: dict) -> bool:
+    return any(c.get("type") == "Ready" and c.get("status") == "True"
+               for c in (pod.get("status") or {}).get("conditions") or [])
+
+
+def plan(name: str, namespace: str, owner: dict, spec: PDDeploymentSpec, api: bool | None,
+         observed: dict[str, dict], pods: list[dict]) -> PoolPlan:
+    """What to apply and delete, and the condition. `api`: whether the API server serves
+    InferencePools (None: not asked yet); `observed`: this deployment's pools by name."""
+    if not wanted(spec):
+        return PoolPlan(delete=tuple(sorted(observed)) if api else ())
+    if api is None:
+        return PoolPlan(verdict=(False, "Checking", "looking for the InferencePool API"))
+    if not api:
+        return PoolPlan(verdict=(False, "CRDNotInstalled", f"spec.routing.inferencePool is true but the API server "
+                                 f"does not serve {POOL_API} InferencePools (CRD {CRD_NAME}): no pool is kept. "
+                                 "Install the Gateway API Inference Extension's CRDs; the pools follow within a "
+                                 "minute"))
+    want = desired(name, namespace, owner, spec)
+    names = {o["metadata"]["name"] for o in want}
+    apply = tuple(o for o in want if _differs(o, observed.get(o["metadata"]["name"])))
+    delete = tuple(sorted(n for n in observed if n not in names))
+    live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+    parts = []
+    for pool, sel in selectors(name, spec).items():
+        n = sum(1 for p in live if _matches(p["metadata"].get("labels") or {}, sel) and _ready(p))
+        parts.append(f"{pool}: {n} serving pod{'s' if n != 1 else ''}")
+    verb = "applying" if apply else "kept"
+    return PoolPlan(apply=apply, delete=delete,
+                    verdict=(not apply, "Applying" if apply else "Kept", f"InferencePools {verb}: " + "; ".join(parts)))
+
+
+def _differs(want: dict, have: dict | None) -> bool:
+    if have is None:
+        return True
+    labels = have["metadata"].get("labels") or {}
+    return have.get("spec") != want["spec"] or any(labels.get(k) != v for k, v in want["metadata"]["labels"].items())
+
