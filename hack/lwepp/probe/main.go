@@ -9,6 +9,7 @@ package main
 
 import (
 	"context"
+	"crypto/tls"
 	"encoding/json"
 	"flag"
 	"fmt"
@@ -19,6 +20,7 @@ import (
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	extproc "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 )
 
@@ -77,9 +79,15 @@ func main() {
 	every := flag.Duration("every", 100*time.Millisecond, "time between picks")
 	count := flag.Int("count", 0, "picks to make (0: until stdin closes)")
 	model := flag.String("model", "", "x-model-name header to send (optional)")
+	useTLS := flag.Bool("tls", true, "TLS to the picker, its certificate unchecked (a picker serves a "+
+		"self-signed one by default, and gateways skip its verification as GIE's guides configure them)")
 	flag.Parse()
 
-	conn, err := grpc.NewClient(*addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	creds := insecure.NewCredentials()
+	if *useTLS {
+		creds = credentials.NewTLS(&tls.Config{InsecureSkipVerify: true}) //nolint:gosec // see -tls
+	}
+	conn, err := grpc.NewClient(*addr, grpc.WithTransportCredentials(creds))
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "pool-probe:", err)
 		os.Exit(2)
