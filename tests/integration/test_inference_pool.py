@@ -27,7 +27,7 @@ from tests.integration.conftest import condition, pdd, sample, wait_phase
 from tests.integration.switch_helpers import parse_time
 from tests.integration.test_switching import REBALANCE, set_prefill, switched
 from tests.integration.test_traffic import TRAFFIC_SPEC, Load
-from tests.procs import spawn
+from tests.procs import end, spawn
 
 pytestmark = pytest.mark.integration
 
@@ -79,11 +79,7 @@ class Picker:
             assert self.probe.stdin is not None
             self.probe.stdin.close()
             self.probe.wait(10)
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        end(self.proc, grace=10)
         self.log.close()
 
 
