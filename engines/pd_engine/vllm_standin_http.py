@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
 from pydantic import ValidationError
 
 from pd_contract import tokens
@@ -54,7 +55,29 @@ def generation(standin: StandIn, body: proto.ChatCompletionRequest | proto.Compl
                       max(1, body.n or 1), body.stops(), body.ignore_eos)
 
 
+class Metrics:
+    """vLLM's own /metrics names for what the stand-in does: every request it holds is running
+    (it refuses, never queues, when its blocks are used up), and its blocks' use."""
+
+    def __init__(self, served: str):
+        r = self.registry = CollectorRegistry()
+        self.served, self.running = served, 0
+        self.waiting_g = Gauge("vllm:num_requests_waiting", "Requests waiting", ["model_name"], registry=r)
+        self.running_g = Gauge("vllm:num_requests_running", "Requests running", ["model_name"], registry=r)
+        self.usage_g = Gauge("vllm:kv_cache_usage_perc", "KV cache usage, 0 to 1", ["model_name"], registry=r)
+        self.config_g = Gauge("vllm:cache_config_info", "KV cache configuration",
+                              ["model_name", "block_size", "num_gpu_blocks"], registry=r)
+
+    def render(self, standin: StandIn) -> bytes:
+        self.waiting_g.labels(self.served).set(0)
+        self.running_g.labels(self.served).set(self.running)
+        self.usage_g.labels(self.served).set(1 - len(standin.free) / standin.num_blocks)
+        self.config_g.labels(self.served, str(standin.block_size), str(standin.num_blocks)).set(1)
+        return generate_latest(self.registry)
+
+
 def app(standin: StandIn, served: str) -> web.Application:
+    metrics = Metrics(served)
     async def run(request: web.Request, chat: bool) -> web.StreamResponse:
         try:
             raw = await request.json()
@@ -69,6 +92,7 @@ def app(standin: StandIn, served: str) -> web.Application:
             return web.json_response(proto.error(str(e)), status=400)
         rid = proto.new_id("chatcmpl" if chat else "cmpl", request.headers.get("X-Request-Id"))
         params = body.kv_transfer_params or {}
+        metrics.running += 1
         try:
             if params.get("do_remote_decode"):
                 choices, out_params = await asyncio.to_thread(standin.prefill_remote, rid, gen)
@@ -81,6 +105,8 @@ def app(standin: StandIn, served: str) -> web.Application:
             return web.json_response(_reply(chat, rid, served, body, gen, choices, None))
         except NoRoom as e:
             return web.json_response(proto.error(str(e), 503), status=503)
+        finally:
+            metrics.running -= 1
 
     async def chat(request: web.Request) -> web.StreamResponse:
         return await run(request, True)
@@ -108,6 +134,9 @@ def app(standin: StandIn, served: str) -> web.Application:
         return web.json_response(await asyncio.to_thread(standin.decode_bytes, str(b["request_id"]),
                                                          dict(b["kv_transfer_params"])))
 
+    async def scrape(_: web.Request) -> web.Response:
+        return web.Response(body=metrics.render(standin), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
     async def healthz(_: web.Request) -> web.Response:
         return web.json_response({"ok": True, "held": len(standin.held), "free_blocks": len(standin.free),
                                   **standin.counts})
@@ -125,7 +154,7 @@ def app(standin: StandIn, served: str) -> web.Application:
     a.add_routes([web.post("/v1/chat/completions", chat), web.post("/v1/completions", completions),
                   web.get("/health", health), web.get("/v1/models", models), web.get("/standin/requests", recorded),
                   web.post("/prefill", prefill_bytes), web.post("/decode", decode_bytes),
-                  web.get("/healthz", healthz)])
+                  web.get("/healthz", healthz), web.get("/metrics", scrape)])
     a.cleanup_ctx.append(ticker)
     return a
 

@@ -110,3 +110,22 @@ def test_requests_vllm_refuses_are_refused():
         proto.CompletionRequest.model_validate({"prompt": ""})
     r = proto.ChatCompletionRequest.model_validate({"messages": [], "tools": [{"type": "function"}], "foo": 1})
     assert r.model_extra == {"foo": 1} and r.tool_choice == "none"
+
+
+def test_metrics_carry_vllm_s_names_and_the_blocks_a_held_prefill_uses(pair):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pd_engine.vllm_standin_http import Metrics
+    p, _ = pair
+    m = Metrics("m")
+
+    def scrape() -> dict:
+        return {(s.name, s.labels.get("num_gpu_blocks")): s.value
+                for f in text_string_to_metric_families(m.render(p).decode()) for s in f.samples}
+    idle = scrape()
+    assert idle[("vllm:kv_cache_usage_perc", None)] == 0 and idle[("vllm:num_requests_running", None)] == 0
+    assert idle[("vllm:cache_config_info", "64")] == 1
+    p.prefill_remote("held", generation(p, chat("the blocks stay held until the decoder pulls them")))
+    m.running = 1
+    busy = scrape()
+    assert 0 < busy[("vllm:kv_cache_usage_perc", None)] < 1 and busy[("vllm:num_requests_running", None)] == 1
