@@ -11,6 +11,7 @@ import json
 import random
 import threading
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 from aiohttp import web
@@ -59,16 +60,31 @@ class Metrics:
     """vLLM's own /metrics names for what the stand-in does: every request it holds is running
     (it refuses, never queues, when its blocks are used up), and its blocks' use."""
 
-    def __init__(self, served: str):
+    def __init__(self, served: str, standin: StandIn):
         r = self.registry = CollectorRegistry()
-        self.served, self.running = served, 0
+        self.served, self.standin, self.running = served, standin, 0
         self.waiting_g = Gauge("vllm:num_requests_waiting", "Requests waiting", ["model_name"], registry=r)
         self.running_g = Gauge("vllm:num_requests_running", "Requests running", ["model_name"], registry=r)
         self.usage_g = Gauge("vllm:kv_cache_usage_perc", "KV cache usage, 0 to 1", ["model_name"], registry=r)
         self.config_g = Gauge("vllm:cache_config_info", "KV cache configuration",
                               ["model_name", "block_size", "num_gpu_blocks"], registry=r)
 
-    def render(self, standin: StandIn) -> bytes:
+    @web.middleware
+    async def count(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """Requests to the OpenAI paths are running while they are answered."""
+        if not request.path.startswith("/v1/") or request.method != "POST":
+            return await handler(request)
+        self.running += 1
+        try:
+            return await handler(request)
+        finally:
+            self.running -= 1
+
+    async def scrape(self, _: web.Request) -> web.Response:
+        return web.Response(body=self.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    def render(self) -> bytes:
+        standin = self.standin
         self.waiting_g.labels(self.served).set(0)
         self.running_g.labels(self.served).set(self.running)
         self.usage_g.labels(self.served).set(1 - len(standin.free) / standin.num_blocks)
@@ -77,7 +93,6 @@ class Metrics:
 
 
 def app(standin: StandIn, served: str) -> web.Application:
-    metrics = Metrics(served)
     async def run(request: web.Request, chat: bool) -> web.StreamResponse:
         try:
             raw = await request.json()
@@ -92,7 +107,6 @@ def app(standin: StandIn, served: str) -> web.Application:
             return web.json_response(proto.error(str(e)), status=400)
         rid = proto.new_id("chatcmpl" if chat else "cmpl", request.headers.get("X-Request-Id"))
         params = body.kv_transfer_params or {}
-        metrics.running += 1
         try:
             if params.get("do_remote_decode"):
                 choices, out_params = await asyncio.to_thread(standin.prefill_remote, rid, gen)
@@ -105,14 +119,6 @@ def app(standin: StandIn, served: str) -> web.Application:
             return web.json_response(_reply(chat, rid, served, body, gen, choices, None))
         except NoRoom as e:
             return web.json_response(proto.error(str(e), 503), status=503)
-        finally:
-            metrics.running -= 1
-
-    async def chat(request: web.Request) -> web.StreamResponse:
-        return await run(request, True)
-
-    async def completions(request: web.Request) -> web.StreamResponse:
-        return await run(request, False)
 
     async def health(_: web.Request) -> web.Response:
         return web.Response(status=200)
@@ -134,9 +140,6 @@ def app(standin: StandIn, served: str) -> web.Application:
         return web.json_response(await asyncio.to_thread(standin.decode_bytes, str(b["request_id"]),
                                                          dict(b["kv_transfer_params"])))
 
-    async def scrape(_: web.Request) -> web.Response:
-        return web.Response(body=metrics.render(standin), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
     async def healthz(_: web.Request) -> web.Response:
         return web.json_response({"ok": True, "held": len(standin.held), "free_blocks": len(standin.free),
                                   **standin.counts})
@@ -150,11 +153,13 @@ def app(standin: StandIn, served: str) -> web.Application:
         yield
         task.cancel()
 
-    a = web.Application(client_max_size=16 << 20)
-    a.add_routes([web.post("/v1/chat/completions", chat), web.post("/v1/completions", completions),
+    metrics = Metrics(served, standin)
+    a = web.Application(client_max_size=16 << 20, middlewares=[metrics.count])
+    a.add_routes([web.post("/v1/chat/completions", partial(run, chat=True)),
+                  web.post("/v1/completions", partial(run, chat=False)),
                   web.get("/health", health), web.get("/v1/models", models), web.get("/standin/requests", recorded),
                   web.post("/prefill", prefill_bytes), web.post("/decode", decode_bytes),
-                  web.get("/healthz", healthz), web.get("/metrics", scrape)])
+                  web.get("/healthz", healthz), web.get("/metrics", metrics.scrape)])
     a.cleanup_ctx.append(ticker)
     return a
 

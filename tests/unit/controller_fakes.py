@@ -76,6 +76,11 @@ class FakeKube:
         self.feed(stored)
         return stored
 
+    async def delete(self, api_version: str, kind: str, namespace: str | None, name: str) -> None:
+        self.log.append(("delete", kind, name))
+        if self.objects.pop((kind, namespace or "", name), None) is None:
+            raise KubeError(404, '{"message": "not found"}', f"delete {kind} {name}")
+
     async def serves(self, api_version: str, plural: str) -> bool:
         return plural in self.served
 

@@ -652,3 +652,38 @@ async def test_a_child_name_another_owner_controls_is_not_applied_over():
     assert any(c[0] == "apply" and c[1] == "NetworkPolicy" for c in w.log)
     await w.step()   # the status of the pass after the apply
     assert w.condition("Ready")["reason"] != "NameTaken"
+
+
+async def test_inference_pools_follow_the_spec_and_the_crd_and_pods_get_llmd_labels():
+    spec = {**copy.deepcopy(SPEC), "routing": {"inferencePool": True, "poolScope": "Role"}}
+    w = World(spec)
+    w.add_pods()
+    await w.settle()
+    cond = w.condition("InferencePoolReady")
+    assert (cond["status"], cond["reason"]) == ("False", "CRDNotInstalled"), cond
+    assert not w.log.count("apply") or "InferencePool" not in w.log.kinds("apply")
+    for (kind, _, name), obj in w.kube.objects.items():   # the labels, whatever the pools
+        if kind == "Pod":
+            labels = obj["metadata"]["labels"]
+            assert labels["llm-d.ai/role"] == ("prefill" if "prefill" in name else "decode"), labels
+            assert labels["llm-d.ai/inferenceServing"] == "true"
+    # the CRD is installed: found within the operator's next look, the pools follow
+    w.kube.served.add("inferencepools")
+    w.clock.advance(31)
+    await w.settle()
+    pools = sorted(n for (k, _, n) in w.kube.objects if k == "InferencePool")
+    assert pools == ["x-decode", "x-prefill"]
+    cond = w.condition("InferencePoolReady")
+    assert (cond["status"], cond["reason"]) == ("True", "Kept"), cond
+    assert "x-prefill: 2 serving pods; x-decode: 2 serving pods" in cond["message"]
+    applies = len([c for c in w.log if c[:2] == ("apply", "InferencePool")])
+    await w.step()
+    assert len([c for c in w.log if c[:2] == ("apply", "InferencePool")]) == applies, "kept, not re-applied"
+    # routing off: the pools go with it, and the condition
+    obj = w.kube.objects[("PDDeployment", "ns", "x")]
+    del obj["spec"]["routing"]
+    obj["metadata"]["generation"] += 1
+    w.ctl.on_deployment("MODIFIED", copy.deepcopy(obj))
+    await w.settle()
+    assert not [n for (k, _, n) in w.kube.objects if k == "InferencePool"]
+    assert w.condition("InferencePoolReady") == {}

@@ -117,11 +117,11 @@ def test_metrics_carry_vllm_s_names_and_the_blocks_a_held_prefill_uses(pair):
 
     from pd_engine.vllm_standin_http import Metrics
     p, _ = pair
-    m = Metrics("m")
+    m = Metrics("m", p)
 
     def scrape() -> dict:
         return {(s.name, s.labels.get("num_gpu_blocks")): s.value
-                for f in text_string_to_metric_families(m.render(p).decode()) for s in f.samples}
+                for f in text_string_to_metric_families(m.render().decode()) for s in f.samples}
     idle = scrape()
     assert idle[("vllm:kv_cache_usage_perc", None)] == 0 and idle[("vllm:num_requests_running", None)] == 0
     assert idle[("vllm:cache_config_info", "64")] == 1
