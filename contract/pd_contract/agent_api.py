@@ -10,7 +10,7 @@ Role = Literal["prompt", "decoder"]
 
 
 class AgentPath:
-    """The agent API's paths: sim-agent's routes.py serves them; the operator, the pod's agent,
+    """The agent API's paths: pd_agent's routes.py serves them; the operator, the pod's agent,
     the rank processes, pd_engine and the routers call them."""
     HEALTHZ = "/healthz"       # readiness: the engine is initialised
     LIVEZ = "/livez"           # liveness: the process answers

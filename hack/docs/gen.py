@@ -22,7 +22,7 @@ from unittest import mock
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-for _src in ("operator", "contract", "gateway", "sim-agent", "localcluster"):
+for _src in ("operator", "contract", "gateway", "agent", "simulator", "localcluster"):
     if str(ROOT / _src) not in sys.path:
         sys.path.insert(0, str(ROOT / _src))
 
@@ -368,8 +368,8 @@ ENV_NAME = re.compile(r"\b(?:PD|LLM_DATADIST)_[A-Z0-9_]*")
 COMPONENTS: list[tuple[str, str]] = [
     ("operator/pd_operator/kubectl_pdd.py", "kubectl pdd"), ("operator/pd_operator/connect.py", "kubectl pdd"),
     ("operator/pd_operator/", "operator"), ("gateway/pd_gateway/", "gateway"),
-    ("sim-agent/pd_agent/loadgen.py", "load generator"), ("sim-agent/pd_agent/traces.py", "load generator"),
-    ("sim-agent/pd_agent/", "agent"), ("sim-agent/llm_datadist_sim/", "simulator"),
+    ("agent/pd_agent/loadgen.py", "load generator"), ("agent/pd_agent/traces.py", "load generator"),
+    ("agent/pd_agent/", "agent"), ("simulator/llm_datadist_sim/", "simulator"),
     ("contract/pd_contract/", "contract"), ("localcluster/pd_localcluster/", "local cluster"),
     ("engines/pd_engine/", "engine adapters"),
     ("charts/pd-operator/templates/", "chart"),
@@ -378,7 +378,7 @@ COMPONENTS: list[tuple[str, str]] = [
 ]
 SCAN_FILES = ("tests/conftest.py", "tests/procs.py", "tests/integration/conftest.py", "tests/e2e/conftest.py",
               "Makefile", "Dockerfile", ".ci/run")
-SCAN_DIRS = ("operator/pd_operator", "gateway/pd_gateway", "sim-agent/pd_agent", "sim-agent/llm_datadist_sim",
+SCAN_DIRS = ("operator/pd_operator", "gateway/pd_gateway", "agent/pd_agent", "simulator/llm_datadist_sim",
              "contract/pd_contract", "localcluster/pd_localcluster", "engines/pd_engine",
              "charts/pd-operator/templates", "hack", "bench")
 SCAN_SUFFIXES = (".py", ".sh", ".yaml", ".tpl", ".txt")

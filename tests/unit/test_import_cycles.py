@@ -18,8 +18,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {   # package -> the folder that holds it
     "pd_operator": "operator",
-    "pd_agent": "sim-agent",
-    "llm_datadist_sim": "sim-agent",
+    "pd_agent": "agent",
+    "llm_datadist_sim": "simulator",
     "pd_gateway": "gateway",
     "pd_contract": "contract",
     "pd_engine": "engines",

@@ -11,8 +11,8 @@ from pathlib import Path
 from tests.unit.test_clock import clock_reads
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = {"pd_operator": "operator/pd_operator", "pd_agent": "sim-agent/pd_agent",
-            "llm_datadist_sim": "sim-agent/llm_datadist_sim", "pd_gateway": "gateway/pd_gateway",
+PACKAGES = {"pd_operator": "operator/pd_operator", "pd_agent": "agent/pd_agent",
+            "llm_datadist_sim": "simulator/llm_datadist_sim", "pd_gateway": "gateway/pd_gateway",
             "pd_engine": "engines/pd_engine", "pd_contract": "contract/pd_contract"}
 MAX_CLASS, MAX_FUNCTION, MAX_PARAMS = 200, 60, 8
 ALLOWLIST = Path(__file__).with_name("shape_allowlist.json")
