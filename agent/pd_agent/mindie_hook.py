@@ -1,7 +1,7 @@
 """MindIE role pushes: the pod's MindIE server learns its role from the agent.
 
 With PD_MINDIE_ROLE_URL set (the MindIE server's base URL in the pod, spec.mindie.roleUrl), the
-agent POSTs `/v2/role/{prefill|decode}` (pd_engine.mindie.role_body): once the engine is
+agent POSTs `/v2/role/{prefill|decode}` (pd_contract.mindie.role_body): once the engine is
 initialised, after every role switch (an after_switch hook), and again whenever the peers it
 would send change (the rank table the operator keeps is re-read every PD_MINDIE_WATCH_S). A
 failed push is retried with backoff (0.5 s doubling to 30 s) until the server takes it.
@@ -36,8 +36,8 @@ from pd_contract.engine_env import (
     PD_MINDIE_ROLE_URL,
     engine_ip,
 )
+from pd_contract.mindie import OF_ENGINE, OTHER, annotation_devices, devices, role_body, servers
 from pd_contract.names import PODINFO_ASCEND, PODINFO_DIR
-from pd_engine.mindie import OF_ENGINE, OTHER, annotation_devices, devices, role_body, servers
 
 from .devices import DeviceError, local_path, resolve_env
 from .http import wait_event

@@ -29,8 +29,7 @@ from typing import Any
 from aiohttp import web
 
 from pd_contract.engine_env import PD_LOCAL_POD_IP
-
-from .mindie import ROLES, is_ipv4
+from pd_contract.mindie import ROLES, is_ipv4
 
 log = logging.getLogger("pd_engine.mindie_standin")
 DEFAULT_PORT = 1026

@@ -2,7 +2,7 @@
 the observed engine pods, and what the engine pods need to read it and reach MindIE's role API.
 
 Only with spec.mindie.enabled. The table is rendered every pass from the pods as observed (their
-role label, the device plugin's annotation, pod and host IPs; pd_engine.mindie.rank_table), so
+role label, the device plugin's annotation, pod and host IPs; pd_contract.mindie.rank_table), so
 it follows a live switch; the same pods give the same bytes, and children.to_apply applies it
 only when its content changed (or it drifted). The pods mount it (optional: it may come after
 them) at RANK_TABLE_DIR; the kubelet refreshes a mounted ConfigMap within its sync period, and
@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from pd_contract import engine_env as ev
-from pd_engine.mindie import TABLE_KEY, rank_table, render
+from pd_contract.mindie import TABLE_KEY, rank_table, render
 
 from .api import PDDeploymentSpec
 from .objmeta import common_labels, object_meta, owner_reference

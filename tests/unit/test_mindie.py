@@ -14,7 +14,7 @@ import llm_datadist_sim as llm
 from pd_agent.core import AgentCore
 from pd_agent.identity import Identity
 from pd_agent.mindie_hook import Pusher, body_for, role_url
-from pd_engine.mindie import rank_table, render, role_body, servers
+from pd_contract.mindie import rank_table, render, role_body, servers
 from pd_engine.mindie_standin import build_app
 from pd_operator import ranktable
 from pd_operator.api import parse_spec
