@@ -285,21 +285,23 @@ async def _switch_verify(c: _Switching, e: lk.Engine, pairs: list[tuple[lk.Engin
         raise failed
 
 
-async def keep_pools(kube: Kube, ns: str, plan: pools.PoolPlan) -> bool:
+async def keep_pools(kube: Kube, ns: str, plan: pools.PoolPlan, res: Results) -> bool:
     """InferencePools applied and deleted. A refusal (an API server that stopped serving them,
-    RBAC) is logged and tried again at the pass's own pace, never the pass's failure. True if
-    any was written."""
-    wrote = False
+    RBAC, a webhook) is a result the condition names, tried again when they are next read, never
+    the pass's failure. True if any was written."""
     for obj in plan.apply:
         try:
             await kube.apply(obj)
-            wrote = True
+            res.pools_written = True
         except KubeError as e:
             log.warning("InferencePool %s/%s not applied: %s", ns, obj["metadata"]["name"], e)
+            res.pool_errors.append(f"InferencePool {obj['metadata']['name']} not applied: {e}")
     for pool in plan.delete:
         try:
             await kube.delete(pools.POOL_API, pools.POOL_KIND, ns, pool)
-            wrote = True
+            res.pools_written = True
         except KubeError as e:
-            log.warning("InferencePool %s/%s not deleted: %s", ns, pool, e)
-    return wrote
+            if e.status != 404:
+                log.warning("InferencePool %s/%s not deleted: %s", ns, pool, e)
+                res.pool_errors.append(f"InferencePool {pool} not deleted: {e}")
+    return res.pools_written

@@ -518,6 +518,8 @@ class Routing(Model):
         ("self.poolScope == 'Role' || !has(self.endpointPickerRefs)",
          "spec.routing.endpointPickerRefs are the Role pools' pickers; with poolScope Deployment set "
          "spec.routing.endpointPickerRef", ".endpointPickerRefs"),
+        ("!has(self.targetPorts) || self.targetPorts.all(p, self.targetPorts.exists_one(q, q == p))",
+         "spec.routing.targetPorts must not repeat a port", ".targetPorts"),
     ))
     inference_pool: bool = Field(default=False, description="keep InferencePools (inference.networking.k8s.io/v1) "
                                                             "that select this deployment's serving pods")
@@ -527,7 +529,7 @@ class Routing(Model):
                                           "<name>-decode, one per role")
     target_ports: list[Annotated[int, Field(ge=1, le=65535)]] | None = Field(
         default=None, min_length=1, max_length=8,
-        description="the pods' serving ports in the pools (default: spec.engine.port, else the agent's 8080)")
+        description="the pods' serving ports in the pools (default: spec.engine.port; one of the two is required)")
     endpoint_picker_ref: EndpointPickerRef | None = None
     endpoint_picker_refs: PickerRefs | None = None
     leave_pool_seconds: float = Field(
@@ -679,6 +681,11 @@ class PDDeploymentSpec(Model):
          "has(self.engine.port)",
          "spec.engine.port is required with spec.gateway.enabled and spec.engine.adapter vLLM: pd-gateway sends "
          "requests to the engines' own OpenAI port with vLLM's P-D protocol", ".engine"),
+        ("!has(self.routing) || !self.routing.inferencePool || has(self.routing.targetPorts) || "
+         "(has(self.engine) && has(self.engine.port))",
+         "spec.routing.targetPorts (or spec.engine.port) is required with spec.routing.inferencePool: the pools "
+         "name the port a gateway sends requests to (the agent's 8080 is its control API, not an inference API)",
+         ".routing"),
         ("!has(self.engine) || self.engine.adapter != 'vLLM' || has(self.model.kvCache.paged)",
          "spec.model.kvCache.paged is required with spec.engine.adapter vLLM (vLLM's KV cache is paged: blockSize "
          "and numBlocks as vLLM runs)", ".engine"),
@@ -861,6 +868,8 @@ class SwitchInFlight(Model):
     attempts: int = 0
     steps_ms: dict[str, float] | None = Field(default=None, description="milliseconds of each step done")
     message: str | None = None
+    unpooled_at: str | None = Field(default=None, description="Drain: when the pod's labels were first seen gone "
+                                                              "(the drain starts spec.routing.leavePoolSeconds later)")
 
 
 class LastDecision(Model):

@@ -60,7 +60,8 @@ class Snapshot:
     keys: tuple[bool, str, str] | None = None   # the gateway's keys Secret: opted in, or why not
     strays: tuple[dict, ...] = ()       # pods with the deployment's labels that its StatefulSets do not own
     pool_api: bool | None = None        # the API server serves InferencePools (None: not asked)
-    pools: tuple[dict, ...] = ()        # this deployment's InferencePools, as listed
+    pools: tuple[dict, ...] | None = ()  # this deployment's InferencePools, as read (None: they could not be)
+    pool_error: str = ""                 # why not, or why the last write of one was refused
 
     @property
     def generation(self) -> int:
@@ -124,7 +125,7 @@ def decide(snap: Snapshot) -> Plan:
     obs.blocked = blocked
     obs.gateway_keys = snap.keys
     pool_plan = pools_.plan(name, ns, owner_reference(name, snap.body["metadata"].get("uid", "")), snap.spec,
-                            snap.pool_api, {p["metadata"]["name"]: p for p in snap.pools}, live)
+                            snap.pool_api, snap.pools, live, snap.pool_error)
     obs.inference_pool = pool_plan.verdict
     # observedGeneration moves only once the children of this generation were applied
     obs.observed_generation = snap.generation if not to_apply and not blocked else \

@@ -34,6 +34,7 @@ RELIST_S = float(os.environ.get("PD_OPERATOR_RELIST_SECONDS", "30"))
 STRAY_RELIST_S = 5.0      # a pod claiming a StatefulSet not in the cache makes a fresh list this often
 TOKEN_TTL_S = 20.0
 POOL_API_TTL_S = 30.0     # whether InferencePools are served is asked again this often
+POOL_RELIST_S = 10.0      # a deployment's InferencePools are read again this often (at once after a write)
 
 
 def relist_s(key: Key) -> float:
@@ -96,7 +97,7 @@ class Observer:
         if rbs is not None and rbs.policy == "SLO" and spec.gateway and spec.gateway.enabled \
                 and wall >= book.next_evaluation:
             stats, read = await self._gateway_stats(ns, name), True
-        pool_api, pools = await self._pools(key, spec, seen)
+        pool_api, pools = await self._pools(key, spec, seen)   # (before the pass reads seen.pool_error)
         alive = {e.pod: e for e in engines}
         seen.agent_backoff.prune(lambda k: k[0] in alive and k == observe.backoff_key(alive[k[0]]))
         return Snapshot(key=key, body=body, spec=spec, now=now, wall=wall, pods=tuple(all_pods),
@@ -105,7 +106,8 @@ class Observer:
                         gateway_stats=stats, gateway_read=read, asked=frozenset(ask), memory=mem,
                         npu_resource=self.config.npu_resource, config=self.config, token_problem=seen.token_problem,
                         token_digests=tuple(sorted(seen.token_digests.items())),
-                        keys=keys, strays=stray_pods, pool_api=pool_api, pools=pools)
+                        keys=keys, strays=stray_pods, pool_api=pool_api, pools=pools,
+                        pool_error=seen.pool_error)
 
     async def _pool_api(self) -> bool | None:
         """Whether the API server serves InferencePools, asked again every POOL_API_TTL_S (a CRD
@@ -119,18 +121,34 @@ class Observer:
             self._pool_api_seen = (served, self.clock.monotonic())
         return served
 
-    async def _pools(self, key: Key, spec: PDDeploymentSpec, seen: Seen) -> tuple[bool | None, tuple[dict, ...]]:
-        """The InferencePool API's presence and this deployment's pools: listed while pools are
-        wanted, and once more after that (to delete those that were kept)."""
+    async def _pools(self, key: Key, spec: PDDeploymentSpec, seen: Seen
+                     ) -> tuple[bool | None, tuple[dict, ...] | None]:
+        """The InferencePool API's presence and this deployment's pools (those it labelled, and any
+        of the names it wants): read while pools are wanted, and once more after (to delete those
+        that were kept); again every POOL_RELIST_S, or at once after the operator wrote one. None:
+        they could not be read (why: seen.pool_error)."""
         if not pools_.wanted(spec) and not seen.pools_kept:
             return None, ()
         api = await self._pool_api()
         if not api:
             seen.pools_kept = False
             return api, ()
-        listed = await self.kube.list(pools_.POOL_API, pools_.POOL_KIND, key[0], f"{LABEL_DEPLOYMENT}={key[1]}")
+        now = self.clock.monotonic()
+        if seen.pools is not None and now - seen.pools_at < POOL_RELIST_S:
+            return api, seen.pools
+        ns, name = key
+        try:
+            listed = await self.kube.list(pools_.POOL_API, pools_.POOL_KIND, ns, f"{LABEL_DEPLOYMENT}={name}")
+            have = {p["metadata"]["name"] for p in listed}
+            for pool in pools_.selectors(name, spec) if pools_.wanted(spec) else ():
+                if pool not in have and (got := await self.kube.get(pools_.POOL_API, pools_.POOL_KIND, ns, pool)):
+                    listed.append(got)
+        except KubeError as e:
+            seen.pools, seen.pool_error = None, f"cannot read InferencePools: {e}"
+            return api, None
+        seen.pools, seen.pools_at = tuple(listed), now
         seen.pools_kept = pools_.wanted(spec) or bool(listed)
-        return api, tuple(listed)
+        return api, seen.pools
 
     async def _gateway_stats(self, ns: str, name: str) -> tuple[dict, float] | None:
         """The gateway's recent client-side TTFT/TBT percentiles (what the SLO policy reads where

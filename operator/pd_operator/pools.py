@@ -10,6 +10,7 @@ P/D scheduler tells the roles apart by llm-d.ai/role); scope Role keeps `<name>-
 InferencePoolReady says why."""
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pd_contract.names import AGENT_PORT, LABEL_DEPLOYMENT, LLMD_ROLE, LLMD_SERVING
@@ -86,12 +87,25 @@ def _ready(pod: dict) -> bool:
                for c in (pod.get("status") or {}).get("conditions") or [])
 
 
+def _controller(obj: dict) -> dict | None:
+    return next((o for o in obj["metadata"].get("ownerReferences") or [] if o.get("controller")), None)
+
+
+def ours(obj: dict, owner: dict) -> bool:
+    return (_controller(obj) or {}).get("uid") == owner["uid"]
+
+
 def plan(name: str, namespace: str, owner: dict, spec: PDDeploymentSpec, api: bool | None,
-         observed: dict[str, dict], pods: list[dict]) -> PoolPlan:
+         read: Iterable[dict] | None, pods: list[dict], error: str = "") -> PoolPlan:
     """What to apply and delete, and the condition. `api`: whether the API server serves
-    InferencePools (None: not asked yet); `observed`: this deployment's pools by name."""
+    InferencePools (None: not asked yet); `observed`: the pools labelled with this deployment and
+    those of the names it wants, by name (None: they could not be listed: `error`); `error`: also
+    why the last apply or delete was refused. Only pools this deployment controls are written or
+    deleted: one of the same name that another owns (or nobody) is named in the condition."""
+    observed = None if read is None else {p["metadata"]["name"]: p for p in read}
     if not wanted(spec):
-        return PoolPlan(delete=tuple(sorted(observed)) if api else ())
+        mine = sorted(n for n, o in (observed or {}).items() if ours(o, owner))
+        return PoolPlan(delete=tuple(mine) if api else ())
     if api is None:
         return PoolPlan(verdict=(False, "Checking", "looking for the InferencePool API"))
     if not api:
@@ -99,10 +113,21 @@ def plan(name: str, namespace: str, owner: dict, spec: PDDeploymentSpec, api: bo
                                  f"does not serve {POOL_API} InferencePools (CRD {CRD_NAME}): no pool is kept. "
                                  "Install the Gateway API Inference Extension's CRDs; the pools follow within a "
                                  "minute"))
+    if observed is None:
+        return PoolPlan(verdict=(False, "Unknown", f"the InferencePools could not be read: {error}"))
     want = desired(name, namespace, owner, spec)
+    taken = [f"InferencePool {n} exists and is not this deployment's (controlled by "
+             f"{(_controller(observed[n]) or {}).get('kind', 'nobody')} "
+             f"{(_controller(observed[n]) or {}).get('name', '')})".replace(" )", ")")
+             for n in (o["metadata"]["name"] for o in want) if n in observed and not ours(observed[n], owner)]
+    if taken:
+        return PoolPlan(verdict=(False, "NameTaken", "; ".join(taken) + ": it is never written over; delete or "
+                                 "rename it, or change spec.routing.poolScope"))
     names = {o["metadata"]["name"] for o in want}
     apply = tuple(o for o in want if _differs(o, observed.get(o["metadata"]["name"])))
-    delete = tuple(sorted(n for n in observed if n not in names))
+    delete = tuple(sorted(n for n, o in observed.items() if n not in names and ours(o, owner)))
+    if apply and error:
+        return PoolPlan(apply=apply, delete=delete, verdict=(False, "ApplyFailed", error))
     live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
     parts = []
     for pool, sel in selectors(name, spec).items():
@@ -113,9 +138,15 @@ def plan(name: str, namespace: str, owner: dict, spec: PDDeploymentSpec, api: bo
                     verdict=(not apply, "Applying" if apply else "Kept", f"InferencePools {verb}: " + "; ".join(parts)))
 
 
+def _contains(have: object, want: object) -> bool:
+    """Whether `have` holds every field of `want` with its value (fields others set are theirs)."""
+    if isinstance(want, dict):
+        return isinstance(have, dict) and all(_contains(have.get(k), v) for k, v in want.items())
+    return have == want
+
+
 def _differs(want: dict, have: dict | None) -> bool:
     if have is None:
         return True
-    labels = have["metadata"].get("labels") or {}
-    return have.get("spec") != want["spec"] or any(labels.get(k) != v for k, v in want["metadata"]["labels"].items())
-
+    return not _contains(have.get("spec"), want["spec"]) or \
+        not _contains(have["metadata"].get("labels") or {}, want["metadata"]["labels"])

@@ -225,10 +225,11 @@ def repairs(engines: list[lk.Engine], switches: list[Switch]) -> list[Intent]:
     for e in engines:
         if e.pod in busy or e.terminating or not e.agent_ok or e.engine_role is None:
             continue
-        if e.label != e.engine_role or not e.llmd_ok:   # (the label intent sets llm-d's labels too)
-            out.append(Intent("label", e.pod, e.engine_role))
+        undrain = e.label == SWITCHING and e.draining
+        if undrain:   # serving first, labelled (back into the role Services and pools) second
+            out.append(Intent("undrain", e.pod))
+        if (e.label != e.engine_role or not e.llmd_ok) and (undrain or not e.draining):
+            out.append(Intent("label", e.pod, e.engine_role))   # (the label intent sets llm-d's labels too)
         if e.assigned is not None and e.assigned != e.engine_role:
             out.append(Intent("annotate", e.pod, e.engine_role))
-        if e.label == SWITCHING and e.draining:
-            out.append(Intent("undrain", e.pod))
     return out

@@ -39,6 +39,8 @@ class Results:
     switch_verified: list[tuple[tuple[str, str], tuple[str, str]]] = field(default_factory=list)
     tokens_created: dict[str, str] = field(default_factory=dict)    # role -> token
     tokens_taken: list[str] = field(default_factory=list)           # roles whose Secret someone else made
+    pools_written: bool = False                # an InferencePool was applied or deleted: read them again
+    pool_errors: list[str] = field(default_factory=list)             # why a write of one was refused
 
     def links_failing(self, before: dict) -> bool:
         """Whether any link is failing once these attempts are folded into `before` (Memory.failures)."""
@@ -85,3 +87,6 @@ def fold_seen(seen: Seen, res: Results, now: float) -> None:
             seen.token, seen.token_read_at = token, now
     if res.tokens_taken:
         seen.token_read_at = 0.0   # read again: the next pass judges the Secret someone else made
+    if res.pools_written or res.pool_errors:
+        seen.pools_at = 0.0
+        seen.pool_error = "; ".join(res.pool_errors)

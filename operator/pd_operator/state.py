@@ -101,6 +101,9 @@ class Seen:
     keys_read_at: float = 0.0
     # this deployment may have InferencePools to keep or delete (True at start: look once)
     pools_kept: bool = True
+    pools: tuple[dict, ...] | None = None   # its InferencePools as last read (None: not read, or failed)
+    pools_at: float = 0.0
+    pool_error: str = ""                    # why they could not be read, or the last write was refused
 
     def next_retry_in(self, now: float) -> float | None:
         return self.agent_backoff.next_in(now)

@@ -58,6 +58,7 @@ class Switch:
     attempts: int = 0          # failed actions so far (retried with backoff)
     durations: tuple[tuple[str, float], ...] = ()   # (step, ms) of the steps done
     message: str = ""          # the last failure, or why it is being aborted
+    unpooled: float = 0.0      # Drain: when its labels were first seen gone (wall clock; 0: not yet)
 
     @property
     def direction(self) -> str:
@@ -76,6 +77,8 @@ class Switch:
             out["stepsMs"] = {s: ms for s, ms in self.durations}
         if self.message:
             out["message"] = self.message
+        if self.unpooled:
+            out["unpooledAt"] = iso(self.unpooled)
         return out
 
     @classmethod
@@ -87,7 +90,7 @@ class Switch:
                    started=started, step_started=step_started, reason=d.get("reason", ""),
                    attempts=int(d.get("attempts", 0)),
                    durations=tuple((s, float(ms)) for s, ms in (d.get("stepsMs") or {}).items()),
-                   message=d.get("message", ""))
+                   message=d.get("message", ""), unpooled=parse_iso(d.get("unpooledAt")) or 0.0)
 
 
 @dataclass(frozen=True)
@@ -174,8 +177,7 @@ def _hold(sw: Switch, v: View, now: float, leave_pool_s: float) -> list[Intent]:
     out = []
     if v.label != SWITCHING:
         out.append(Intent("label", sw.pod, SWITCHING))
-    left = leave_pool_s <= 0 or sw.step != "Drain" or \
-        (v.label == SWITCHING and now - sw.step_started >= leave_pool_s)
+    left = leave_pool_s <= 0 or sw.step != "Drain" or (sw.unpooled > 0 and now - sw.unpooled >= leave_pool_s)
     if v.agent_ok and not v.draining and left:
         out.append(Intent("drain", sw.pod))
     return out
@@ -193,7 +195,7 @@ def intents(sw: Switch, v: View, now: float = 0.0, leave_pool_s: float = 0.0) ->
         undrain = bool(v.agent_ok and v.draining)
         if undrain:
             out.append(Intent("undrain", sw.pod))
-        if v.label != role and (undrain or not v.draining):
+        if v.label != role and (undrain or v.draining is False):   # (None: its agent was not heard)
             out.append(Intent("label", sw.pod, role))
         return out
     out = _hold(sw, v, now, leave_pool_s)
@@ -226,7 +228,11 @@ def advance(sw: Switch, v: View, now: float, drain_timeout_s: float, leave_pool_
                 return None, [], Outcome("Completed", sw.at("Undrain", now), "", now)
             sw = sw.at(STEPS[STEPS.index(sw.step) + 1], now)
             continue
-        if sw.step == "Drain" and now - sw.step_started >= drain_timeout_s:
+        if sw.step == "Drain" and leave_pool_s > 0 and not sw.unpooled and v.label == SWITCHING:
+            sw = replace(sw, unpooled=now)   # the wait before the drain counts from here
+        # the drain's own time: from the end of that wait (from the step's start while the labels stay)
+        began = sw.unpooled + leave_pool_s if sw.unpooled and leave_pool_s > 0 else sw.step_started
+        if sw.step == "Drain" and now - began >= drain_timeout_s:
             sw = sw.at(ABORT, now, f"drain timed out after {drain_timeout_s:g}s with {v.in_flight} requests in "
                                    f"flight and {v.pending_kv} KV caches waiting to be pulled; {sw.pod} stays "
                                    f"{sw.from_}")

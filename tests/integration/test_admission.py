@@ -174,6 +174,14 @@ CASES = [
     ("reference engine, too wide", on_reference("headDim", 256), "2 x numKvHeads x headDim"),
     ("reference engine, TP a multiple of the heads", on_reference("tensorParallel", 8),
      "must divide spec.model.kvCache.numKvHeads with spec.sim.engine reference"),
+    ("InferencePools with no port a gateway can send to", with_("spec.routing", {"inferencePool": True}),
+     "spec.routing.targetPorts (or spec.engine.port) is required with spec.routing.inferencePool"),
+    ("an InferencePool port twice", with_("spec.routing", {"inferencePool": True, "targetPorts": [8000, 8000]}),
+     "spec.routing.targetPorts must not repeat a port"),
+    ("a Role pool's pickers on a Deployment pool",
+     with_("spec.routing", {"inferencePool": True, "targetPorts": [8000], "endpointPickerRefs": {
+         "prefill": {"name": "p"}}}), "spec.routing.endpointPickerRefs are the Role pools' pickers"),
+    ("a negative leave-pool wait", with_("spec.routing", {"leavePoolSeconds": -1}), "spec.routing.leavePoolSeconds"),
 ]
 
 

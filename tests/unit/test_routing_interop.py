@@ -15,7 +15,7 @@ from pd_operator.rebalance import leave_pool_s, repairs
 from pd_operator.switch import SWITCHING, Switch, View, advance
 
 T0 = 1_800_000_000.0
-OWNER = {"apiVersion": "pdoperator.io/v1alpha1", "kind": "PDDeployment", "name": "m", "uid": "u"}
+OWNER = {"apiVersion": "pdoperator.io/v1alpha1", "kind": "PDDeployment", "name": "m", "uid": "u", "controller": True}
 
 
 def spec(**routing) -> PDDeploymentSpec:
@@ -46,6 +46,10 @@ def test_a_pod_without_llmd_labels_is_repaired_and_one_with_them_is_left_alone()
     ok = Engine(pod="p0", group="prefill", role="prefill", label="prefill", cluster_id=0, ip="1.1.1.1", port=1,
                 agent_ok=True, engine_role="prefill", llmd_ok=True)
     assert repairs([ok], []) == []
+    # left `switching` and drained (a switch whose record was lost): undrained first, then labelled
+    left = Engine(pod="p0", group="prefill", role=SWITCHING, label=SWITCHING, cluster_id=0, ip="1.1.1.1", port=1,
+                  agent_ok=True, engine_role="prefill", llmd_ok=True, draining=True)
+    assert [(i.kind, i.role) for i in repairs([left], [])] == [("undrain", None), ("label", "prefill")]
 
 
 # ---- the switch: labels go before the drain, come back after the undrain ---------------------------
@@ -66,11 +70,20 @@ def kinds(its) -> list[tuple[str, str | None]]:
 
 def test_with_routing_the_drain_waits_for_pools_to_see_the_labels_go():
     s, its, _ = advance(sw(), view(), T0 + 0.1, 30, leave_pool_s=2.0)
-    assert kinds(its) == [("label", SWITCHING)]                       # labels first, no drain yet
-    s, its, _ = advance(s, view(label=SWITCHING), T0 + 1.0, 30, leave_pool_s=2.0)
+    assert kinds(its) == [("label", SWITCHING)] and not s.unpooled   # labels first, no drain yet
+    # the label patch was late (a failed patch, a restart): the wait counts from when it is seen gone
+    s, its, _ = advance(s, view(label=SWITCHING), T0 + 5.0, 30, leave_pool_s=2.0)
+    assert kinds(its) == [] and s.unpooled == T0 + 5.0
+    assert Switch.from_status(s.to_status()).unpooled == pytest.approx(T0 + 5.0)   # survives a restart
+    s, its, _ = advance(s, view(label=SWITCHING), T0 + 6.0, 30, leave_pool_s=2.0)
     assert kinds(its) == []                                           # still in the window
-    s, its, _ = advance(s, view(label=SWITCHING), T0 + 2.2, 30, leave_pool_s=2.0)
+    s, its, _ = advance(s, view(label=SWITCHING), T0 + 7.1, 30, leave_pool_s=2.0)
     assert kinds(its) == [("drain", None)]
+    # the drain timeout is the drain's own: counted from the end of the wait
+    s, _, out = advance(s, view(label=SWITCHING, draining=True, in_flight=1), T0 + 7.0 + 29.5, 30, leave_pool_s=2.0)
+    assert out is None and s.step == "Drain"
+    s, _, out = advance(s, view(label=SWITCHING, draining=True, in_flight=1), T0 + 7.0 + 30.5, 30, leave_pool_s=2.0)
+    assert s.step == "Abort" and "drain timed out" in s.message
     # without routing: label and drain in the same pass, as before
     _, its, _ = advance(sw(), view(), T0 + 0.1, 30)
     assert kinds(its) == [("label", SWITCHING), ("drain", None)]
@@ -81,8 +94,12 @@ def test_undrain_comes_before_the_new_role_label_and_abort_likewise():
     obs = dict(label=SWITCHING, engine_role="prefill", assigned="prefill", draining=True)
     _, its, _ = advance(undrain, view(**obs), T0 + 5, 30)
     assert kinds(its) == [("undrain", None), ("label", "prefill")]
-    # an agent not heard this pass: the label waits for its word that it serves
-    _, its, _ = advance(undrain, view(**{**obs, "agent_ok": False}), T0 + 5, 30)
+    # an agent not heard this pass (the observer knows nothing of its drain): the label waits for
+    # its word that it serves
+    _, its, _ = advance(undrain, view(**{**obs, "agent_ok": False, "draining": None}), T0 + 5, 30)
+    assert kinds(its) == []
+    aborting = Switch(pod="d1", uid="u1", from_="decoder", to="prefill", step="Abort", started=T0, step_started=T0)
+    _, its, _ = advance(aborting, view(label=SWITCHING, agent_ok=False, draining=None), T0 + 5, 30)
     assert kinds(its) == []
     aborting = Switch(pod="d1", uid="u1", from_="decoder", to="prefill", step="Abort", started=T0, step_started=T0)
     _, its, _ = advance(aborting, view(label=SWITCHING, draining=True), T0 + 5, 30)
@@ -128,18 +145,42 @@ def test_role_pools_count_their_serving_pods_and_a_stored_pool_is_not_applied_ag
     base = {"pdoperator.io/deployment": "m"}
     live = [pod("p0", {**base, **llmd_labels("prefill")}), pod("p1", {**base, **llmd_labels(SWITCHING)}),
             pod("d0", {**base, **llmd_labels("decoder")}), pod("d1", {**base, **llmd_labels("decoder")}, ready=False)]
-    p = pools.plan("m", "ns", OWNER, s, True, want, live)
+    p = pools.plan("m", "ns", OWNER, s, True, want.values(), live)
     assert p.apply == () and p.delete == ()
     assert p.verdict == (True, "Kept", "InferencePools kept: m-prefill: 1 serving pod; m-decode: 1 serving pod")
     # the scope changed back: the Role pools go, the Deployment pool comes
-    p = pools.plan("m", "ns", OWNER, spec(inferencePool=True), True, want, live)
+    p = pools.plan("m", "ns", OWNER, spec(inferencePool=True), True, want.values(), live)
     assert [o["metadata"]["name"] for o in p.apply] == ["m"] and p.delete == ("m-decode", "m-prefill")
 
 
 def test_pools_go_when_routing_is_turned_off_and_nothing_is_asked_without_the_api():
-    kept = {"m": {"metadata": {"name": "m"}}}
+    kept = [{"metadata": {"name": "m", "ownerReferences": [OWNER | {"controller": True}]}},
+            {"metadata": {"name": "theirs", "labels": {"pdoperator.io/deployment": "m"}}}]
     assert pools.plan("m", "ns", OWNER, spec(), True, kept, []) == pools.PoolPlan(delete=("m",))
-    assert pools.plan("m", "ns", OWNER, spec(), None, {}, []) == pools.PoolPlan()
+    assert pools.plan("m", "ns", OWNER, spec(), None, (), []) == pools.PoolPlan()
+
+
+def test_a_pool_of_the_same_name_not_ours_is_never_written_and_the_condition_names_it():
+    other = {"metadata": {"name": "m", "ownerReferences": [{"kind": "HelmRelease", "name": "gw", "uid": "x",
+                                                            "controller": True}]}, "spec": {}}
+    p = pools.plan("m", "ns", OWNER, spec(inferencePool=True), True, [other], [])
+    assert p.apply == () and p.delete == ()
+    assert p.verdict[:2] == (False, "NameTaken") and "controlled by HelmRelease gw" in p.verdict[2]
+    unowned = {"metadata": {"name": "m"}, "spec": {}}
+    assert pools.plan("m", "ns", OWNER, spec(inferencePool=True), True, [unowned], []).verdict[1] == "NameTaken"
+
+
+def test_fields_others_set_on_our_pool_do_not_make_it_apply_again_and_failures_are_named():
+    s = spec(inferencePool=True, targetPorts=[8000])
+    [want] = pools.desired("m", "ns", OWNER, s)
+    stored = {**want, "metadata": {**want["metadata"], "ownerReferences": [OWNER | {"controller": True}]},
+              "spec": {**want["spec"], "endpointPickerRef": {"name": "added-by-hand", "port": {"number": 9002}}}}
+    assert pools.plan("m", "ns", OWNER, s, True, [stored], []).apply == ()
+    changed = {**stored, "spec": {**stored["spec"], "targetPorts": [{"number": 9000}]}}
+    p = pools.plan("m", "ns", OWNER, s, True, [changed], [], "InferencePool m not applied: 403 forbidden")
+    assert len(p.apply) == 1 and p.verdict == (False, "ApplyFailed", "InferencePool m not applied: 403 forbidden")
+    p = pools.plan("m", "ns", OWNER, s, True, None, [], "cannot read InferencePools: 403 forbidden")
+    assert p.apply == () and p.verdict[:2] == (False, "Unknown") and "403" in p.verdict[2]
 
 
 def test_picker_refs_must_match_the_scope_naming_the_field():
@@ -147,7 +188,7 @@ def test_picker_refs_must_match_the_scope_naming_the_field():
         spec(inferencePool=True, leavePoolSeconds=-1)
     # the CEL rules are the API server's; their messages name the field
     rules = PDDeploymentSpec.model_json_schema()["$defs"]["Routing"]["x-kubernetes-validations"]
-    assert {r["fieldPath"] for r in rules} == {".endpointPickerRef", ".endpointPickerRefs"}
+    assert {r["fieldPath"] for r in rules} == {".endpointPickerRef", ".endpointPickerRefs", ".targetPorts"}
 
 
 # ---- metrics -------------------------------------------------------------------------------------------
