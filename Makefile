@@ -28,7 +28,7 @@ $(LINT_STAMP): $(STAMP)
 	@touch $@
 
 # every Python package the images run is type-checked
-TYPED := operator/pd_operator gateway/pd_gateway contract/pd_contract engines/pd_engine agent/pd_agent simulator/llm_datadist_sim
+TYPED := operator/pd_operator gateway/pd_gateway contract/pd_contract router/pd_router engines/pd_engine agent/pd_agent simulator/llm_datadist_sim
 
 lint: $(LINT_STAMP) ## ruff over everything, mypy over the operator, the gateway, the agent and simulator, the contract package and pd_engine
 	$(VENV)/bin/ruff check .
@@ -121,7 +121,7 @@ bench-gateway: venv ## latency pd-gateway adds per request, and requests/s it ro
 	$(PY) bench/bench_gateway.py
 
 bench-decide: venv ## decide's settled pass at 64P+64D TP 8 (no cluster; goal: median <= 20 ms) and the status size with every link failing (ARGS="--prefill 8 --decoder 8 --tp 2 --passes 20": other sizes)
-	PYTHONPATH=$(CURDIR):$(CURDIR)/operator:$(CURDIR)/agent:$(CURDIR)/simulator:$(CURDIR)/contract:$(CURDIR)/engines:$(CURDIR)/gateway:$(CURDIR)/localcluster \
+	PYTHONPATH=$(CURDIR):$(CURDIR)/operator:$(CURDIR)/agent:$(CURDIR)/simulator:$(CURDIR)/contract:$(CURDIR)/router:$(CURDIR)/engines:$(CURDIR)/gateway:$(CURDIR)/localcluster \
 		$(PY) bench/bench_decide.py $(ARGS)
 
 bench-rebalance: $(BENCH_STAMP) k8s-bins ## live switching vs fixed ratios vs Replace on three traces (about 30 min; QUICK=1: a subset; ENGINES=16: trace b at 16 engines, one fleet at a time, about 35 min; WORKLOAD=steps:101 [RUNS=goodput]: one generated workload beside the model's prediction, about 10 min a run)

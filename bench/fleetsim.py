@@ -11,7 +11,7 @@ It models what the simulated serving (pd_agent.inference) does, with the same ti
 - the load report: each engine feeds the agent's own load meter (pd_agent.loadmeter) on the
   model's clock, and the policies read it through the operator's own mapping (rebalance.
   prefill_load, decoder_load), so Goodput measures demand and capacity as on a cluster;
-- routing as pd-gateway routes (pd_contract.routing): engine loads as of the last refresh (every
+- routing as pd-gateway routes (pd_router.routing): engine loads as of the last refresh (every
   second) plus what the router sent each engine since, the prefill with the least queued prompt
   tokens, then the decoder with the least running + queued, ties broken at random; draining
   engines are not chosen. `routers` senders each route their share on their own refreshes.
@@ -163,7 +163,7 @@ class FleetSim:
     # ---- routing ------------------------------------------------------------------------------
     def _refresh(self, k: int = 0) -> None:
         # the loads as the agents report them, plus what this sender has sent each engine since
-        # (pd_contract.routing.Fleet's tally): a heap per role, the least loaded on top
+        # (pd_router.routing.Fleet's tally): a heap per role, the least loaded on top
         heaps = self.ranked[k] = {"prefill": [], "decoder": []}
         for e in self.engines:
             if e.serving(self.now) and e.role in heaps:

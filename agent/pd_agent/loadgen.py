@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 import httpx
 
 from pd_contract.engine_env import PD_AGENT_TOKEN
-from pd_contract.routing import Attempt, EngineError, Fleet, Unavailable, fixed_finder, generate, pod_finder
+from pd_router.routing import Attempt, EngineError, Fleet, Unavailable, fixed_finder, generate, pod_finder
 
 WORKLOADS = {"chat": (1155, 211), "code": (2048, 28)}  # (prompt mean, output mean)
 
@@ -189,7 +189,7 @@ def summarize(results: list[Result], duration_s: float, slo_ttft_ms: float, slo_
 # ---- I/O -----------------------------------------------------------------------------------
 
 async def direct_request(fleet: Fleet, req_id: int, prompt: int, output: int, retry_window: float = 10.0) -> Result:
-    """One request routed to the agents as pd-gateway routes it (pd_contract.routing.generate: a
+    """One request routed to the agents as pd-gateway routes it (pd_router.routing.generate: a
     prefill, then a streamed decode on a decoder linked to it, refusals before the first token
     retried elsewhere); TTFT and TBT measured here, as the tokens arrive."""
     t0 = time.monotonic()

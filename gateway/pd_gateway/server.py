@@ -1,7 +1,7 @@
 """pd-gateway: one Base URL, one API key and one model id in front of a PDDeployment.
 
 OpenAI (`GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions`) and Anthropic
-(`POST /v1/messages`) wire formats, streamed (SSE) and not, over P-D routing (pd_contract.routing).
+(`POST /v1/messages`) wire formats, streamed (SSE) and not, over P-D routing (pd_router.routing).
 Every error is the API's own error object, so a client always has something to read; a
 malformed request is a 4xx, refused before any engine works on it.
 Open endpoints: /healthz (readiness) and /livez (liveness) on the API port; /metrics and /stats
@@ -60,7 +60,7 @@ from pd_contract.gateway_env import (
     PD_MODEL_ALIASES,
 )
 from pd_contract.names import AGENT_PORT, GATEWAY_METRICS_PORT
-from pd_contract.routing import (
+from pd_router.routing import (
     TOKEN_GAP_TIMEOUT_S,
     Attempt,
     EngineError,

@@ -6,7 +6,7 @@ with the client's request, otherwise untouched, to a decoder linked to that pref
 relayed to the client as it comes. The engine applies its own chat template, tokenizer, tools, stop,
 n, logprobs and response_format; usage is the engine's.
 
-The engines are the fleet's (pd_contract.routing.Fleet with `engine_port`): roles, draining and
+The engines are the fleet's (pd_router.routing.Fleet with `engine_port`): roles, draining and
 links from the pods' agents, so routing follows live switches as for agent engines, and an engine
 is routed to only while its `/health` answers. Refusals before the decoder accepted the request
 (503s, connections refused, a pod that went away) go to another prefill or decoder within the
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import httpx
 from aiohttp import web
 
-from pd_contract.routing import BadReport, EngineError, Fleet, Unavailable, lines_capped, read_capped
+from pd_router.routing import BadReport, EngineError, Fleet, Unavailable, lines_capped, read_capped
 
 from . import policy
 

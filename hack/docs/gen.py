@@ -22,7 +22,7 @@ from unittest import mock
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-for _src in ("operator", "contract", "gateway", "agent", "simulator", "localcluster"):
+for _src in ("operator", "contract", "router", "gateway", "agent", "simulator", "localcluster"):
     if str(ROOT / _src) not in sys.path:
         sys.path.insert(0, str(ROOT / _src))
 
@@ -370,7 +370,8 @@ COMPONENTS: list[tuple[str, str]] = [
     ("operator/pd_operator/", "operator"), ("gateway/pd_gateway/", "gateway"),
     ("agent/pd_agent/loadgen.py", "load generator"), ("agent/pd_agent/traces.py", "load generator"),
     ("agent/pd_agent/", "agent"), ("simulator/llm_datadist_sim/", "simulator"),
-    ("contract/pd_contract/", "contract"), ("localcluster/pd_localcluster/", "local cluster"),
+    ("contract/pd_contract/", "contract"), ("router/pd_router/", "gateway"),
+    ("localcluster/pd_localcluster/", "local cluster"),
     ("engines/pd_engine/", "engine adapters"),
     ("charts/pd-operator/templates/", "chart"),
     ("hack/", "build"), ("Makefile", "build"), ("Dockerfile", "build"), (".ci/", "build"),
@@ -379,7 +380,7 @@ COMPONENTS: list[tuple[str, str]] = [
 SCAN_FILES = ("tests/conftest.py", "tests/procs.py", "tests/integration/conftest.py", "tests/e2e/conftest.py",
               "Makefile", "Dockerfile", ".ci/run")
 SCAN_DIRS = ("operator/pd_operator", "gateway/pd_gateway", "agent/pd_agent", "simulator/llm_datadist_sim",
-             "contract/pd_contract", "localcluster/pd_localcluster", "engines/pd_engine",
+             "contract/pd_contract", "router/pd_router", "localcluster/pd_localcluster", "engines/pd_engine",
              "charts/pd-operator/templates", "hack", "bench")
 SCAN_SUFFIXES = (".py", ".sh", ".yaml", ".tpl", ".txt")
 

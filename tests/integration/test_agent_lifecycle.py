@@ -122,8 +122,8 @@ async def test_loadgen_sends_refused_requests_elsewhere(agents):
     import httpx
 
     from pd_agent.loadgen import direct_request, summarize
-    from pd_contract.routing import Fleet
     from pd_gateway.server import fixed_finder
+    from pd_router.routing import Fleet
     from tests.agent_procs import TOKEN
     p1, p2 = await asyncio.gather(asyncio.to_thread(agents, "prompt", 0), asyncio.to_thread(agents, "prompt", 1))
     d1, d2 = await asyncio.gather(asyncio.to_thread(agents, "decoder", 1000),

@@ -418,7 +418,7 @@ async def test_control_calls_with_bad_addresses_are_answered_not_failed(agent):
 async def test_a_decode_from_a_prefill_not_linked_now_is_a_refusal_another_decoder_may_take(agent):
     """A prefill restarted and not yet relinked: the pull finds no link and moves nothing, so the
     decoder refuses before its first token with a code a router retries on another pair."""
-    from pd_contract.routing import RETRYABLE
+    from pd_router.routing import RETRYABLE
     a = await agent("decoder")
     async with a.client(DATA) as c:
         for stream in (True, False):

@@ -16,7 +16,7 @@ from pd_contract.agent_api import AgentPath
 from pd_contract.engine_env import EngineIdentity
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCES = ("operator/pd_operator", "gateway/pd_gateway", "agent", "simulator", "engines/pd_engine")
+SOURCES = ("operator/pd_operator", "gateway/pd_gateway", "router/pd_router", "agent", "simulator", "engines/pd_engine")
 
 # env names (the variables' own spellings, and the PD_SIM_ prefixes) and agent API paths
 ENV_NAMES = {v for module in (ev, gateway_env) for k, v in vars(module).items()

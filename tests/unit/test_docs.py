@@ -14,8 +14,8 @@ REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", REPO / "charts" / "pd-operator" / "README.md",
         *sorted((REPO / "docs").rglob("*.md"))]
 # where code names environment variables and chart values come from (not the docs, not this file)
-SOURCE_DIRS = ("operator", "agent", "simulator", "gateway", "contract", "localcluster", "engines", "charts", "hack",
-               "bench", "tests", ".ci", ".github")
+SOURCE_DIRS = ("operator", "agent", "simulator", "gateway", "contract", "router", "localcluster", "engines", "charts",
+               "hack", "bench", "tests", ".ci", ".github")
 SOURCE_FILES = ("Makefile", "Dockerfile")
 SOURCE_SUFFIXES = {".py", ".sh", ".yaml", ".yml", ".tpl", ".txt", ".json", ".toml", ""}
 

@@ -17,11 +17,12 @@ import httpx
 import pytest
 from aiohttp import web
 
-from pd_contract import routing, tokens
-from pd_contract.routing import Attempt, EngineError, Fleet, fixed_finder, generate
+from pd_contract import tokens
 from pd_gateway import wire
 from pd_gateway.keys import Keys
 from pd_gateway.server import Config, Gateway, Route
+from pd_router import routing
+from pd_router.routing import Attempt, EngineError, Fleet, fixed_finder, generate
 
 MODEL = "m-1"
 KEY = "sk-test-key-0123456789"

@@ -22,6 +22,7 @@ PACKAGES = {   # package -> the folder that holds it
     "llm_datadist_sim": "simulator",
     "pd_gateway": "gateway",
     "pd_contract": "contract",
+    "pd_router": "router",
     "pd_engine": "engines",
     "pd_localcluster": "localcluster",
 }

@@ -13,7 +13,8 @@ from tests.unit.test_clock import clock_reads
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = {"pd_operator": "operator/pd_operator", "pd_agent": "agent/pd_agent",
             "llm_datadist_sim": "simulator/llm_datadist_sim", "pd_gateway": "gateway/pd_gateway",
-            "pd_engine": "engines/pd_engine", "pd_contract": "contract/pd_contract"}
+            "pd_engine": "engines/pd_engine", "pd_contract": "contract/pd_contract",
+            "pd_router": "router/pd_router"}
 MAX_CLASS, MAX_FUNCTION, MAX_PARAMS = 200, 60, 8
 ALLOWLIST = Path(__file__).with_name("shape_allowlist.json")
 # what reads the real clock on purpose: the clock objects themselves

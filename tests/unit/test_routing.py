@@ -1,4 +1,4 @@
-"""Routing between refreshes (pd_contract.routing.Fleet): the loads an engine reported a second
+"""Routing between refreshes (pd_router.routing.Fleet): the loads an engine reported a second
 ago, plus what this router has sent it since. Without the tally every request of a second goes to
 the engine that was least loaded at the refresh, and a fleet of two prefills queues on one at a time."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import collections
 
 import httpx
 
-from pd_contract.routing import Fleet, fixed_finder
+from pd_router.routing import Fleet, fixed_finder
 from tests.unit.test_gateway_hardening import DECODER, LOAD, PREFILL
 
 P1, P2, D = "10.0.0.1", "10.0.0.4", "10.0.0.2"

@@ -69,7 +69,7 @@ def test_summary_counts_refusals_apart_from_failures():
 
 
 def test_only_refusals_before_any_token_are_retried():
-    from pd_contract.routing import RETRYABLE
+    from pd_router.routing import RETRYABLE
     retryable = RETRYABLE.__contains__
     assert retryable("DRAINING") and retryable("ConnectError") and retryable("NoLinkedPair")
     assert retryable("ROLE_CHANGED")

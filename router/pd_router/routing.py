@@ -22,8 +22,8 @@ from typing import AsyncGenerator, AsyncIterator, Callable
 import httpx
 from pydantic import ValidationError
 
-from .agent_api import AgentPath, AgentStatus
-from .names import AGENT_PORT, LABEL_DEPLOYMENT, LABEL_ROLE, SWITCHING
+from pd_contract.agent_api import AgentPath, AgentStatus
+from pd_contract.names import AGENT_PORT, LABEL_DEPLOYMENT, LABEL_ROLE, SWITCHING
 
 log = logging.getLogger("pd_routing")
 # a decoder that sends no token for this long has failed the request (a hung or stopped peer
