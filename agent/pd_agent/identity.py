@@ -47,7 +47,7 @@ class Identity:
     max_prefill_queue: int = 1024    # prefills waiting beyond this are refused (OVERLOADED, 503), not queued
     idle_timeout_s: float = 75.0     # an HTTP connection with no request in progress is closed after this
     engine: str = "timing"           # what serves requests: "timing" (the timing model) or "reference"
-    reference_model: dict | None = None   # the reference engine's profile (pd_agent.refmodel.Profile.from_json)
+    reference_model: dict | None = None   # the reference engine's profile (llm_datadist_sim.refmodel.Profile.from_json)
     rank: int = 0                    # this process's tensor-parallel rank, of `tensor_parallel`
     tensor_parallel: int = 1
 

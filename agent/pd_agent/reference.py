@@ -9,8 +9,9 @@ import threading
 
 import numpy as np
 
+from llm_datadist_sim.refmodel import PROBE_PROMPT, Model, Profile, shard_from_bytes
+
 from .identity import ConfigError, Identity
-from .refmodel import PROBE_PROMPT, Model, Profile, shard_from_bytes
 
 PROBE_TOKENS = 8        # tokens the content probe decodes from the pulled KV
 DTYPES = {"float16": "DT_FLOAT16", "bfloat16": "DT_BF16", "float32": "DT_FLOAT"}

@@ -1,5 +1,5 @@
 """`ReferenceAdapter`: the engine adapter interface implemented for pd_agent's reference engine (a
-small real transformer on the CPU, pd_agent.refmodel), over the simulator's caches.
+small real transformer on the CPU, llm_datadist_sim.refmodel), over the simulator's caches.
 
 A prefill computes the prompt's KV, writes this rank's shard into a cache of the prompt's length
 keyed `CacheKey(cluster_id, req_id, model_id)` and returns that handle with the first token; a

@@ -1,6 +1,6 @@
 """The engine of `python -m pd_engine.vllm_standin`, a stand-in for `vllm serve` that drives a KV connector the way
 vLLM's V1 engine does and serves vLLM's OpenAI API, computing with the reference model (a small real
-transformer on the CPU, pd_agent.refmodel), so pd-operator's vLLM path runs where vLLM cannot (no
+transformer on the CPU, llm_datadist_sim.refmodel), so pd-operator's vLLM path runs where vLLM cannot (no
 NPU, no vllm package): the connector, the operator and the router are real, the engine is a stand-in.
 
 It takes vLLM's arguments `--tensor-parallel-size` and `--kv-transfer-config` (what the operator adds
@@ -50,7 +50,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
 
-from pd_agent.refmodel import Model, Profile  # noqa: E402
+from llm_datadist_sim.refmodel import Model, Profile  # noqa: E402
 from pd_contract import tokens  # noqa: E402
 from pd_contract.engine_env import LLM_DATADIST_CACHE_DESC, PD_REFERENCE_MODEL  # noqa: E402
 

@@ -593,7 +593,7 @@ class Sim(Model):
     seed: int = Field(default=0, ge=0, le=(1 << 31) - 1, description="reference engine: the weights' seed")
 
 
-# what the reference engine computes on a CPU (pd_agent.refmodel.Profile.check says the same)
+# what the reference engine computes on a CPU (llm_datadist_sim.refmodel.Profile.check says the same)
 REFERENCE_MAX_LAYERS = 16
 REFERENCE_MAX_WIDTH = 1024
 REFERENCE_MAX_SEQ = 8192

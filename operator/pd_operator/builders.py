@@ -254,7 +254,7 @@ def sim_env(spec: PDDeploymentSpec) -> list[dict]:
 
 
 def reference_profile(spec: PDDeploymentSpec) -> dict:
-    """What the reference engine builds its model from (pd_agent.refmodel.Profile): the model
+    """What the reference engine builds its model from (llm_datadist_sim.refmodel.Profile): the model
     profile, whole (every rank computes the whole model and keeps its own heads' shard)."""
     kv = spec.model.kv_cache
     out: dict[str, object] = {"attention": kv.attention, "numLayers": kv.num_layers, "numKvHeads": kv.num_kv_heads,

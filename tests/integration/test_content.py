@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from pd_agent.refmodel import Model, Profile
+from llm_datadist_sim.refmodel import Model, Profile
 from pd_contract import tokens
 from tests.conftest import Cluster, wait_for
 from tests.integration.conftest import agent_post, condition, events, keys_secret, sample, wait_phase

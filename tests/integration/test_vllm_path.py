@@ -116,7 +116,7 @@ def test_pd_gateway_routes_vllm_engines_with_vllms_pd_protocol_through_a_live_sw
         cluster: Cluster, namespace: str, operator) -> None:
     import time
 
-    from pd_agent.refmodel import Model, Profile
+    from llm_datadist_sim.refmodel import Model, Profile
     from tests.integration.conftest import keys_secret
     from tests.integration.test_content import (
         KEY,

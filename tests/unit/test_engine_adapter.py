@@ -9,8 +9,8 @@ import json
 import pytest
 
 import llm_datadist_sim.engine as sim_engine
+from llm_datadist_sim.refmodel import Model, Profile
 from pd_agent.identity import Identity
-from pd_agent.refmodel import Model, Profile
 from pd_contract.agent_api import LinkRequest, Peer
 from pd_engine.adapter import CacheHandle, DecodeRequest, EngineAdapter, NotLinked, PrefillRequest, Sampling
 from pd_engine.rank import serve_rank

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from pd_agent.refmodel import Profile
+from llm_datadist_sim.refmodel import Profile
 from pd_operator import builders, conditions
 from pd_operator.api import parse_spec
 from pd_operator.status import Observed, build_status, kv_content

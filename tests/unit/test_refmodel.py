@@ -1,4 +1,4 @@
-"""The reference model (pd_agent.refmodel): a decode from KV shards pulled over the wire equals one
+"""The reference model (llm_datadist_sim.refmodel): a decode from KV shards pulled over the wire equals one
 engine's output token for token whatever the tensor parallelism, and a shard that arrives wrong
 changes the output."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pd_agent.refmodel import (
+from llm_datadist_sim.refmodel import (
     OUT_BASE,
     PROBE_PROMPT,
     VOCAB,

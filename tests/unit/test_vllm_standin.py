@@ -10,7 +10,7 @@ import json
 import pytest
 
 import llm_datadist_sim.engine as sim_engine
-from pd_agent.refmodel import Model, Profile
+from llm_datadist_sim.refmodel import Model, Profile
 from pd_contract import tokens
 from pd_contract.agent_api import LinkRequest, Peer
 from pd_engine import vllm_protocol as proto
