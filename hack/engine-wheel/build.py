@@ -1,7 +1,8 @@
 """Build the slim engine-side wheel `pd-engine`: what an inference server's image installs next to
 vLLM(-Ascend) or another engine. It holds pd_engine (the KV connector, the rank runtime, the
 stand-ins), what those import from the project (pd_contract, pd_agent: the agent core each rank
-runs; llm_datadist_sim: the simulator backend) and nothing of the operator or the gateway. Its
+runs; llm_datadist_sim: the simulator backend and the reference model; pd_router: the load
+generator's routing) and nothing of the operator or the gateway. Its
 dependencies are ranges, not pins, so that it installs beside what an engine image already has
 (vllm-ascend's numpy < 2, for one); the stand-ins' tokenizer is the extra `standin`.
 

@@ -32,7 +32,8 @@ def test_the_engine_wheel_installs_beside_numpy_1_26_and_its_tests_pass(tmp_path
                      str(tmp_path / "dist")).strip().splitlines()[-1])
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names if "/" in n and not n.startswith("pd_engine-")} == {
-        "pd_engine", "pd_contract", "pd_agent", "llm_datadist_sim"}, "the operator and the gateway stay out"
+        "pd_engine", "pd_contract", "pd_router", "pd_agent", "llm_datadist_sim"}, \
+        "the operator and the gateway stay out (the load generator's router, pd_router, goes in)"
     venv = tmp_path / "venv"
     run(python310(), "-m", "venv", str(venv))
     pip, py = str(venv / "bin" / "pip"), str(venv / "bin" / "python")
