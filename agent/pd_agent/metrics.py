@@ -30,6 +30,30 @@ def cache_blocks(cache_desc: dict) -> tuple[int, int]:
     return int(shape[1] if len(shape) > 1 else 0), int(shape[0] if shape else 0)
 
 
+class ModelServerGauges:
+    """The model-server protocol's four gauges in a registry, labelled `model_name`."""
+
+    def __init__(self, r: CollectorRegistry):
+        self.waiting = Gauge(WAITING, "Requests waiting to be processed (model-server protocol)", ["model_name"],
+                             registry=r)
+        self.running = Gauge(RUNNING, "Requests being processed (model-server protocol)", ["model_name"], registry=r)
+        self.kv_usage = Gauge(KV_USAGE, "KV cache usage, 0 to 1 (model-server protocol)", ["model_name"], registry=r)
+        self.cache_config = Gauge(CACHE_CONFIG, "KV cache configuration (model-server protocol)",
+                                  ["model_name", "block_size", "num_gpu_blocks"], registry=r)
+        self._config: tuple[str, str, str] | None = None
+
+    def set(self, model: str, waiting: int, running: int, usage: float, block_size: int, blocks: int) -> None:
+        self.waiting.labels(model).set(waiting)
+        self.running.labels(model).set(running)
+        self.kv_usage.labels(model).set(min(1.0, max(0.0, usage)))
+        config = (model, str(block_size), str(blocks))
+        if config != self._config:
+            if self._config is not None:
+                self.cache_config.remove(*self._config)
+            self.cache_config.labels(*config).set(1)
+            self._config = config
+
+
 class AgentMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
@@ -47,27 +71,13 @@ class AgentMetrics:
         self.requests = Counter("pd_agent_requests", "Requests finished", ["phase"], registry=r)
         self.failed = Counter("pd_agent_requests_failed", "Requests failed, by reason", ["reason"], registry=r)
         self.api_calls = Counter("pd_agent_api_calls", "Agent API calls", ["op", "code"], registry=r)
-        labels = ["model_name"]
-        self.ms_waiting = Gauge(WAITING, "Requests waiting to be processed (model-server protocol)", labels, registry=r)
-        self.ms_running = Gauge(RUNNING, "Requests being processed (model-server protocol)", labels, registry=r)
-        self.ms_kv_usage = Gauge(KV_USAGE, "KV cache usage, 0 to 1 (model-server protocol)", labels, registry=r)
-        self.ms_cache_config = Gauge(CACHE_CONFIG, "KV cache configuration (model-server protocol)",
-                                     ["model_name", "block_size", "num_gpu_blocks"], registry=r)
-        self._cache_config: tuple[str, str, str] | None = None
+        self.model_server_gauges = ModelServerGauges(r)
 
     def model_server(self, model: str, waiting: int, running: int, kv_used: int, kv_capacity: int,
                      cache_desc: dict) -> None:
         """The model-server protocol's gauges from the engine's load, set at each scrape."""
-        self.ms_waiting.labels(model).set(waiting)
-        self.ms_running.labels(model).set(running)
-        self.ms_kv_usage.labels(model).set(min(1.0, kv_used / kv_capacity) if kv_capacity > 0 else 0.0)
-        block_size, blocks = cache_blocks(cache_desc)
-        config = (model, str(block_size), str(blocks))
-        if config != self._cache_config:
-            if self._cache_config is not None:
-                self.ms_cache_config.remove(*self._cache_config)
-            self.ms_cache_config.labels(*config).set(1)
-            self._cache_config = config
+        self.model_server_gauges.set(model, waiting, running, kv_used / kv_capacity if kv_capacity > 0 else 0.0,
+                                     *cache_blocks(cache_desc))
 
 
 def scrape(m: AgentMetrics, ident: Identity, load: Load) -> bytes:

@@ -15,9 +15,10 @@ from functools import partial
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import ValidationError
 
+from pd_agent.metrics import ModelServerGauges
 from pd_contract import tokens
 
 from . import vllm_protocol as proto
@@ -61,13 +62,9 @@ class Metrics:
     (it refuses, never queues, when its blocks are used up), and its blocks' use."""
 
     def __init__(self, served: str, standin: StandIn):
-        r = self.registry = CollectorRegistry()
+        self.registry = CollectorRegistry()
+        self.gauges = ModelServerGauges(self.registry)
         self.served, self.standin, self.running = served, standin, 0
-        self.waiting_g = Gauge("vllm:num_requests_waiting", "Requests waiting", ["model_name"], registry=r)
-        self.running_g = Gauge("vllm:num_requests_running", "Requests running", ["model_name"], registry=r)
-        self.usage_g = Gauge("vllm:kv_cache_usage_perc", "KV cache usage, 0 to 1", ["model_name"], registry=r)
-        self.config_g = Gauge("vllm:cache_config_info", "KV cache configuration",
-                              ["model_name", "block_size", "num_gpu_blocks"], registry=r)
 
     @web.middleware
     async def count(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -84,11 +81,8 @@ class Metrics:
         return web.Response(body=self.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     def render(self) -> bytes:
-        standin = self.standin
-        self.waiting_g.labels(self.served).set(0)
-        self.running_g.labels(self.served).set(self.running)
-        self.usage_g.labels(self.served).set(1 - len(standin.free) / standin.num_blocks)
-        self.config_g.labels(self.served, str(standin.block_size), str(standin.num_blocks)).set(1)
+        s = self.standin
+        self.gauges.set(self.served, 0, self.running, 1 - len(s.free) / s.num_blocks, s.block_size, s.num_blocks)
         return generate_latest(self.registry)
 
 

@@ -853,6 +853,8 @@ class LastSwitch(Model):
     total_ms: int | None = None
     duration_ms: int | None = None
     at: str | None = None
+    unpooled_at: str | None = Field(default=None, description="with spec.routing: when the pod's labels were seen "
+                                                              "gone (its drain started leavePoolSeconds later)")
 
 
 class SwitchInFlight(Model):

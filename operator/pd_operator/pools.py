@@ -91,6 +91,11 @@ def _controller(obj: dict) -> dict | None:
     return next((o for o in obj["metadata"].get("ownerReferences") or [] if o.get("controller")), None)
 
 
+def _owner(obj: dict) -> str:
+    c = _controller(obj)
+    return f"{c.get('kind', '?')} {c.get('name', '?')}" if c else "nobody"
+
+
 def ours(obj: dict, owner: dict) -> bool:
     return (_controller(obj) or {}).get("uid") == owner["uid"]
 
@@ -116,9 +121,7 @@ def plan(name: str, namespace: str, owner: dict, spec: PDDeploymentSpec, api: bo
     if observed is None:
         return PoolPlan(verdict=(False, "Unknown", f"the InferencePools could not be read: {error}"))
     want = desired(name, namespace, owner, spec)
-    taken = [f"InferencePool {n} exists and is not this deployment's (controlled by "
-             f"{(_controller(observed[n]) or {}).get('kind', 'nobody')} "
-             f"{(_controller(observed[n]) or {}).get('name', '')})".replace(" )", ")")
+    taken = [f"InferencePool {n} exists and is not this deployment's (controlled by {_owner(observed[n])})"
              for n in (o["metadata"]["name"] for o in want) if n in observed and not ours(observed[n], owner)]
     if taken:
         return PoolPlan(verdict=(False, "NameTaken", "; ".join(taken) + ": it is never written over; delete or "

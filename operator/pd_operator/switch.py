@@ -145,6 +145,8 @@ class Outcome:
             out["durationMs"] = out["totalMs"]
         if self.message:
             out["message"] = self.message
+        if self.switch.unpooled:   # the drain started leavePoolSeconds after this
+            out["unpooledAt"] = iso(self.switch.unpooled)
         return out
 
 

@@ -264,10 +264,11 @@ def test_pickers_never_pick_an_engine_that_cannot_serve_their_role_through_live_
     windows = [(parse_time(s["at"]) - s["totalMs"] / 1000, parse_time(s["at"]), s["pod"]) for s in (last, back)]
     in_switch = [p for p in picks if any(a <= p[0] <= b and p[2] == pod for a, b, pod in windows)]
     # what the issue asks never to happen: its old role's picker picks it once the drain may start
-    # (leavePoolSeconds after the switch began), or its new role's picker before it was undrained
+    # (leavePoolSeconds after the operator saw its labels gone: lastSwitch.unpooledAt), or its new
+    # role's picker before it was undrained
     pool = {"prefill": "prefill", "decoder": "decode"}
     never = [p for p in picks for s in (last, back) if p[2] == s["pod"] and (
-        (p[1] == pool[s["from"]] and parse_time(s["at"]) - s["totalMs"] / 1000 + LEAVE_S <= p[0] <= parse_time(s["at"]))
+        (p[1] == pool[s["from"]] and parse_time(s["unpooledAt"]) + LEAVE_S <= p[0] <= parse_time(s["at"]))
         or (p[1] == pool[s["to"]] and parse_time(s["at"]) - s["totalMs"] / 1000 <= p[0]
             <= parse_time(s["at"]) - s["undrainMs"] / 1000))]
     print(f"switches: {moved} decoder->prefill ({last['totalMs']} ms), {back['pod']} prefill->decoder "
@@ -291,6 +292,7 @@ def test_pickers_never_pick_an_engine_that_cannot_serve_their_role_through_live_
     # a burst of long prompts on one prefill engine: its waiting count rises, then every engine idles
     prefill_ip = next(ip for ip, pod in by_ip.items() if pod == "sim-small-prefill-0")
     decoder_ip = next(ip for ip, pod in by_ip.items() if pod == "sim-small-decoder-1")
+    ok_before = checker.requests["ok"]
     burst = [threading.Thread(target=checker.request, args=(prefill_ip, decoder_ip, 1500)) for _ in range(8)]
     for t in burst:
         t.start()
@@ -306,5 +308,7 @@ def test_pickers_never_pick_an_engine_that_cannot_serve_their_role_through_live_
     idle = all_idle() or wait_for("the engines idle again", all_idle, timeout=60)
     print(f"burst of 8 long prompts: the prefill engine's vllm:num_requests_waiting peaked at {waiting:g}; "
           f"requests {checker.requests}; then idle: {[{k.split(':')[1]: v for k, v in x.items()} for x in idle]}")
+    checker.http.close()
     assert waiting >= 2, waiting
-    assert checker.requests["failed"] == 0, checker.failures[:5]
+    assert checker.requests["failed"] == 0 and checker.requests["ok"] >= ok_before + 8, (checker.requests,
+                                                                                       checker.failures[:5])

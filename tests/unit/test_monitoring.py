@@ -53,7 +53,11 @@ def exported() -> dict[str, set[str]]:
     for holder in (OperatorMetrics(), GatewayMetrics(), AgentMetrics()):
         registries = [v for v in vars(holder).values() if isinstance(v, CollectorRegistry)]
         assert registries, f"{type(holder).__name__} has no registry"
-        labels = {m._name: set(m._labelnames) for m in vars(holder).values() if isinstance(m, MetricWrapperBase)}
+        # the holder's metrics, and those of a group of metrics it holds (the model-server gauges)
+        parts = [holder, *(v for v in vars(holder).values() if type(v).__module__.startswith("pd_")
+                           and not isinstance(v, (CollectorRegistry, MetricWrapperBase)))]
+        labels = {m._name: set(m._labelnames) for part in parts for m in vars(part).values()
+                  if isinstance(m, MetricWrapperBase)}
         for registry in registries:
             for family in registry.collect():
                 suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),

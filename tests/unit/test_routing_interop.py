@@ -84,6 +84,9 @@ def test_with_routing_the_drain_waits_for_pools_to_see_the_labels_go():
     assert out is None and s.step == "Drain"
     s, _, out = advance(s, view(label=SWITCHING, draining=True, in_flight=1), T0 + 7.0 + 30.5, 30, leave_pool_s=2.0)
     assert s.step == "Abort" and "drain timed out" in s.message
+    # status.lastSwitch says when the pod left the pools (what a router's own checks compare with)
+    _, _, ended = advance(s, view(label="decoder", draining=False), T0 + 40, 30, leave_pool_s=2.0)
+    assert ended is not None and ended.record()["unpooledAt"] == "2027-01-15T08:00:05.000Z"
     # without routing: label and drain in the same pass, as before
     _, its, _ = advance(sw(), view(), T0 + 0.1, 30)
     assert kinds(its) == [("label", SWITCHING), ("drain", None)]
