@@ -45,6 +45,7 @@ from .loadmeter import LoadMeter
 from .notify import Notifier
 
 if TYPE_CHECKING:
+    from .preflight import Preflight
     from .reference import ReferenceEngine
 
 PROBE_TTL_S = 60
@@ -93,9 +94,7 @@ class Serving(Protocol):
 
 class AgentCore:
     def __init__(self, llm, identity: Identity, engine: Any = None):
-        self.llm = llm
-        self.id = identity
-        self.engine = engine
+        self.llm, self.id, self.engine = llm, identity, engine
         self.owns_engine = engine is None
         self.boot_id = uuid.uuid4().hex
         self.peers: dict[int, Peer] = {}          # decoder: linked prompt peers by cluster id
@@ -115,8 +114,8 @@ class AgentCore:
         self.notifier: Notifier | None = None     # set by the server
         self.inference: Serving | None = None     # set by pd_agent.inference (or an adapter) when serving
         self.meter = LoadMeter(started=time.monotonic())   # what the serving did lately (the report's window)
-        self.device_ips = ""                      # where the device IP came from (devices.resolve)
-        self.device_error = ""
+        self.device_ips, self.device_error = "", ""   # where the device IP came from (devices.resolve); why not
+        self.preflight: Preflight | None = None       # the network preflight (preflight.py), run by server.py
         # The host's scheduler follows the engine's role: before-hooks may refuse a switch
         # (raise AgentError), after-hooks learn the new role. (old_role, new_role) -> None.
         self.before_switch: list[Callable[[str, str], Awaitable[None]]] = []
@@ -545,6 +544,7 @@ class AgentCore:
             proxy_env=proxy_environment(), memory_scale=scale,
             cache_desc=self.id.cache_desc, engine=self.id.engine, last_error=self.last_error,
             device_ips=self.device_ips, device_error=self.device_error,
+            preflight=self.preflight.report if self.preflight else None,
         )
 
 

@@ -85,6 +85,7 @@ from .identity import Identity, proxy_environment
 from .inference import OVERLOADED_RETRY_S, no_first_token
 from .metrics import AgentMetrics, scrape
 from .mindie_hook import attach as attach_mindie
+from .preflight import PREFLIGHT_FAULTS, Preflight
 from .routes import AgentService
 
 log = logging.getLogger("pd_agent.front")
@@ -136,22 +137,20 @@ class Front(AgentService):
     where = "front"
 
     def __init__(self, identity: Identity, tp: int, http: httpx.AsyncClient, env: dict[str, str] | None = None):
-        self.id = identity
-        self.tp = tp
-        self.http = http
+        self.id, self.tp, self.http = identity, tp, http
         self.env = dict(os.environ if env is None else env)
         self.boot_id = uuid.uuid4().hex
         self.ranks = {r: Rank(r) for r in range(tp)}
         self.devices: Devices | None = None
         self.device_error = ""
+        self.preflight: Preflight | None = None   # the network preflight, once the devices are known
         self.procs: dict[int, asyncio.subprocess.Process] = {}
         self.refreshed_at = 0.0
         self._refreshing = asyncio.Lock()
         self.background: set[asyncio.Task] = set()
         self.terminating = False
         self.draining = False     # the instance refuses new requests (its ranks are told too)
-        self.serving = 0          # requests the instance took on and has not answered yet
-        self.prefilling = 0       # of those, prefills
+        self.serving = self.prefilling = 0   # requests the instance took on and has not answered yet; prefills
         self.switching_to: str | None = None   # the role the last switch_role asked for
         self.peer_urls: dict[str, str] = {}    # peer pod -> its agent, as linked (never a request's URL)
         self.failed = asyncio.Event()      # a rank process died: the pod restarts whole
@@ -325,7 +324,7 @@ class Front(AgentService):
             cache_desc=first.cache_desc if first else self.id.cache_desc,
             engine=first.engine if first else self.id.engine, last_error=last_error,
             tensor_parallel=self.tp, ranks=infos, device_ips=self.devices.source if self.devices else "",
-            device_error=self.device_error)
+            device_error=self.device_error, preflight=self.preflight.report if self.preflight else None)
 
     def _links(self) -> list[LinkState]:
         """One link per peer pod: its rank links, the worst rank's code."""
@@ -716,7 +715,9 @@ class Front(AgentService):
     async def set_faults(self, req: FaultsRequest) -> None:
         if req.switch_crash_after_ranks is not None:
             self.faults["switch_crash_after_ranks"] = req.switch_crash_after_ranks
-        rest = req.model_dump(exclude_none=True, exclude={"switch_crash_after_ranks"})
+        rest = req.model_dump(exclude_none=True, exclude={"switch_crash_after_ranks", *PREFLIGHT_FAULTS})
+        if self.preflight:
+            self.preflight.set_faults(req)
         if rest and rest != {"crash": False}:
             await self.each("POST", AgentPath.FAULTS, {r: FaultsRequest(**rest) for r in range(self.tp)})
 
@@ -764,6 +765,16 @@ def build_front_app(front: Front, token: str | None, data_token: str | None = No
     return app
 
 
+async def _preflight(front: Front, stop: asyncio.Event) -> bool:
+    """The network preflight before the ranks start (enforced: until it passes); False at stop."""
+    assert front.devices is not None
+    front.preflight = Preflight.from_env(front.devices, time.time, front.env)
+    if front.preflight is not None:
+        await front.preflight.gate(stop)
+        front.preflight.start(stop)
+    return not stop.is_set()
+
+
 async def serve_front(identity: Identity, tp: int, host: str, port: int) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -784,7 +795,7 @@ async def serve_front(identity: Identity, tp: int, host: str, port: int) -> None
         await front.refresh(max_age=HEALTH_AGE_S)
         return front.initialized
     mindie = attach_mindie(front.after_switch, identity.role, ready, stop)   # one push per pod, from here
-    if await front.resolve_devices(stop):
+    if await front.resolve_devices(stop) and await _preflight(front, stop):
         if front.external:
             log.info("waiting for %d rank processes to register at /v1/ranks", tp)
         else:

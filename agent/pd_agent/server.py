@@ -47,7 +47,7 @@ from pd_contract.engine_env import (
 )
 
 from .core import AgentCore, AgentError, Serving
-from .devices import DeviceError, resolve_env
+from .devices import DeviceError, Devices, resolve_env
 from .front import serve_front
 from .http import METRICS, api_app, api_routes, app_runner, error_reply, model_reply, serve_metrics, wait_event
 from .identity import ConfigError, Identity, import_backend
@@ -55,6 +55,7 @@ from .inference import Inference
 from .metrics import AgentMetrics, scrape
 from .mindie_hook import attach as attach_mindie
 from .notify import Notifier
+from .preflight import PREFLIGHT_FAULTS, Preflight
 from .routes import AgentService, Route
 
 log = logging.getLogger("pd_agent")
@@ -136,7 +137,10 @@ class CoreAPI(AgentService):
             asyncio.get_running_loop().call_later(0.05, os._exit, 137)
             return
         from llm_datadist_sim import faults as f
-        f.update(**req.model_dump(exclude_none=True, exclude={"crash", "switch_crash_after_ranks"}))
+        if self.core.preflight is not None:
+            self.core.preflight.set_faults(req)
+        f.update(**req.model_dump(exclude_none=True,
+                                  exclude={"crash", "switch_crash_after_ranks", *PREFLIGHT_FAULTS}))
 
     async def get_faults(self) -> dict:
         from llm_datadist_sim import faults as f
@@ -266,6 +270,24 @@ def _device_of(core: AgentCore) -> None:
         core.id.device_id = 0   # the process-visible index of its one device
 
 
+async def _preflight(core: AgentCore, stop: asyncio.Event) -> None:
+    """A pod the operator runs checks its devices' network before its engine starts (preflight.py);
+    devices not known yet are waited for (the annotation may come late; the init loop reports why)."""
+    while os.environ.get(PD_TENSOR_PARALLEL) and not stop.is_set():
+        try:
+            devs: Devices | None = resolve_env()
+        except DeviceError as e:
+            devs, core.device_error = None, str(e)
+        if devs is not None and devs.complete:
+            core.preflight = Preflight.from_env(devs, time.time)
+            if core.preflight is not None:
+                await core.preflight.gate(stop)
+                core.preflight.start(stop)
+            return
+        core.device_error = devs.error if devs is not None else core.device_error
+        await wait_event(stop, 2.0)
+
+
 async def _register(url: str, rank: int, my_url: str, boot_id: str, token: str | None, stop: asyncio.Event) -> None:
     """A rank process tells the pod's agent where its API is, until the agent takes it."""
     body = {"rank": rank, "url": my_url, "boot_id": boot_id}
@@ -308,6 +330,8 @@ async def _serve(identity: Identity, host: str, port: int, rank: int | None = No
         # the simulator's stand-in for loading weights and building the engine
         log.info("engine start-up takes %.1fs", identity.engine_start_s)
         await wait_event(stop, identity.engine_start_s)
+    if rank is None:
+        await _preflight(core, stop)
     # Keep trying to init: a bad listen address is reported in /healthz, not a crash loop.
     delay = 0.5
     while not core.initialized and not stop.is_set():

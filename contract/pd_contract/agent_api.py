@@ -250,6 +250,12 @@ class FaultsRequest(_Body):
     kv_fault: Literal["", "corrupt", "truncate", "swap"] | None = Field(
         default=None, description="the prompt side serves pulls wrong: corrupt (bytes flipped), truncate (the "
         "second half never sent), swap (the tensors in the wrong order); \"\" clears it")
+    # the simulated network of the pod's devices, as the network preflight reads it (hccn_tool)
+    preflight_link_down: list[int] | None = Field(default=None, max_length=64,
+                                                  description="these ranks' devices report link DOWN; [] clears")
+    preflight_tls_switch: int | None = Field(default=None, ge=0, le=1,
+                                             description="the pod's devices report this TLS switch (default 0)")
+    preflight_no_gateway: bool | None = Field(default=None, description="the pod's devices report no gateway")
     crash: bool = False
 
 
@@ -340,6 +346,27 @@ class RegisterRank(_Body):
 MAX_STATUS_LINKS = 16384
 
 
+class DeviceCheck(_Reply):
+    """One failed network preflight check of one device (pd_contract.preflight names them)."""
+    device_id: int
+    check: str                    # link | net_health | netdetect | gateway | ip | tls
+    value: str = ""               # what the device reported
+    message: str = ""
+
+
+class PreflightReport(_Reply):
+    """The network preflight of the pod's devices: `hccn_tool` on Ascend, the simulator's stand-in
+    on loopback devices. A pod whose preflight failed does not start its engines (until it passes)
+    and is not linked while it fails."""
+    state: Literal["pending", "passed", "failed"] = "pending"
+    enforced: bool = True         # false: checks are reported, nothing waits on them
+    source: str = ""              # hccn_tool | sim
+    devices: int = 0
+    tls_switch: str = ""          # the devices' TLS switch (0 | 1), "" if unknown or they differ
+    failures: list[DeviceCheck] = Field(default=[], max_length=256)
+    checked_at: float = 0.0       # unix seconds
+
+
 class AgentStatus(_Reply):
     pod: str
     role: Role
@@ -367,3 +394,4 @@ class AgentStatus(_Reply):
     ranks: list[RankInfo] = Field(default=[], max_length=512)   # multi-rank pods: every rank, registered or not
     device_ips: str = ""             # where the device IPs came from: annotation, hccn.conf, list, pod-ip
     device_error: str = ""           # DeviceIPUnknown: which rank has no device IP, and why
+    preflight: PreflightReport | None = None   # the network preflight (pods the operator runs)

@@ -52,6 +52,8 @@ PD_DRAIN_TIMEOUT_S = "PD_DRAIN_TIMEOUT_S"
 PD_ENABLE_SWITCH_ROLE = "PD_ENABLE_SWITCH_ROLE"
 PD_DEVICE_ANNOTATION_FILE = "PD_DEVICE_ANNOTATION_FILE"
 PD_HCCN_CONF = "PD_HCCN_CONF"
+PD_PREFLIGHT = "PD_PREFLIGHT"                            # enforce (default) | report | off
+PD_HCCN_TOOL = "PD_HCCN_TOOL"                            # the hccn_tool to run (default: found)
 
 # the agent's tokens (each may come from a file: NAME_FILE), and the operator's record of each
 # (its sha256): a token with another digest was written by someone else

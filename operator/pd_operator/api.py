@@ -130,6 +130,11 @@ class Datadist(Model):
     topology: Literal["FullMesh"] = "FullMesh"
     verify_interval_seconds: int = Field(default=60, ge=5, le=86400,
                                          description="how often a P-D pair's KV path is re-verified")
+    preflight: Literal["Enforce", "Report", "Off"] = Field(
+        default="Enforce", description="the network preflight of every engine pod's NPUs (hccn_tool link, net "
+        "health, detect address, gateway, device IP, TLS switch; the simulator's stand-in on sim): Enforce "
+        "starts no engine and links no pod until its checks pass (and none whose TLS switch differs from the "
+        "other nodes'); Report names failures in condition NetworkPreflight only; Off runs none")
 
 
 class Resources(Model):
@@ -577,6 +582,11 @@ class SimFaults(Model):
     link_delay_ms: int = Field(default=0, ge=0, le=600000, description="prompt side answers link handshakes late")
     pull_delay_ms: int = Field(default=0, ge=0, le=600000, description="prompt side answers pulls late")
     pull_fail: bool = Field(default=False, description="prompt side fails every pull")
+    preflight_link_down: list[Annotated[int, Field(ge=0, le=63)]] | None = Field(
+        default=None, max_length=64, description="network preflight: these ranks' devices report link DOWN")
+    preflight_tls_switch: int | None = Field(default=None, ge=0, le=1,
+                                             description="network preflight: the devices report this TLS switch")
+    preflight_no_gateway: bool | None = Field(default=None, description="network preflight: no gateway is set")
 
 
 class Sim(Model):

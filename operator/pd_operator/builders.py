@@ -175,6 +175,8 @@ def _env(name: str, spec: PDDeploymentSpec, group: str, resource: str = NPU_RESO
                 {"name": ev.PD_DEVICE_ANNOTATION_FILE, "value": f"{PODINFO_DIR}/{PODINFO_ASCEND}"}]
         if spec.backend == "llm-datadist":
             env.append({"name": ev.PD_HCCN_CONF, "value": (spec.ascend or Ascend()).hccn_conf})
+        if spec.datadist.preflight != "Enforce":   # the agent's default: no env, no roll for the default
+            env.append({"name": ev.PD_PREFLIGHT, "value": spec.datadist.preflight.lower()})
     env.append({"name": ev.PD_DRAIN_TIMEOUT_S, "value": str(spec.drain_timeout_seconds)})
     # switch_role needs llm.EnableSwitchRole at init; set it only where the spec may switch
     switching = spec.rebalance is not None and spec.rebalance.method == "Switch"
@@ -248,8 +250,9 @@ def sim_env(spec: PDDeploymentSpec) -> list[dict]:
         values["OPENBLAS_NUM_THREADS"] = 1
     for k, v in (sim.timing.model_dump(exclude_none=True) if sim.timing else {}).items():
         values[ev.PD_SIM_ + k.upper()] = v
-    for k, v in (sim.faults.model_dump() if sim.faults else {}).items():
-        values[ev.PD_SIM_FAULT_ + k.upper()] = int(v) if isinstance(v, bool) else v
+    for k, v in (sim.faults.model_dump(exclude_none=True) if sim.faults else {}).items():
+        values[ev.PD_SIM_FAULT_ + k.upper()] = int(v) if isinstance(v, bool) else \
+            ",".join(map(str, v)) if isinstance(v, list) else v
     return [{"name": k, "value": str(v)} for k, v in values.items()]
 
 

@@ -18,6 +18,7 @@ from . import children as ch
 from . import links as lk
 from . import policies, ranktable
 from . import pools as pools_
+from . import preflight as preflight_
 from . import rebalance as rb
 from . import replace as rp
 from . import switch as sw_
@@ -114,6 +115,9 @@ def decide(snap: Snapshot) -> Plan:
                    strays=list(snap.strays), model_id=snap.spec.model.model_id,
                    topology=snap.spec.datadist.topology, selector=f"{LABEL_DEPLOYMENT}={name}")
     engines = _take(snap, mem, obs, events)
+    # a pod whose network preflight failed (or whose TLS switch differs) is linked to nothing
+    obs.preflight, held = preflight_.verdict(live, mem.reports, snap.spec.datadist.preflight)
+    engines = [replace(e, unfit=True) if e.pod in held else e for e in engines]
     alive = {e.pod for e in engines}
     sw = _rebalance(snap, mem, engines, obs, events)
     engines, book = sw.mesh, mem.book

@@ -33,6 +33,7 @@ from typing import Any, TextIO
 
 import httpx
 
+from pd_contract import preflight as pf
 from pd_contract.agent_api import AgentPath
 from pd_contract.names import BROKEN_CODES
 
@@ -340,6 +341,7 @@ async def _verify_links(px: Proxy, spec: dict, members: list[dict], hdr: dict, d
             out(f"  {BAD} {m['pod']}: agent not reachable through the API server ({code}): {str(st)[:160]}")
             continue
         statuses[m["pod"]] = st
+        tally.failed += _preflight_lines(m["pod"], st.get("preflight"), out)
         if st.get("proxy_env"):
             out(f"  {BAD} {m['pod']}: proxy variables set ({', '.join(sorted(st['proxy_env']))}): unset them or "
                 f"list the peers in no_proxy")
@@ -351,6 +353,19 @@ async def _verify_links(px: Proxy, spec: dict, members: list[dict], hdr: dict, d
         for line in lines:
             out(line)
     return statuses
+
+
+def _preflight_lines(pod: str, pre: dict | None, out) -> int:
+    """A pod's network preflight as its agent reports it (pd_contract.preflight): failed checks count."""
+    if not pre or pre.get("state") == "passed":
+        return 0
+    if pre.get("state") == "pending":
+        out(f"  {BAD} {pod}: network preflight still running")
+        return 1
+    for f in pre.get("failures") or []:
+        out(f"  {BAD} {pod}: preflight device {f.get('device_id')} {f.get('check')}: {f.get('message')} "
+            f"({pf.HINTS.get(f.get('check', ''), '')})")
+    return 1 if pre.get("enforced", True) else 0
 
 
 async def _verify_kv(px: Proxy, spec: dict, members: list[dict], statuses: dict[str, dict], hdr: dict,

@@ -46,6 +46,7 @@ class Engine:
     links_in: int = 0               # prompt side: decoders linked to it, as its agent reports
     tp: int = 1                     # tensor-parallel ranks: one engine each, linked rank to rank
     ranks: tuple[tuple[int, str, int], ...] = ()   # (cluster_id, ip, port) per rank, as its agent reports
+    unfit: bool = False             # its network preflight failed (or its TLS differs): linked to nothing
 
     @property
     def linkable(self) -> bool:
@@ -91,7 +92,8 @@ def batches(items: list, size: int = MAX_PER_CALL) -> list[list]:
 
 
 def prefills_of(engines: list[Engine]) -> list[Engine]:
-    return sorted((e for e in engines if e.role == "prefill" and e.serving), key=lambda e: e.cluster_id)
+    return sorted((e for e in engines if e.role == "prefill" and e.serving and not e.unfit),
+                  key=lambda e: e.cluster_id)
 
 
 def decoders_of(engines: list[Engine]) -> list[Engine]:
@@ -106,7 +108,7 @@ def kept_prefills(engines: list[Engine]) -> dict[int, Engine]:
     """Prefills whose existing links stay: every one that is not leaving with nothing left to
     pull. A prefill whose readiness flaps or whose agent answered late this time keeps its
     links; only new links wait for it to be Ready and answering."""
-    return {e.cluster_id: e for e in engines if e.role == "prefill" and (not e.leaving or e.holding)}
+    return {e.cluster_id: e for e in engines if e.role == "prefill" and not e.unfit and (not e.leaving or e.holding)}
 
 
 @functools.lru_cache(maxsize=8192)
@@ -234,7 +236,7 @@ def desired(engines: list[Engine], topology: str = "FullMesh") -> dict[str, list
     by_desc: dict[str | None, list[Engine]] = {}
     for p in prefills:
         by_desc.setdefault(p.cache_desc, []).append(p)
-    return {d.pod: by_desc.get(d.cache_desc, []) for d in decoders_of(engines)}
+    return {d.pod: [] if d.unfit else by_desc.get(d.cache_desc, []) for d in decoders_of(engines)}
 
 
 def mismatches(engines: list[Engine]) -> list[tuple[Engine, Engine]]:
@@ -260,7 +262,7 @@ def plan(engines: list[Engine], reported: dict[str, list[dict]], topology: str =
         dumped = links if isinstance(links, Reported) else None
         if dumped is not None and _same_row(dumped, "plan", known, peers, d.cache_desc):
             continue   # linked to these very peers and nothing broken, as last time: nothing to do
-        p, asked = _decoder_plan(d, peers, links, kept, due)
+        p, asked = _decoder_plan(d, peers, links, {} if d.unfit else kept, due)
         if not p.empty:
             plans.append(p)
         elif dumped is not None and not asked and set(dumped.by_cid) <= {e.cluster_id for e in peers}:

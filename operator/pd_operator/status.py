@@ -68,6 +68,7 @@ class Observed:
     strays: list[dict] = field(default_factory=list)   # pods that only wear the labels: listed, never members
     gateway_keys: Verdict | None = None   # the gateway's keys Secret opted in, or why not (gateway enabled)
     inference_pool: Verdict | None = None  # InferencePoolReady (spec.routing.inferencePool)
+    preflight: Verdict | None = None      # NetworkPreflight (preflight.py); None: the condition goes
     per_decoder: dict[str, tuple[int, int, list[dict]]] | None = None  # links.per_decoder, if computed already
     switches: list = field(default_factory=list)        # switch.Switch in flight
     last_switch: dict | None = None                     # status.lastSwitch
@@ -342,8 +343,9 @@ def build_status(spec: PDDeploymentSpec, obs: Observed, previous: dict | None, a
     conds = cond.set_condition(conds, "Ready", *ready(obs, phase, conds), gen, at=at)
     conds = cond.set_condition(conds, "GatewayKeys", *obs.gateway_keys, gen, at=at) \
         if obs.gateway_keys is not None else [c for c in conds if c["type"] != "GatewayKeys"]
-    conds = cond.set_condition(conds, "InferencePoolReady", *obs.inference_pool, gen, at=at) \
-        if obs.inference_pool is not None else [c for c in conds if c["type"] != "InferencePoolReady"]
+    for ctype, verdict in (("InferencePoolReady", obs.inference_pool), ("NetworkPreflight", obs.preflight)):
+        conds = cond.set_condition(conds, ctype, *verdict, gen, at=at) if verdict is not None \
+            else [c for c in conds if c["type"] != ctype]
     reb = rebalancing(obs)
     conds = cond.set_condition(conds, "Rebalancing", *reb, gen, at=at) if reb is not None \
         else [c for c in conds if c["type"] != "Rebalancing"]
