@@ -21,7 +21,7 @@ import ipaddress
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pd_contract.engine_env import (
@@ -55,6 +55,7 @@ class Devices:
     source: str                       # annotation | hccn.conf | list | pod-ip | "" (none found)
     ranks: tuple[Device, ...]
     error: str = ""                   # set when some rank has no device IP: names the rank(s)
+    superpod: str = ""                # the A3 superpod the node is in (the annotation's super_pod_id), if given
 
     @property
     def complete(self) -> bool:
@@ -85,6 +86,15 @@ def parse_annotation(text: str, where: str = "the device plugin's annotation") -
         raise DeviceError(f"{where} is not {{\"devices\": [{{\"device_id\", \"device_ip\"}}, ...]}}: "
                           f"{type(e).__name__}: {e}") from None
     return sorted(out)
+
+
+def superpod_of(text: str) -> str:
+    """The annotation's `super_pod_id` (MindCluster's device plugin writes it on A3), "" without one."""
+    try:
+        value = json.loads(text).get("super_pod_id")
+        return str(int(value)) if value is not None and not isinstance(value, bool) and int(value) >= 0 else ""
+    except (ValueError, TypeError, AttributeError):
+        return ""
 
 
 def parse_hccn(text: str, name: str = HCCN_CONF) -> dict[int, str]:
@@ -136,7 +146,8 @@ def resolve(tp: int, port: int, env: dict[str, str], pod_ip: str, backend: str) 
     text = ann_file.read_text().strip() if ann_file.is_file() else ""
     if text:
         pairs: list[tuple[int | None, str | None]] = list(parse_annotation(text))
-        return _assign("annotation", pairs, tp, port, "the device plugin's annotation")
+        return replace(_assign("annotation", pairs, tp, port, "the device plugin's annotation"),
+                       superpod=superpod_of(text))
     hccn_path = env.get(PD_HCCN_CONF) or HCCN_CONF
     hccn = local_path(hccn_path, env)
     if hccn.is_file():

@@ -91,7 +91,8 @@ class Preflight:
                 dev = d.device_id if d.device_id is not None else d.rank
                 return answer(check, dev, d.rank, d.ip or "", self.faults)
         self.read: Reader = read
-        self.report = PreflightReport(enforced=enforced, source=source, devices=len(devices.ranks))
+        self.report = PreflightReport(enforced=enforced, source=source, devices=len(devices.ranks),
+                                      superpod=devices.superpod)
         self.poke = asyncio.Event()             # run again now (the simulated network changed)
         self.task: asyncio.Task | None = None
 
@@ -117,7 +118,8 @@ class Preflight:
         outs = await asyncio.gather(*(self.read(c, d) for d, c in keys), return_exceptions=True)
         answers = {(d.rank, c): (o if isinstance(o, str) else "") for (d, c), o in zip(keys, outs)}
         before = self.report.state
-        self.report = evaluate(ranks, answers, self.source, self.enforced, self.clock())
+        self.report = evaluate(ranks, answers, self.source, self.enforced, self.clock()).model_copy(
+            update={"superpod": self.devices.superpod})
         if self.report.state != before:
             log.log(logging.INFO if self.report.state == "passed" else logging.WARNING, "network preflight %s%s",
                     self.report.state, "".join(f"; device {f.device_id} {f.check}: {f.message}"

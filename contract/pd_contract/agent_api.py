@@ -363,6 +363,7 @@ class PreflightReport(_Reply):
     source: str = ""              # hccn_tool | sim
     devices: int = 0
     tls_switch: str = ""          # the devices' TLS switch (0 | 1), "" if unknown or they differ
+    superpod: str = ""            # the A3 superpod of the pod's node (device plugin annotation), "" unknown
     failures: list[DeviceCheck] = Field(default=[], max_length=256)
     checked_at: float = 0.0       # unix seconds
 

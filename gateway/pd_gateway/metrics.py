@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable, Iterable
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 MS = (5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000)
 TBT_MS = (1, 2, 5, 10, 20, 40, 80, 160, 320, 1000)
@@ -41,8 +43,21 @@ class GatewayMetrics:
                                       "this gateway's (reason: not_json, too_large, bad_shape, bad_count, "
                                       "implausible_growth, lowered): the last good copy is kept and "
                                       "written back", ["reason"], registry=r)
+        self.kv_pulls = Gauge("pd_gateway_kv_pulls", "Decoders picked for a prefill since start, by where the KV "
+                              "pull goes: within its A3 superpod, across superpods, or unknown (no superpod "
+                              "reported)", ["superpod"], registry=r)
         self._ttft: collections.deque[float] = collections.deque(maxlen=WINDOW)
         self._tbt: collections.deque[float] = collections.deque(maxlen=WINDOW)
+
+    def counting_pulls(self, fleets: Iterable[Any]) -> GatewayMetrics:
+        """kv_pulls read from the routers' counts (pd_router.Fleet.pulls) at each scrape."""
+        fleets = list(fleets)
+
+        def count(where: str) -> Callable[[], float]:
+            return lambda: float(sum(f.pulls[where] for f in fleets))
+        for where in ("within", "across", "unknown"):
+            self.kv_pulls.labels(where).set_function(count(where))
+        return self
 
     def record(self, key: str, ttft_ms: float, tbt_ms: float | None) -> None:
         self.ttft.labels(key).observe(ttft_ms)

@@ -284,7 +284,7 @@ class Gateway:
             for name in (r.model, *r.aliases):
                 self.by_model.setdefault(name, r)
         self.fleet = routes[0].fleet if routes else None
-        self.m = metrics or GatewayMetrics()
+        self.m = (metrics or GatewayMetrics()).counting_pulls(r.fleet for r in routes)
         self.streams = Streams(cfg.max_streams_per_key, cfg.max_streams)
         # never below one body of the largest size, or that body could never be taken
         total = max(cfg.max_body_bytes_in_flight, cfg.max_body_bytes)

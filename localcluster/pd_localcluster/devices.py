@@ -15,6 +15,7 @@ ASCEND_ANNOTATION = "ascend.kubectl.kubernetes.io/ascend-910-configuration"
 DEFAULT_RESOURCE = "huawei.com/Ascend910"
 DEFAULT_PER_NODE = 32
 VISIBLE_DEVICES_ENV = "ASCEND_VISIBLE_DEVICES"
+SUPERPOD_LABEL = "pdoperator.io/superpod"   # the local nodes' superpod, for a topologyKey (tests)
 # Third octets from here up are device IPs; pod IPs use the ones below.
 DEVICE_THIRD_OCTET = 200
 MAX_DEVICES = (256 - DEVICE_THIRD_OCTET) * 254
@@ -73,11 +74,17 @@ def device_ip(prefix: int, device_id: int) -> str:
     return f"127.{prefix}.{DEVICE_THIRD_OCTET + device_id // 254}.{device_id % 254 + 1}"
 
 
-def annotation(pod_name: str, server_id: str, ids: list[int], prefix: int) -> str:
-    """The value the Ascend device plugin writes under ASCEND_ANNOTATION."""
-    return json.dumps({"pod_name": pod_name, "server_id": server_id,
+def annotation(pod_name: str, server_id: str, ids: list[int], prefix: int, super_pod_id: int = 0) -> str:
+    """The value the Ascend device plugin writes under ASCEND_ANNOTATION (super_pod_id: as
+    MindCluster's plugin writes it on A3 nodes)."""
+    return json.dumps({"pod_name": pod_name, "server_id": server_id, "super_pod_id": super_pod_id,
                        "devices": [{"device_id": str(d), "device_ip": device_ip(prefix, d)}
                                    for d in sorted(ids)]})
+
+
+def superpod(node_index: int, nodes: int, superpods: int) -> int:
+    """The superpod of a node: the nodes split into `superpods` contiguous runs."""
+    return node_index * max(1, min(superpods, nodes)) // max(1, nodes)
 
 
 def parse_annotation(value: str | None) -> tuple[str, list[int]] | None:

@@ -340,7 +340,8 @@ class PodWorker:
         while not self.deleting:
             try:
                 self.devices = self.allocator.allocate(self.uid, self.npus)
-                value = dev.annotation(self.name, self.host_ip, self.devices, self.agent.ips[self.node_index].prefix)
+                value = dev.annotation(self.name, self.host_ip, self.devices, self.agent.ips[self.node_index].prefix,
+                                       self.agent.superpods[self.node_index])
                 annotations = self.pod["metadata"].get("annotations") or {}
                 if dev.parse_annotation(annotations.get(dev.ASCEND_ANNOTATION)) != \
                         dev.parse_annotation(value):
@@ -665,6 +666,8 @@ class NodeAgent:
         self.root = root
         self.npu_resource = npu_resource
         self.devices = [dev.DeviceAllocator(npus_per_node) for _ in range(nodes)]
+        # A3 superpods: the nodes split into PD_LOCAL_SUPERPODS runs (default 2), in the devices' annotation
+        self.superpods = [dev.superpod(i, nodes, int(os.environ.get("PD_LOCAL_SUPERPODS") or 2)) for i in range(nodes)]
         self.runtime: Runtime = make_runtime(runtime, root)
         self.node_names = [f"local-node-{i + 1}" for i in range(nodes)]
         self.kubelet_port = kubelet_port
@@ -722,7 +725,8 @@ class NodeAgent:
         for i, name in enumerate(self.node_names):
             body = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": {
                 "kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
-                "kubernetes.io/arch": "amd64", "pdoperator.io/local-node": "true"}}}
+                "kubernetes.io/arch": "amd64", "pdoperator.io/local-node": "true",
+                dev.SUPERPOD_LABEL: str(self.superpods[i])}}}
             try:
                 await self.api.create("/api/v1/nodes", body)
                 log.info("registered node %s (%s)", name, node_ip(i))

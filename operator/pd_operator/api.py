@@ -798,6 +798,12 @@ class LinkCounts(Model):
     up: int = 0
 
 
+class SuperpodPairs(Model):
+    """Linked decoder-prefill pod pairs by A3 superpod (the pods' device annotation, super_pod_id)."""
+    within: int = 0
+    across: int = 0
+
+
 class PeerLink(Model):
     peer: str
     cluster_id: int
@@ -919,6 +925,9 @@ class PDDeploymentStatus(Model):
     decoder: int | None = None
     links: LinkCounts | None = None
     links_summary: str | None = Field(default=None, description="links up/expected, for kubectl get")
+    superpod_pairs: SuperpodPairs | None = Field(
+        default=None, description="linked decoder-prefill pairs within one A3 superpod (KV over the fabric) and "
+                                  "across superpods (over RoCE); absent where no pod reports a superpod")
     members: list[Member] | None = Field(default=None, json_schema_extra=map_list("pod"))
     conditions: list[Condition] | None = Field(default=None, json_schema_extra=map_list("type"))
     cache_desc: CacheDescStatus | None = None

@@ -128,6 +128,7 @@ def decide(snap: Snapshot) -> Plan:
     plans, pairs, complete_after = _links(snap, mem, engines, obs, sw, alive)
     obs.blocked = blocked
     obs.gateway_keys = snap.keys
+    obs.superpod_pairs = preflight_.superpod_pairs(obs.reported, mem.reports)
     pool_plan = pools_.plan(name, ns, owner_reference(name, snap.body["metadata"].get("uid", "")), snap.spec,
                             snap.pool_api, snap.pools, live, snap.pool_error)
     obs.inference_pool = pool_plan.verdict

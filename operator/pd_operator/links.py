@@ -47,6 +47,7 @@ class Engine:
     tp: int = 1                     # tensor-parallel ranks: one engine each, linked rank to rank
     ranks: tuple[tuple[int, str, int], ...] = ()   # (cluster_id, ip, port) per rank, as its agent reports
     unfit: bool = False             # its network preflight failed (or its TLS differs): linked to nothing
+    superpod: str = ""              # its node's A3 superpod, as its agent reports it ("" unknown)
 
     @property
     def linkable(self) -> bool:

@@ -129,4 +129,5 @@ def with_report(e: Engine, s: AgentStatus) -> Engine:
                    busy=s.load.in_flight > 0 or s.load.pending_kv > 0, in_flight=s.load.in_flight,
                    pending_kv=s.load.pending_kv, engine_role="prefill" if s.role == "prompt" else "decoder",
                    switchable=s.switchable, links_in=len(s.incoming), tp=max(1, s.tensor_parallel),
-                   ranks=tuple((r.cluster_id, r.ip, r.port) for r in s.ranks))
+                   ranks=tuple((r.cluster_id, r.ip, r.port) for r in s.ranks),
+                   superpod=s.preflight.superpod if s.preflight is not None else "")

@@ -73,3 +73,15 @@ def _failure(pod: str, node: str, rep: PreflightReport) -> str:
     more = f" (+{len(rep.failures) - 3} more)" if len(rep.failures) > 3 else ""
     hint = pf.HINTS.get(checks[0].check, "") if checks else ""
     return f"{pod} on node {node}: {text}{more} ({hint})"
+
+
+def superpod_pairs(reported: Mapping[str, list[dict]], reports: Mapping[str, AgentStatus]) -> dict | None:
+    """status.superpodPairs: linked (decoder, prefill) pod pairs whose superpods are both known,
+    within one superpod and across; None when no pod reports one."""
+    sp = {pod: r.preflight.superpod for pod, r in reports.items() if r.preflight is not None and r.preflight.superpod}
+    if not sp:
+        return None
+    pairs = {(d, link["name"]) for d, links in reported.items() for link in links if link.get("name")}
+    known = [(d, p) for d, p in pairs if d in sp and p in sp]
+    within = sum(1 for d, p in known if sp[d] == sp[p])
+    return {"within": within, "across": len(known) - within}

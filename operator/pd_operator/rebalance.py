@@ -211,7 +211,8 @@ def candidates(engines: list[lk.Engine], switches: list[Switch], refused: set[st
         role = (sw.from_ if sw.step == ABORT else sw.to) if sw else ((e.engine_role if e.agent_ok else None) or e.label)
         available = (sw is None and e.ready and e.agent_ok and not e.leaving and e.label == e.engine_role)
         out.append(Candidate(pod=e.pod, uid=e.uid, group=e.group, role=role, available=available,
-                             switchable=bool(e.switchable) and e.pod not in refused, in_flight=e.in_flight))
+                             switchable=bool(e.switchable) and e.pod not in refused, in_flight=e.in_flight,
+                             superpod=e.superpod))
     return out
 
 

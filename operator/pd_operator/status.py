@@ -69,6 +69,7 @@ class Observed:
     gateway_keys: Verdict | None = None   # the gateway's keys Secret opted in, or why not (gateway enabled)
     inference_pool: Verdict | None = None  # InferencePoolReady (spec.routing.inferencePool)
     preflight: Verdict | None = None      # NetworkPreflight (preflight.py); None: the condition goes
+    superpod_pairs: dict | None = None    # status.superpodPairs (preflight.superpod_pairs)
     per_decoder: dict[str, tuple[int, int, list[dict]]] | None = None  # links.per_decoder, if computed already
     switches: list = field(default_factory=list)        # switch.Switch in flight
     last_switch: dict | None = None                     # status.lastSwitch
@@ -359,6 +360,7 @@ def build_status(spec: PDDeploymentSpec, obs: Observed, previous: dict | None, a
         "decoder": sum(1 for e in obs.engines if e.role == "decoder" and e.pod in ready_names),
         "links": {"expected": expected, "up": up},
         "linksSummary": f"{up}/{expected}",
+        **({"superpodPairs": obs.superpod_pairs} if obs.superpod_pairs is not None else {}),
         "members": members,
         "conditions": conds,
         "cacheDesc": cache_desc_status(spec),

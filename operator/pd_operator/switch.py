@@ -18,6 +18,7 @@ are retried (with backoff, by the reconcile) rather than abandoned, except an en
 cannot switch at all (LLM_FEATURE_NOT_ENABLED), which is aborted and never chosen again."""
 from __future__ import annotations
 
+import collections
 import datetime as dt
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -263,6 +264,7 @@ class Candidate:
     available: bool            # ready, answering, not leaving, label and engine agree
     switchable: bool
     in_flight: int = 0
+    superpod: str = ""         # its node's A3 superpod ("" unknown)
 
 
 @dataclass(frozen=True)
@@ -296,9 +298,10 @@ def choose(members: list[Candidate], switches: list[Switch], target: int | None,
     """Start the switches that bring the prefill count to the target (a switching pod counts in
     its new role), as many at once as `max_in_flight` allows: a move starts whole, not a switch per
     cooldown. Which pods: those whose switch returns them to their home group first, then the
-    fewest requests in flight. A switching pod, and one not Ready, counts as unavailable against
-    the min counts, and at least one engine of each role stays serving. `limits.cooldown_until`
-    holds every start (set after a switch gave up on its drain)."""
+    fewest requests in flight, then one whose A3 superpod keeps the most of its role. A switching
+    pod, and one not Ready, counts as unavailable against the min counts, and at least one engine
+    of each role stays serving. `limits.cooldown_until` holds every start (set after a switch gave
+    up on its drain)."""
     current = prefill_count(members)
     if target is None:
         return Decision("NoPolicy", "no rebalancing policy sets a prefill count", current=current)
@@ -326,7 +329,12 @@ def choose(members: list[Candidate], switches: list[Switch], target: int | None,
         return Decision("NoCandidate", f"want {target} prefills, have {current}; no available {frm} can switch "
                                        f"roles (engines initialised without llm.EnableSwitchRole)", **base)
     n = min(abs(target - current), room, len(available) - floor, len(pickable))
-    picks = sorted(pickable, key=lambda m: (m.group != to, m.in_flight, m.pod))[:n]
+    # then, at no cost in flight, from the superpod with the most frm over to: each superpod keeps
+    # both roles, so its decoders pull over its own fabric
+    spare = collections.Counter(m.superpod for m in members if m.role == frm)
+    spare.subtract(m.superpod for m in members if m.role == to)
+    picks = sorted(pickable, key=lambda m: (m.group != to, m.in_flight, -spare[m.superpod] if m.superpod else 0,
+                                            m.pod))[:n]
     starts = tuple(Switch(pod=m.pod, uid=m.uid, from_=frm, to=to, step="Drain", started=now, step_started=now,
                           reason=reason) for m in picks)
     names = ", ".join(m.pod for m in picks[:5]) + (f" and {n - 5} more" if n > 5 else "")

@@ -88,6 +88,8 @@ class Fleet:
         self.bad: dict[str, str] = {}   # pod -> why its last status answer was not used
         self.on_bad_report = on_bad_report   # (pod, why), at every bad answer: a counter
         self.token_gap_timeout = token_gap_timeout
+        # decoders picked for a prefill in its own A3 superpod, in another, or either unknown
+        self.pulls = {"within": 0, "across": 0, "unknown": 0}
         # what this router sent each engine (url -> [prompt tokens, requests]) since the loads it
         # routes on were asked for: without it every request of a second goes to the engine that
         # was least loaded at the refresh, and a fleet of few prefills queues on one at a time
@@ -220,23 +222,39 @@ class Fleet:
 
     def pick_decoder(self, p: dict, avoid: set[str]) -> dict | None:
         """The least-loaded decoder linked to p (requests running and waiting, as reported plus
-        what was sent it since, then KV in use)."""
+        what was sent it since, then KV in use). A decoder in another A3 superpod than p's counts
+        SUPERPOD_FACTOR times its load plus SUPERPOD_SLACK: the KV pull stays on the superpod's
+        fabric unless the decoders there carry more than that."""
         ok = [d for d in self.decoders if d["url"] not in avoid and self.linked(p, d)]
         if not ok:
             return None
+        home = superpod(p)
 
         def load(s: dict) -> tuple[int, int]:
-            return (s["load"]["running"] + s["load"]["queue_depth"] + self._sent(s["url"])[1],
-                    s["load"]["kv_used_bytes"])
+            n = s["load"]["running"] + s["load"]["queue_depth"] + self._sent(s["url"])[1]
+            if home and superpod(s) and superpod(s) != home:
+                n = n * SUPERPOD_FACTOR + SUPERPOD_SLACK
+            return n, s["load"]["kv_used_bytes"]
         best = min(load(d) for d in ok)
         d = random.choice([d for d in ok if load(d) == best])
         self._took(d["url"], 0)
+        self.pulls["unknown" if not home or not superpod(d) else "within" if superpod(d) == home else "across"] += 1
         return d
 
     def drop(self, url: str) -> None:
         """A pod refused (draining, gone): stop choosing it until the next refresh says otherwise."""
         self.prefills = [s for s in self.prefills if s["url"] != url]
         self.decoders = [s for s in self.decoders if s["url"] != url]
+
+
+# a decoder across superpods (its pulls over RoCE, not the superpod's fabric) counts as this much busier
+SUPERPOD_FACTOR = 2
+SUPERPOD_SLACK = 1
+
+
+def superpod(s: dict) -> str:
+    """An engine's A3 superpod, as its agent's network preflight reports it ("" unknown)."""
+    return str((s.get("preflight") or {}).get("superpod") or "")
 
 
 def summary(e: ValidationError) -> str:

@@ -81,9 +81,9 @@ def test_device_ips_are_distinct_across_nodes_and_never_a_pod_ip():
 
 
 def test_annotation_json_shape():
-    value = annotation("prefill-0", "127.0.1.2", [5, 1], prefix=101)
+    value = annotation("prefill-0", "127.0.1.2", [5, 1], prefix=101, super_pod_id=1)
     assert json.loads(value) == {
-        "pod_name": "prefill-0", "server_id": "127.0.1.2",
+        "pod_name": "prefill-0", "server_id": "127.0.1.2", "super_pod_id": 1,
         "devices": [{"device_id": "1", "device_ip": "127.101.200.2"},
                     {"device_id": "5", "device_ip": "127.101.200.6"}]}
     assert parse_annotation(value) == ("127.0.1.2", [1, 5])
@@ -165,3 +165,11 @@ def test_process_runtime_resolves_mounts_under_its_local_root(tmp_path: Path):
     assert asyncio.run(run()) == 0, log.read_text()
     assert log.read_text().strip() == "second second"
     assert ROOT_ENV == "PD_LOCAL_ROOT"
+
+
+def test_nodes_split_into_contiguous_superpods():
+    from pd_localcluster.devices import superpod
+    assert [superpod(i, 3, 2) for i in range(3)] == [0, 0, 1]
+    assert [superpod(i, 4, 2) for i in range(4)] == [0, 0, 1, 1]
+    assert [superpod(i, 3, 1) for i in range(3)] == [0, 0, 0]
+    assert [superpod(i, 2, 5) for i in range(2)] == [0, 1]   # no more superpods than nodes

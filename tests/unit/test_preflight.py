@@ -207,3 +207,70 @@ def test_an_unfit_decoder_unlinks_everything_and_an_unfit_prefill_is_unlinked_by
     plans = links.plan([replace(p1, unfit=True), p0, d0, d1], reported)
     assert {p.decoder.pod: p.unlink for p in plans} == {"d0": [up(p1)], "d1": [up(p1)]}
     assert links.counts([p0, p1, replace(d0, unfit=True), d1], reported)[0] == 2   # d1's two; none expected of d0
+
+
+# ---- A3 superpods ------------------------------------------------------------------------------
+
+def test_the_annotation_gives_the_superpod_and_the_report_carries_it(tmp_path):
+    import json
+
+    from pd_agent.devices import resolve, superpod_of
+    ann = {"pod_name": "p", "server_id": "10.0.0.1", "super_pod_id": 3,
+           "devices": [{"device_id": "0", "device_ip": "127.1.200.1"}]}
+    assert superpod_of(json.dumps(ann)) == "3" and superpod_of(json.dumps({**ann, "super_pod_id": "1"})) == "1"
+    assert superpod_of(json.dumps({"devices": []})) == "" and superpod_of("{bad") == ""
+    assert superpod_of(json.dumps({**ann, "super_pod_id": -1})) == "" and superpod_of('{"super_pod_id": true}') == ""
+    f = tmp_path / "ann"
+    f.write_text(json.dumps(ann))
+    devs = resolve(1, 26000, {"PD_DEVICE_ANNOTATION_FILE": str(f)}, "10.0.0.9", "sim")
+    assert devs.superpod == "3" and devs.source == "annotation"
+    pre = Preflight(devs, True, "sim", None, lambda: 1.0)
+    assert pre.report.superpod == "3" and asyncio.run(pre.run()).superpod == "3"
+
+
+def test_superpod_pairs_count_linked_pod_pairs_with_both_superpods_known():
+    def st(pod, sp):
+        return status(pod, PreflightReport(state="passed", superpod=sp))
+    reports = {"p0": st("p0", "0"), "p1": st("p1", "1"), "d0": st("d0", "0"), "d1": st("d1", ""),
+               "d2": st("d2", "1")}
+    reported = {"d0": [{"name": "p0"}, {"name": "p1"}], "d1": [{"name": "p0"}], "d2": [{"name": "p1"}]}
+    assert op.superpod_pairs(reported, reports) == {"within": 2, "across": 1}
+    assert op.superpod_pairs(reported, {"p0": status("p0", passed())}) is None
+
+
+def test_a_decoder_in_the_prefills_superpod_is_preferred_unless_busier():
+    from pd_router.routing import Fleet
+
+    def eng(url, sp, running=0):
+        return {"url": url, "cluster_id": hash(url) % 1000, "links": [{"cluster_id": 7}],
+                "load": {"running": running, "queue_depth": 0, "kv_used_bytes": 0},
+                "preflight": {"superpod": sp}}
+    fleet = Fleet(None, None, lambda: [])   # type: ignore[arg-type]
+    p = {**eng("p", "0"), "cluster_id": 7}
+    fleet.decoders = [eng("d-far", "1"), eng("d-near", "0")]
+    picks = [fleet.pick_decoder(p, set())["url"] for _ in range(4)]
+    assert picks[0] == "d-near" and fleet.pulls["within"] >= 2     # each pick counts as sent: they alternate
+    fleet = Fleet(None, None, lambda: [])   # type: ignore[arg-type]
+    fleet.decoders = [eng("d-far", "1"), eng("d-near", "0", running=3)]
+    assert fleet.pick_decoder(p, set())["url"] == "d-far" and fleet.pulls == {"within": 0, "across": 1, "unknown": 0}
+    fleet.decoders = [eng("d-far", ""), eng("d-near", "")]
+    fleet.pick_decoder(p, set())
+    assert fleet.pulls["unknown"] == 1
+
+
+def test_the_switcher_takes_from_the_superpod_with_most_of_the_role_at_no_cost():
+    from pd_operator.switch import Candidate, Limits, choose
+
+    def c(pod, role, sp, in_flight=0):
+        return Candidate(pod=pod, uid=pod, group=role, role=role, available=True, switchable=True,
+                         in_flight=in_flight, superpod=sp)
+    # superpod 0: 2 decoders, 1 prefill; superpod 1: 1 decoder, 1 prefill -> a decoder of superpod 0 moves
+    members = [c("a-d0", "decoder", "1"), c("b-d1", "decoder", "0"), c("c-d2", "decoder", "0"),
+               c("p0", "prefill", "0"), c("p1", "prefill", "1")]
+    d = choose(members, [], 3, Limits(), 0.0, "test")
+    assert [s.pod for s in d.starts] == ["b-d1"]
+    # fewer in flight still comes first
+    members[0] = c("a-d0", "decoder", "1", in_flight=0)
+    members[1] = c("b-d1", "decoder", "0", in_flight=2)
+    members[2] = c("c-d2", "decoder", "0", in_flight=2)
+    assert [s.pod for s in choose(members, [], 3, Limits(), 0.0, "test").starts] == ["a-d0"]
