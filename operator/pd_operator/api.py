@@ -619,6 +619,14 @@ _P_BASE = "(has(self.prefill.clusterIdBase) ? self.prefill.clusterIdBase : 0)"
 _D_BASE = "(has(self.decoder.clusterIdBase) ? self.decoder.clusterIdBase : 1000)"
 
 
+class Rollout(Model):
+    """How an upgrade rolls the engine pods."""
+    max_skew: int = Field(default=1, ge=1, le=512, description=(
+        "prefill and decoder roll together: the pods at each group's new revision never differ by more than "
+        "this between the groups while both still have old pods (each revision keeps prefills and decoders "
+        "serving together; a decoder and a prefill of different revisions are never linked)"))
+
+
 class MindIE(Model):
     """MindIE engines: a rank table (ConfigMap <name>-rank-table) and role pushes (POST /v2/role/<role>)."""
     # The operator keeps MindIE's global rank table from the pods' devices and roles (ranktable.py)
@@ -745,6 +753,9 @@ class PDDeploymentSpec(Model):
     sim: Sim | None = None
     gateway: GatewaySpec | None = None
     routing: Routing | None = None
+    rollout: Rollout | None = Field(default=None, description=(
+        "roll prefill and decoder together with a bounded skew (the operator holds each StatefulSet's "
+        "partition); without it each StatefulSet rolls on its own"))
     mindie: MindIE | None = None
     engine: EngineContainer | None = Field(
         default=None, description="run your inference server's image beside the agent (the groups' command, args, "

@@ -21,6 +21,7 @@ from . import pools as pools_
 from . import preflight as preflight_
 from . import rebalance as rb
 from . import replace as rp
+from . import rollout as rollout_
 from . import switch as sw_
 from . import verification as vf
 from .api import PDDeploymentSpec
@@ -129,6 +130,7 @@ def decide(snap: Snapshot) -> Plan:
     obs.blocked = blocked
     obs.gateway_keys = snap.keys
     obs.superpod_pairs = preflight_.superpod_pairs(obs.reported, mem.reports)
+    obs.revision_skew = rollout_.revision_skew(engines)
     pool_plan = pools_.plan(name, ns, owner_reference(name, snap.body["metadata"].get("uid", "")), snap.spec,
                             snap.pool_api, snap.pools, live, snap.pool_error)
     obs.inference_pool = pool_plan.verdict
@@ -254,6 +256,7 @@ def _children(snap: Snapshot, mem: Memory, book: sw_.Book, engines: list[lk.Engi
                                token_digests=dict(snap.token_digests))
     # MindIE's rank table follows the pods (their roles and devices): rendered from what was observed
     desired += ranktable.desired(name, ns, uid, snap.spec, live)
+    desired = rollout_.with_partitions(desired, name, rollout_.partitions(name, snap.spec, snap.children, live))
     desired = [ch.stamped(o) for o in desired]
     if adopted := ch.adopt(desired, snap.children, mem.applied, FIELD_MANAGER):
         mem.applied = {**mem.applied, **adopted}   # a new dict: the memory read is not decide's

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from pd_contract.names import BROKEN_CODES
+from pd_contract.revisions import pairable
 
 MAX_PER_CALL = 16  # link_clusters takes at most 16 clusters per call
 
@@ -48,6 +49,7 @@ class Engine:
     ranks: tuple[tuple[int, str, int], ...] = ()   # (cluster_id, ip, port) per rank, as its agent reports
     unfit: bool = False             # its network preflight failed (or its TLS differs): linked to nothing
     superpod: str = ""              # its node's A3 superpod, as its agent reports it ("" unknown)
+    revision: str = ""              # its images' digest (pd_contract.revisions): never linked across one
 
     @property
     def linkable(self) -> bool:
@@ -225,8 +227,9 @@ def _up(verdict: Verdict, decoder: Engine) -> int:
 
 
 def compatible(d: Engine, p: Engine) -> bool:
-    """Only engines with an identical CacheDesc can move KV caches (a model roll mixes them)."""
-    return d.cache_desc == p.cache_desc
+    """Only engines with an identical CacheDesc (a model roll mixes them) and of one revision (an
+    image roll mixes them: KV layouts and transfer protocols can differ) can move KV caches."""
+    return d.cache_desc == p.cache_desc and pairable(d.revision, p.revision)
 
 
 def desired(engines: list[Engine], topology: str = "FullMesh") -> dict[str, list[Engine]]:
@@ -237,7 +240,8 @@ def desired(engines: list[Engine], topology: str = "FullMesh") -> dict[str, list
     by_desc: dict[str | None, list[Engine]] = {}
     for p in prefills:
         by_desc.setdefault(p.cache_desc, []).append(p)
-    return {d.pod: [] if d.unfit else by_desc.get(d.cache_desc, []) for d in decoders_of(engines)}
+    return {d.pod: [] if d.unfit else [p for p in by_desc.get(d.cache_desc, []) if pairable(p.revision, d.revision)]
+            for d in decoders_of(engines)}
 
 
 def mismatches(engines: list[Engine]) -> list[tuple[Engine, Engine]]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 
 from pd_contract.agent_api import AgentStatus
 from pd_contract.names import llmd_labels
+from pd_contract.revisions import revision_of
 
 from .api import PDDeploymentSpec
 from .builders import (
@@ -115,7 +116,8 @@ def member_of(pod: dict, spec: PDDeploymentSpec) -> Engine | Problem:
                   assigned=(meta.get("annotations") or {}).get(ANNOTATION_ROLE),
                   cluster_id=cluster_id(spec, group, index), ip=ip, port=spec.datadist.port, tp=spec.tp(group),
                   ready=pod_ready(pod), agent_url=f"http://{ip}:{AGENT_PORT}" if ip else None,
-                  terminating=bool(meta.get("deletionTimestamp")), starting=starting)
+                  terminating=bool(meta.get("deletionTimestamp")), starting=starting,
+                  revision=revision_of(pod.get("spec")))
 
 
 def canonical(desc: dict) -> str:

@@ -70,6 +70,7 @@ class Observed:
     inference_pool: Verdict | None = None  # InferencePoolReady (spec.routing.inferencePool)
     preflight: Verdict | None = None      # NetworkPreflight (preflight.py); None: the condition goes
     superpod_pairs: dict | None = None    # status.superpodPairs (preflight.superpod_pairs)
+    revision_skew: Verdict | None = None  # RevisionSkew (rollout.py), present while revisions coexist
     per_decoder: dict[str, tuple[int, int, list[dict]]] | None = None  # links.per_decoder, if computed already
     switches: list = field(default_factory=list)        # switch.Switch in flight
     last_switch: dict | None = None                     # status.lastSwitch
@@ -344,7 +345,8 @@ def build_status(spec: PDDeploymentSpec, obs: Observed, previous: dict | None, a
     conds = cond.set_condition(conds, "Ready", *ready(obs, phase, conds), gen, at=at)
     conds = cond.set_condition(conds, "GatewayKeys", *obs.gateway_keys, gen, at=at) \
         if obs.gateway_keys is not None else [c for c in conds if c["type"] != "GatewayKeys"]
-    for ctype, verdict in (("InferencePoolReady", obs.inference_pool), ("NetworkPreflight", obs.preflight)):
+    for ctype, verdict in (("InferencePoolReady", obs.inference_pool), ("NetworkPreflight", obs.preflight),
+                           ("RevisionSkew", obs.revision_skew)):
         conds = cond.set_condition(conds, ctype, *verdict, gen, at=at) if verdict is not None \
             else [c for c in conds if c["type"] != ctype]
     reb = rebalancing(obs)

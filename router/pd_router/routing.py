@@ -24,6 +24,7 @@ from pydantic import ValidationError
 
 from pd_contract.agent_api import AgentPath, AgentStatus
 from pd_contract.names import AGENT_PORT, LABEL_DEPLOYMENT, LABEL_ROLE, SWITCHING
+from pd_contract.revisions import pairable, revision
 
 log = logging.getLogger("pd_routing")
 # a decoder that sends no token for this long has failed the request (a hung or stopped peer
@@ -161,7 +162,7 @@ class Fleet:
             self._report(p["name"], None)
             if not st["initialized"]:
                 return None
-            entry = {**st, "url": url, "name": p["name"]}
+            entry = {**st, "url": url, "name": p["name"], "revision": p.get("revision", "")}
             if self.engine_port:
                 entry["engine_url"] = f"http://{p['ip']}:{self.engine_port}"
                 if not await self.healthy(entry["engine_url"]):
@@ -194,7 +195,9 @@ class Fleet:
 
     @staticmethod
     def linked(p: dict, d: dict) -> bool:
-        return any(link["cluster_id"] == p["cluster_id"] and link.get("healthy", True) for link in d["links"])
+        """d has a healthy link to p, and they are of one revision (never a pair across an upgrade)."""
+        return pairable(p.get("revision", ""), d.get("revision", "")) and \
+            any(link["cluster_id"] == p["cluster_id"] and link.get("healthy", True) for link in d["links"])
 
     def _sent(self, url: str) -> list[int]:
         return self.sent.get(url, [0, 0])
@@ -487,7 +490,10 @@ def pod_finder(namespace: str, deployment: str, kubeconfig: str | None = None) -
                 continue
             out.append({"name": meta.name, "ip": st.pod_ip if st else None,
                         "label": (meta.labels or {}).get(LABEL_ROLE, ""),
-                        "leaving": meta.deletion_timestamp is not None})
+                        "leaving": meta.deletion_timestamp is not None,
+                        "revision": revision((c.name, c.image or "") for c in
+                                             list(p.spec.containers or []) + list(p.spec.init_containers or []))
+                        if p.spec else ""})
         return out
     return find
 

@@ -687,3 +687,13 @@ async def test_inference_pools_follow_the_spec_and_the_crd_and_pods_get_llmd_lab
     await w.settle()
     assert not [n for (k, _, n) in w.kube.objects if k == "InferencePool"]
     assert w.condition("InferencePoolReady") == {}
+
+
+async def test_with_rollout_the_statefulsets_are_applied_held_at_their_partition():
+    spec = {**copy.deepcopy(SPEC), "rollout": {"maxSkew": 1}}
+    w = await ready_world(spec)
+    for (kind, _, name), obj in w.kube.objects.items():
+        if kind == "StatefulSet":   # no status of this generation yet: held (nothing rolls unasked)
+            assert obj["spec"]["updateStrategy"] == {"type": "RollingUpdate",
+                                                     "rollingUpdate": {"partition": obj["spec"]["replicas"]}}, name
+    assert w.condition("RevisionSkew") == {}
