@@ -120,6 +120,12 @@ class Preflight:
         before = self.report.state
         self.report = evaluate(ranks, answers, self.source, self.enforced, self.clock()).model_copy(
             update={"superpod": self.devices.superpod})
+        if outs and all(isinstance(o, OSError) for o in outs):   # the tool itself is missing or cannot run
+            first = ranks[0].device_id if ranks and ranks[0].device_id is not None else 0
+            self.report = self.report.model_copy(update={"failures": [DeviceCheck(
+                device_id=first, check="hccn_tool", value=str(outs[0])[:200],
+                message="hccn_tool cannot run: mount the driver (spec.ascend.driverPath) or name it with "
+                        "PD_HCCN_TOOL, or set spec.datadist.preflight Report or Off")]})
         if self.report.state != before:
             log.log(logging.INFO if self.report.state == "passed" else logging.WARNING, "network preflight %s%s",
                     self.report.state, "".join(f"; device {f.device_id} {f.check}: {f.message}"

@@ -27,6 +27,7 @@ HINTS: dict[str, str] = {
     "ip": "the device's IP differs from the one the pod was given (device plugin annotation or /etc/hccn.conf)",
     "tls": "the TLS switch differs between devices or nodes: make it equal everywhere (hccn_tool -i N -tls -s "
            "enable 0|1); link_clusters times out across a difference",
+    "hccn_tool": "the pod cannot run hccn_tool: mount the driver (spec.ascend.driverPath) or set PD_HCCN_TOOL",
 }
 
 _VALUE = {

@@ -107,13 +107,14 @@ def test_off_or_a_pod_without_devices_runs_none_and_a_bad_mode_is_named():
         Preflight.from_env(devs, lambda: 0, {"PD_PREFLIGHT": "maybe", "PD_TENSOR_PARALLEL": "2"})
 
 
-def test_a_missing_hccn_tool_fails_every_check_rather_than_passing():
+def test_a_missing_hccn_tool_fails_the_preflight_and_says_so():
     devs = Devices(source="annotation", ranks=tuple(DEVS))
     real = Preflight.from_env(devs, lambda: 0, {"PD_TENSOR_PARALLEL": "2", "PD_BACKEND": "llm-datadist",
                                                 "PD_HCCN_TOOL": "/nonexistent/hccn_tool"})
     assert real is not None
     rep = asyncio.run(real.run())
-    assert rep.state == "failed" and {f.message for f in rep.failures} == {"no answer"}
+    assert rep.state == "failed" and [f.check for f in rep.failures] == ["hccn_tool"]
+    assert "spec.ascend.driverPath" in rep.failures[0].message and "No such file" in rep.failures[0].value
 
 
 # ---- the operator's condition ----------------------------------------------------------------
@@ -274,3 +275,20 @@ def test_the_switcher_takes_from_the_superpod_with_most_of_the_role_at_no_cost()
     members[1] = c("b-d1", "decoder", "0", in_flight=2)
     members[2] = c("c-d2", "decoder", "0", in_flight=2)
     assert [s.pod for s in choose(members, [], 3, Limits(), 0.0, "test").starts] == ["a-d0"]
+
+
+def test_hccn_tool_answers_are_read_from_the_real_tool(tmp_path):
+    import stat
+    tool = tmp_path / "hccn_tool"
+    tool.write_text("#!/bin/sh\ncase \"$3\" in\n -link) echo 'link status: DOWN';;\n -net_health) echo 'net health "
+                    "status: Success';;\n -netdetect) echo 'netdetect address: 10.0.0.254';;\n -gateway) echo "
+                    "'default gateway:10.0.0.254, ifname:eth0';;\n -ip) echo \"ipaddr:127.101.200.$(($2+1))\";;\n"
+                    " -tls) echo 'dev_id:0, tls switch[0](0:disable, 1:enable)';;\nesac\n")
+    tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
+    devs = Devices(source="annotation", ranks=tuple(DEVS))
+    real = Preflight.from_env(devs, lambda: 0, {"PD_TENSOR_PARALLEL": "2", "PD_BACKEND": "llm-datadist",
+                                                "PD_HCCN_TOOL": str(tool)})
+    assert real is not None
+    rep = asyncio.run(real.run())
+    assert {(f.device_id, f.check) for f in rep.failures} == {(4, "link"), (5, "link")}, rep.failures
+    assert rep.tls_switch == "0" and rep.source == "hccn_tool"
