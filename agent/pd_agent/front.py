@@ -85,7 +85,7 @@ from .identity import Identity, proxy_environment
 from .inference import OVERLOADED_RETRY_S, no_first_token
 from .metrics import AgentMetrics, scrape
 from .mindie_hook import attach as attach_mindie
-from .preflight import PREFLIGHT_FAULTS, Preflight
+from .preflight import PREFLIGHT_FAULTS, Preflight, held
 from .routes import AgentService
 
 log = logging.getLogger("pd_agent.front")
@@ -145,11 +145,9 @@ class Front(AgentService):
         self.device_error = ""
         self.preflight: Preflight | None = None   # the network preflight, once the devices are known
         self.procs: dict[int, asyncio.subprocess.Process] = {}
-        self.refreshed_at = 0.0
-        self._refreshing = asyncio.Lock()
+        self.refreshed_at, self._refreshing = 0.0, asyncio.Lock()
         self.background: set[asyncio.Task] = set()
-        self.terminating = False
-        self.draining = False     # the instance refuses new requests (its ranks are told too)
+        self.terminating, self.draining = False, False   # draining: it refuses new requests (its ranks too)
         self.serving = self.prefilling = 0   # requests the instance took on and has not answered yet; prefills
         self.switching_to: str | None = None   # the role the last switch_role asked for
         self.peer_urls: dict[str, str] = {}    # peer pod -> its agent, as linked (never a request's URL)
@@ -202,6 +200,8 @@ class Front(AgentService):
         return res  # type: ignore[return-value]
 
     def register(self, req: RegisterRank) -> None:
+        if held(self.preflight):   # an engine beside the agent: its ranks start serving once the checks pass
+            raise AgentError("PREFLIGHT_FAILED", "the pod's network preflight has not passed: its ranks wait", 503)
         if req.rank >= self.tp:
             raise AgentError("LLM_PARAM_INVALID", f"rank {req.rank} registered, but this pod has ranks "
                                                   f"0-{self.tp - 1} (PD_TENSOR_PARALLEL={self.tp})", 400)
@@ -686,9 +686,9 @@ class Front(AgentService):
             task = asyncio.create_task(self.refresh(max_age=HEALTH_AGE_S))
             self.background.add(task)
             task.add_done_callback(self.background.discard)
-        st = self.status()
-        return web.json_response({"ok": st.initialized, "role": st.role, "boot_id": st.boot_id,
-                                  "last_error": st.last_error}, status=200 if st.initialized else 503)
+        st, ok = self.status(), self.status().initialized and not held(self.preflight)   # held: out of service
+        return web.json_response({"ok": ok, "role": st.role, "boot_id": st.boot_id, "last_error": st.last_error},
+                                 status=200 if ok else 503)
 
     async def livez(self, request: web.Request) -> web.Response:
         # the front's own loop answers; the ranks' state is /healthz's (readiness)
@@ -768,7 +768,11 @@ def build_front_app(front: Front, token: str | None, data_token: str | None = No
 async def _preflight(front: Front, stop: asyncio.Event) -> bool:
     """The network preflight before the ranks start (enforced: until it passes); False at stop."""
     assert front.devices is not None
-    front.preflight = Preflight.from_env(front.devices, time.time, front.env)
+    try:
+        front.preflight = Preflight.from_env(front.devices, time.time, front.env)
+    except ValueError as e:   # a bad PD_PREFLIGHT: said, and the ranks start unchecked
+        front.device_error = f"preflight: {e}"
+        log.error("network preflight not run: %s", e)
     if front.preflight is not None:
         await front.preflight.gate(stop)
         front.preflight.start(stop)

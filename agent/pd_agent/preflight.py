@@ -27,6 +27,8 @@ log = logging.getLogger("pd_agent.preflight")
 RETRY_S = 3.0        # a failed preflight is run again this often
 RECHECK_S = 15.0     # a passed one, this often
 TOOL_TIMEOUT_S = 10.0
+CONCURRENT_TOOLS = 8     # hccn_tool processes at once (TP 16 x 6 checks would otherwise be 96)
+FAILS_TO_HOLD = 2        # a pod that passed is held only after this many failed runs in a row
 
 Reader = Callable[[str, Device], Awaitable[str]]
 
@@ -62,18 +64,30 @@ def evaluate(devices: list[Device], answers: Mapping[tuple[int, str], str], sour
 
 
 def hccn_reader(tool: str) -> Reader:
+    gate = asyncio.Semaphore(CONCURRENT_TOOLS)
+
     async def read(check: str, d: Device) -> str:
         if d.device_id is None:
             return ""
-        proc = await asyncio.create_subprocess_exec(*pf.command(check, d.device_id, tool),
-                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
-        try:
-            out, _ = await asyncio.wait_for(proc.communicate(), TOOL_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            proc.kill()
-            return ""
-        return out.decode(errors="replace")
+        async with gate:
+            proc = await asyncio.create_subprocess_exec(*pf.command(check, d.device_id, tool),
+                                                        stdout=asyncio.subprocess.PIPE,
+                                                        stderr=asyncio.subprocess.STDOUT)
+            try:
+                out, _ = await asyncio.wait_for(proc.communicate(), TOOL_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                return ""
+            finally:   # a hung tool, or the agent stopping: never left behind
+                if proc.returncode is None:
+                    proc.kill()
+                    await proc.wait()
+            return out.decode(errors="replace")
     return read
+
+
+def held(pre: Preflight | None) -> bool:
+    """The pod is held out of service: its enforced preflight failed (readiness fails, ranks wait)."""
+    return pre is not None and pre.enforced and pre.report.state != "passed"
 
 
 class Preflight:
@@ -95,6 +109,7 @@ class Preflight:
                                       superpod=devices.superpod)
         self.poke = asyncio.Event()             # run again now (the simulated network changed)
         self.task: asyncio.Task | None = None
+        self.fails = 0                          # failed runs in a row
 
     @classmethod
     def from_env(cls, devices: Devices, clock: Callable[[], float],
@@ -118,14 +133,18 @@ class Preflight:
         outs = await asyncio.gather(*(self.read(c, d) for d, c in keys), return_exceptions=True)
         answers = {(d.rank, c): (o if isinstance(o, str) else "") for (d, c), o in zip(keys, outs)}
         before = self.report.state
-        self.report = evaluate(ranks, answers, self.source, self.enforced, self.clock()).model_copy(
+        report = evaluate(ranks, answers, self.source, self.enforced, self.clock()).model_copy(
             update={"superpod": self.devices.superpod})
         if outs and all(isinstance(o, OSError) for o in outs):   # the tool itself is missing or cannot run
             first = ranks[0].device_id if ranks and ranks[0].device_id is not None else 0
-            self.report = self.report.model_copy(update={"failures": [DeviceCheck(
+            report = report.model_copy(update={"failures": [DeviceCheck(
                 device_id=first, check="hccn_tool", value=str(outs[0])[:200],
                 message="hccn_tool cannot run: mount the driver (spec.ascend.driverPath) or name it with "
                         "PD_HCCN_TOOL, or set spec.datadist.preflight Report or Off")]})
+        self.fails = self.fails + 1 if report.state == "failed" else 0
+        if before == "passed" and 0 < self.fails < FAILS_TO_HOLD:
+            return self.report   # one bad run of a pod that serves (a slow tool, a blip): looked at again first
+        self.report = report
         if self.report.state != before:
             log.log(logging.INFO if self.report.state == "passed" else logging.WARNING, "network preflight %s%s",
                     self.report.state, "".join(f"; device {f.device_id} {f.check}: {f.message}"
@@ -140,10 +159,16 @@ class Preflight:
             await wait_event(stop, RETRY_S)
 
     def start(self, stop: asyncio.Event) -> None:
-        """Runs the checks again for as long as the pod lives: a port that goes down later is reported."""
+        """Runs the checks again until `stop`: a port that goes down later is reported."""
         async def watch() -> None:
             while not stop.is_set():
-                await wait_event(self.poke, RETRY_S if self.report.state == "failed" else RECHECK_S)
+                again = self.report.state == "failed" or self.fails
+                woke = asyncio.ensure_future(self.poke.wait())
+                halt = asyncio.ensure_future(stop.wait())
+                await asyncio.wait({woke, halt}, timeout=RETRY_S if again else RECHECK_S,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                woke.cancel()
+                halt.cancel()
                 self.poke.clear()
                 if not stop.is_set():
                     await self.run()

@@ -55,7 +55,7 @@ from .inference import Inference
 from .metrics import AgentMetrics, scrape
 from .mindie_hook import attach as attach_mindie
 from .notify import Notifier
-from .preflight import PREFLIGHT_FAULTS, Preflight
+from .preflight import PREFLIGHT_FAULTS, Preflight, held
 from .routes import AgentService, Route
 
 log = logging.getLogger("pd_agent")
@@ -81,7 +81,7 @@ class CoreAPI(AgentService):
 
     async def healthz(self, request: web.Request) -> web.Response:
         core = self.core
-        ok = core.initialized
+        ok = core.initialized and not held(core.preflight)   # held: its network preflight failed
         return web.json_response({"ok": ok, "role": core.role, "boot_id": core.boot_id,
                                   "last_error": core.last_error}, status=200 if ok else 503)
 
@@ -279,7 +279,12 @@ async def _preflight(core: AgentCore, stop: asyncio.Event) -> None:
         except DeviceError as e:
             devs, core.device_error = None, str(e)
         if devs is not None and devs.complete:
-            core.preflight = Preflight.from_env(devs, time.time)
+            try:
+                core.preflight = Preflight.from_env(devs, time.time)
+            except ValueError as e:   # a bad PD_PREFLIGHT: said, and the engine starts unchecked
+                core.last_error = f"preflight: {e}"
+                log.error("network preflight not run: %s", e)
+                return
             if core.preflight is not None:
                 await core.preflight.gate(stop)
                 core.preflight.start(stop)

@@ -256,7 +256,8 @@ def _children(snap: Snapshot, mem: Memory, book: sw_.Book, engines: list[lk.Engi
                                token_digests=dict(snap.token_digests))
     # MindIE's rank table follows the pods (their roles and devices): rendered from what was observed
     desired += ranktable.desired(name, ns, uid, snap.spec, live)
-    desired = rollout_.with_partitions(desired, name, rollout_.partitions(name, snap.spec, snap.children, live))
+    parts = rollout_.partitions(name, snap.spec, snap.children, live, snap.spec.group_sizes(book.sizes))
+    desired = rollout_.with_partitions(desired, name, parts)
     desired = [ch.stamped(o) for o in desired]
     if adopted := ch.adopt(desired, snap.children, mem.applied, FIELD_MANAGER):
         mem.applied = {**mem.applied, **adopted}   # a new dict: the memory read is not decide's

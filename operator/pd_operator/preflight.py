@@ -52,13 +52,15 @@ def verdict(pods: list[dict], reports: Mapping[str, AgentStatus], mode: str) -> 
     if failed:
         named = [_failure(pod, nodes[pod], reps[pod]) for pod in failed[:MAX_LISTED]]
         more = f"; and {len(failed) - MAX_LISTED} more pods" if len(failed) > MAX_LISTED else ""
-        return (False, "CheckFailed", "; ".join(named) + more + f"; not linked until it passes{tail}; {RUNBOOK}"), held
+        what = "not linked until it passes" if enforced else tail.strip(" ()")
+        return (False, "CheckFailed", "; ".join(named) + more + f"; {what}; {RUNBOOK}"), held
     if odd:
         values = sorted({tls[p] for p in odd})
         where = "; ".join(f"TLS switch {v} on {', '.join(sorted({nodes[p] for p in odd if tls[p] == v}))} "
                           f"({', '.join(p for p in odd if tls[p] == v)})" for v in values)
-        return (False, "TLSDiffers", f"{where}; the other nodes run {common}: {pf.HINTS['tls']}; those pods are "
-                f"not linked until it is equal{tail}; {RUNBOOK}"), held
+        what = "those pods are not linked until it is equal" if enforced else tail.strip(" ()")
+        return (False, "TLSDiffers", f"{where}; the other nodes run {common}: {pf.HINTS['tls']}; {what}; "
+                f"{RUNBOOK}"), held
     pending = sorted(pod for pod, r in reps.items() if r.state == "pending")
     if pending:
         return ("Unknown", "Pending", f"{len(pending)} pods still checking ({', '.join(pending[:MAX_LISTED])})"), held
@@ -81,7 +83,8 @@ def superpod_pairs(reported: Mapping[str, list[dict]], reports: Mapping[str, Age
     sp = {pod: r.preflight.superpod for pod, r in reports.items() if r.preflight is not None and r.preflight.superpod}
     if not sp:
         return None
-    pairs = {(d, link["name"]) for d, links in reported.items() for link in links if link.get("name")}
+    pairs = {(d, link["name"]) for d, links in reported.items() for link in links
+             if link.get("name") and link.get("healthy", True)}
     known = [(d, p) for d, p in pairs if d in sp and p in sp]
     within = sum(1 for d, p in known if sp[d] == sp[p])
     return {"within": within, "across": len(known) - within}

@@ -209,7 +209,8 @@ def candidates(engines: list[lk.Engine], switches: list[Switch], refused: set[st
             continue
         sw = by_pod.get(e.pod)
         role = (sw.from_ if sw.step == ABORT else sw.to) if sw else ((e.engine_role if e.agent_ok else None) or e.label)
-        available = (sw is None and e.ready and e.agent_ok and not e.leaving and e.label == e.engine_role)
+        available = (sw is None and e.ready and e.agent_ok and not e.leaving and not e.unfit
+                     and e.label == e.engine_role)
         out.append(Candidate(pod=e.pod, uid=e.uid, group=e.group, role=role, available=available,
                              switchable=bool(e.switchable) and e.pod not in refused, in_flight=e.in_flight,
                              superpod=e.superpod))

@@ -16,63 +16,84 @@ highest first, each once the one before is Ready."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 from .api import PDDeploymentSpec
 from .builders import sts_name
+from .members import pod_ready
 from .status import Verdict
 
 GROUPS = ("prefill", "decoder")
 REVISION_LABEL = "controller-revision-hash"
 
 
-def _progress(sts: dict, pods: list[dict]) -> tuple[int, int] | None:
-    """(replicas, pods at the update revision), or None while the status is not of this generation."""
-    meta, spec, st = sts.get("metadata") or {}, sts.get("spec") or {}, sts.get("status") or {}
+@dataclass(frozen=True)
+class Progress:
+    n: int          # the replicas the operator applies (a scale in the same pass counts)
+    updated: int    # pods at the StatefulSet's update revision (not leaving)
+    ready: int      # of those, Ready
+
+    @property
+    def done(self) -> bool:
+        return self.updated >= self.n
+
+
+def _progress(sts: dict, pods: list[dict], n: int) -> Progress | None:
+    """The group's roll, or None while the StatefulSet's status is not of its generation."""
+    meta, st = sts.get("metadata") or {}, sts.get("status") or {}
     update = st.get("updateRevision")
     if not update or st.get("observedGeneration") != meta.get("generation"):
         return None
-    updated = sum(1 for p in pods if not p["metadata"].get("deletionTimestamp")
-                  and (p["metadata"].get("labels") or {}).get(REVISION_LABEL) == update)
-    return int(spec.get("replicas") or 0), updated
+    new = [p for p in pods if not p["metadata"].get("deletionTimestamp")
+           and (p["metadata"].get("labels") or {}).get(REVISION_LABEL) == update]
+    return Progress(n, len(new), sum(1 for p in new if pod_ready(p)))
+
+
+def _applied(sts: dict, n: int) -> int:
+    """The partition the StatefulSet has now (a new one: held at n)."""
+    rolling = ((sts.get("spec") or {}).get("updateStrategy") or {}).get("rollingUpdate") or {}
+    return int(rolling["partition"]) if "partition" in rolling else n
 
 
 def partitions(name: str, spec: PDDeploymentSpec, children: Mapping[tuple[str, str], dict],
-               pods: list[dict]) -> dict[str, int]:
+               pods: list[dict], sizes: Mapping[str, int]) -> dict[str, int]:
     """Each StatefulSet's partition (empty without spec.rollout: the StatefulSets roll freely).
-    `children`: the observed children by (kind, name)."""
+    `children`: the observed children by (kind, name); `sizes`: the replicas applied this pass.
+
+    A group may hold at most maxSkew more pods at its update revision than the other group has
+    Ready there, so the new revision never runs ahead of what serves. Two exceptions, both to
+    keep the roll moving: the old revision's last decoder stays until its last prefill is gone
+    (a prefilled cache needs a decoder), and while the decoders wait on that, the prefills roll
+    without the bound (with more prefills than decoders the bound could otherwise never be met)."""
     if spec.rollout is None:
         return {}
     by_name = {n: c for (kind, n), c in children.items() if kind == "StatefulSet"}
-    seen: dict[str, tuple[int, int] | None] = {}
+    seen: dict[str, Progress | None] = {}
     for g in GROUPS:
         if (sts := by_name.get(sts_name(name, g))) is not None:
             mine = [p for p in pods if (p["metadata"].get("labels") or {}).get("pdoperator.io/group") == g]
-            seen[g] = _progress(sts, mine)
+            seen[g] = _progress(sts, mine, int(sizes.get(g, 0)))
     out = {}
     for g, got in seen.items():
         o = "decoder" if g == "prefill" else "prefill"
         other = seen.get(o)
-        if got is None:
-            out[g] = _replicas(by_name[sts_name(name, g)])   # not yet observed: hold
-            continue
-        n, updated = got
-        if updated >= n:
+        n = int(sizes.get(g, 0))
+        if got is None:   # the controller has not seen the last write: keep it (a new one: held)
+            out[g] = min(n, _applied(by_name[sts_name(name, g)], n))
+        elif got.done:
             out[g] = n                                       # nothing to roll: held for the next change
-        elif o not in seen or (other is not None and other[1] >= other[0]):
+        elif o not in seen or (other is not None and other.done):
             out[g] = 0                                       # no other group, or it is done: free
         elif other is None:
-            out[g] = n - updated                             # the other's progress unknown: no further step
+            out[g] = n - got.updated                         # the other's progress unknown: no further step
         else:
-            allowed = min(n, other[1] + spec.rollout.max_skew)
-            if g == "decoder" and other[1] < other[0]:
-                # the old revision's last decoder stays while old prefills do: their caches need it
+            allowed = min(n, other.ready + spec.rollout.max_skew)
+            if g == "decoder":   # the old revision's last decoder stays while old prefills do
                 allowed = min(allowed, n - 1)
+            elif other.ready >= other.n - 1:   # the decoders wait on the prefills: they go first
+                allowed = n
             out[g] = max(0, n - allowed)
     return out
-
-
-def _replicas(sts: dict) -> int:
-    return int((sts.get("spec") or {}).get("replicas") or 0)
 
 
 def with_partitions(desired: list[dict], name: str, parts: dict[str, int]) -> list[dict]:

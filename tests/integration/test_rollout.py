@@ -120,7 +120,7 @@ def test_an_upgrade_rolls_prefill_and_decoder_together(cluster: Cluster, namespa
                 peer = boots.get(link.get("peer_boot_id") or "")
                 if peer and peer != boots[st["boot_id"]] and link.get("code") == "LLM_SUCCESS":
                     cross.append(f"{p['metadata']['name']} -> {link['name']} ({boots[st['boot_id']]} vs {peer})")
-        pods = cluster.get_json("pods", "-n", ns)["items"]
+        pods = cluster.get_json("pods", "-n", ns, "-l", f"pdoperator.io/deployment={NAME}")["items"]
         if len(pods) == 4 and all(p["spec"]["containers"][0]["image"].endswith(":0.2-next") for p in pods) and \
                 pdd(cluster, ns, NAME)["status"].get("linksSummary") == "4/4":
             break

@@ -72,5 +72,8 @@ def test_superpods_are_reported_counted_and_preferred(cluster: Cluster, namespac
     for pulls in (before, after):
         assert sum(pulls.values()) >= REQUESTS and pulls["unknown"] == 0, pulls
     share = {k: round(v["within"] / sum(v.values()), 2) for k, v in (("before", before), ("after", after))}
+    # each prefill has a decoder in its superpod carrying about what the other does: the pull stays
+    # (a tie at the first requests may go either way)
+    assert after["within"] >= 0.9 * sum(after.values()), after
     print(f"\nsuperpods {sp}: linked pairs within {within}/4; pulls within a superpod: "
           f"before {before} ({share['before']:.0%}), after {after} ({share['after']:.0%})")

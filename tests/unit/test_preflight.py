@@ -8,7 +8,7 @@ import pytest
 
 from llm_datadist_sim.hccn import NetFaults, answer, gateway_of
 from pd_agent.devices import Device, Devices
-from pd_agent.preflight import Preflight, evaluate
+from pd_agent.preflight import Preflight, evaluate, held
 from pd_contract import preflight as pf
 from pd_contract.agent_api import AgentStatus, FaultsRequest, PreflightReport
 from pd_operator import preflight as op
@@ -82,14 +82,15 @@ def test_a_pod_gate_waits_until_fixed_and_a_fault_at_run_time_is_seen():
         assert pre.report.state == "passed" and pre.report.checked_at == 5.0
         pre.start(stop)
         pre.set_faults(FaultsRequest(preflight_no_gateway=True))
-        for _ in range(100):
+        await asyncio.sleep(0.2)
+        assert pre.report.state == "passed" and pre.fails == 1, "one failed run of a serving pod holds nothing"
+        for _ in range(300):   # the second, RETRY_S later
             if pre.report.state == "failed":
                 break
             await asyncio.sleep(0.02)
-        assert {f.check for f in pre.report.failures} >= {"gateway"}
+        assert {f.check for f in pre.report.failures} >= {"gateway"} and held(pre)
         assert not pre.set_faults(FaultsRequest(pull_fail=True))
-        stop.set()
-        pre.poke.set()
+        stop.set()   # the recheck loop ends with the pod
         await asyncio.wait_for(pre.task, 5)
     asyncio.run(run())
 

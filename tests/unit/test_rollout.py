@@ -66,9 +66,17 @@ def sts(group: str, replicas: int, update: str = "u", gen: int = 2, observed: in
 
 
 def pods(group: str, revs: list[str]) -> list[dict]:
-    return [{"metadata": {"name": f"llm-{group}-{i}", "labels": {"pdoperator.io/group": group,
-                                                                 "controller-revision-hash": f"{group}-{r}"}}}
+    """Pods by revision: "u" the update revision (Ready), "s" the update revision starting (not
+    Ready yet), "o" the old one."""
+    return [{"metadata": {"name": f"llm-{group}-{i}", "labels": {
+        "pdoperator.io/group": group, "controller-revision-hash": f"{group}-{'u' if r == 's' else r}"}},
+             "status": {"conditions": [{"type": "Ready", "status": "False" if r == "s" else "True"}]}}
             for i, r in enumerate(revs)]
+
+
+def parts_of(spec, sts_p: dict, sts_d: dict, p: list[str], d: list[str]) -> dict:
+    return rollout.partitions("llm", spec, observed(sts_p, sts_d), pods("prefill", p) + pods("decoder", d),
+                              {"prefill": sts_p["spec"]["replicas"], "decoder": sts_d["spec"]["replicas"]})
 
 
 SKEWED = parse_spec({**SPEC, "rollout": {"maxSkew": 1}})
@@ -78,39 +86,52 @@ SKEWED = parse_spec({**SPEC, "rollout": {"maxSkew": 1}})
     (["u", "u"], ["u", "u"], {"prefill": 2, "decoder": 2}),          # nothing to roll: held
     (["o", "o"], ["o", "o"], {"prefill": 1, "decoder": 1}),          # a new template: one step each
     (["o", "u"], ["o", "o"], {"prefill": 1, "decoder": 1}),          # the decoder catches up
-    (["o", "u"], ["o", "u"], {"prefill": 0, "decoder": 1}),          # the prefills first: the old
-    (["u", "u"], ["o", "u"], {"prefill": 2, "decoder": 0}),          # revision's last decoder waits
-    (["u", "u"], ["o", "u"], {"prefill": 2, "decoder": 0}),          # prefill done: the decoder rolls freely
+    (["o", "s"], ["o", "o"], {"prefill": 1, "decoder": 1}),          # ... on a prefill not Ready: no further
+    (["o", "u"], ["o", "s"], {"prefill": 1, "decoder": 1}),          # nor past a decoder not Ready
+    (["o", "u"], ["o", "u"], {"prefill": 0, "decoder": 1}),          # the old revision's prefills go first,
+    (["u", "u"], ["o", "u"], {"prefill": 2, "decoder": 0}),          # then its last decoder
 ])
 def test_partitions_keep_the_groups_within_max_skew(p_revs, d_revs, parts):
-    children = observed(sts("prefill", 2), sts("decoder", 2))
-    assert rollout.partitions("llm", SKEWED, children, pods("prefill", p_revs) + pods("decoder", d_revs)) == parts
+    assert parts_of(SKEWED, sts("prefill", 2), sts("decoder", 2), p_revs, d_revs) == parts
 
 
-def test_partitions_hold_a_stale_status_and_are_absent_without_rollout():
-    children = observed(sts("prefill", 2, observed=1), sts("decoder", 3))
-    live = pods("prefill", ["o", "o"]) + pods("decoder", ["o", "o", "o"])
-    assert rollout.partitions("llm", SKEWED, children, live) == {"prefill": 2, "decoder": 3}
-    assert rollout.partitions("llm", parse_spec(SPEC), children, live) == {}
+def test_a_stale_status_keeps_the_partition_written_and_none_without_rollout():
+    released = sts("prefill", 2, observed=1)
+    released["spec"]["updateStrategy"] = {"type": "RollingUpdate", "rollingUpdate": {"partition": 1}}
+    assert parts_of(SKEWED, released, sts("decoder", 3), ["o", "o"], ["o", "o", "o"]) == \
+        {"prefill": 1, "decoder": 3}            # kept as written; the decoder waits for the prefill's status
+    assert parts_of(SKEWED, sts("prefill", 2, observed=1), sts("decoder", 3), ["o", "o"], ["o", "o", "o"]) == \
+        {"prefill": 2, "decoder": 3}            # a StatefulSet without one: held
+    assert parts_of(parse_spec(SPEC), released, sts("decoder", 3), ["o", "o"], ["o", "o", "o"]) == {}
 
 
-def test_unequal_groups_never_skew_by_more_than_max_skew_while_both_roll():
-    spec = parse_spec({**SPEC, "rollout": {"maxSkew": 2}})
-    p, d = ["o"] * 2, ["o"] * 6
+def test_a_scale_in_the_same_pass_counts_at_its_new_size():
+    got = rollout.partitions("llm", SKEWED, observed(sts("prefill", 2), sts("decoder", 2)),
+                             pods("prefill", ["u", "u"]) + pods("decoder", ["u", "u"]), {"prefill": 2, "decoder": 4})
+    assert got == {"prefill": 2, "decoder": 0}   # 2 of 4 at the new size: the new ordinals are made new
+    got = rollout.partitions("llm", SKEWED, observed(sts("prefill", 2), sts("decoder", 2)),
+                             pods("prefill", ["u", "u"]) + pods("decoder", ["u", "u"]), {"prefill": 2, "decoder": 1})
+    assert got == {"prefill": 2, "decoder": 1}   # scaled down: held at the new size
+
+
+@pytest.mark.parametrize("n_p,n_d,skew", [(2, 6, 2), (2, 2, 1), (2, 1, 1), (4, 2, 1), (3, 1, 2), (1, 1, 1),
+                                          (6, 2, 1), (5, 3, 2)])
+def test_every_shape_rolls_to_the_end_the_old_revision_keeping_a_decoder_while_it_has_prefills(n_p, n_d, skew):
+    spec = parse_spec({**SPEC, "rollout": {"maxSkew": skew}})
+    p, d = ["o"] * n_p, ["o"] * n_d
     worst = 0
-    for _ in range(20):   # the StatefulSet controller: the released ordinals roll, highest first
-        parts = rollout.partitions("llm", spec, observed(sts("prefill", 2), sts("decoder", 6)),
-                                   pods("prefill", p) + pods("decoder", d))
+    for _ in range(4 * (n_p + n_d)):   # the StatefulSet controller: a released ordinal rolls, highest first
+        parts = parts_of(spec, sts("prefill", n_p), sts("decoder", n_d), p, d)
         for revs, g in ((p, "prefill"), (d, "decoder")):
             for i in reversed(range(len(revs))):
                 if i >= parts[g] and revs[i] == "o":
                     revs[i] = "u"
                     break
-        if "o" in p and "o" in d:
+        assert "o" not in p or "o" in d, "the old revision kept a decoder while it had prefills"
+        if "o" in p and "o" in d and d.count("u") < n_d - 1:   # the bound, outside the prefills' finish
             worst = max(worst, abs(p.count("u") - d.count("u")))
-        if "o" in p:
-            assert "o" in d, "the old revision kept a decoder while it had prefills"
-    assert p == ["u"] * 2 and d == ["u"] * 6 and worst <= 2
+    assert p == ["u"] * n_p and d == ["u"] * n_d, (p, d)
+    assert worst <= skew
 
 
 def test_with_partitions_sets_only_the_statefulsets():
