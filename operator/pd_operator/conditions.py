@@ -39,7 +39,7 @@ ORDER = ("Ready", "PodsReady", "AgentsReady", "LinksReady", "KVPathVerified", "K
 # Ready summarises these, all of positive polarity (good when True), in this order.
 SUMMARISED = ("PodsReady", "AgentsReady", "LinksReady", "KVPathVerified")
 # Negative polarity: the condition is bad when True (a warning, not summarised into Ready).
-NEGATIVE = frozenset({"ProxyEnvironment", "KVContentMismatch"})
+NEGATIVE = frozenset({"ProxyEnvironment", "KVContentMismatch", "RevisionSkew"})
 # Informational: neither good nor bad (True while a switch runs; otherwise why none runs).
 INFORMATIONAL = frozenset({"Rebalancing"})
 

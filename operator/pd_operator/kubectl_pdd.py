@@ -38,6 +38,7 @@ from pd_contract.agent_api import AgentPath
 from pd_contract.names import BROKEN_CODES
 
 from .builders import AGENT_PORT, token_secret_name
+from .conditions import healthy
 from .connect import CLIENTS, check, render, resolve
 from .diagnosis import link_failure, verify_failure
 from .gateway import GATEWAY_PORT, LABEL_GATEWAY, data_token_secret_name
@@ -520,7 +521,7 @@ async def _status(kube: Kube, ns: str, name: str, out, via: str) -> int:
     if st.get("lastSwitch"):
         out(f"\nlast switch: {json.dumps(st['lastSwitch'])}")
     for c in st.get("conditions") or []:
-        if c["type"] == "Rebalancing" or c["status"] != "True" and c["type"] != "ProxyEnvironment":
+        if c["type"] == "Rebalancing" or not healthy(c):   # what is wrong, by each type's polarity
             out(f"{c['type']}: {c['status']} {c['reason']}: {c.get('message', '')}")
     return 0
 
