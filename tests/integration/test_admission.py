@@ -201,7 +201,7 @@ def test_valid_sample_is_accepted_with_defaults(cluster: Cluster, crd, namespace
     cluster.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(doc))
     got = cluster.get_json("pdd", "sim-small", "-n", namespace)["spec"]
     assert got["datadist"] == {"port": 26000, "linkTimeoutMs": 5000, "syncKvTimeoutMs": 1000,
-                               "topology": "FullMesh", "verifyIntervalSeconds": 60}
+                               "topology": "FullMesh", "verifyIntervalSeconds": 60, "preflight": "Enforce"}
     assert got["model"]["kvCache"]["attention"] == "GQA"
 
 
