@@ -2,32 +2,14 @@
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily
-from prometheus_client.registry import Collector
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 MS = (5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000)
 TBT_MS = (1, 2, 5, 10, 20, 40, 80, 160, 320, 1000)
 WINDOW = 500   # requests the percentiles cover
-
-
-class _Pulls(Collector):
-    """pd_gateway_kv_pulls_total{superpod}: decoders picked for a prefill since the gateway started, by
-    where the KV pull goes (within the prefill's A3 superpod, across superpods, or unknown)."""
-
-    def __init__(self) -> None:
-        self.fleets: list[Any] = []
-
-    def collect(self) -> Iterator[CounterMetricFamily]:
-        c = CounterMetricFamily("pd_gateway_kv_pulls", "Decoders picked for a prefill, by where the KV pull goes: "
-                                "within its A3 superpod, across superpods, or unknown (no superpod reported)",
-                                labels=["superpod"])
-        for where in ("within", "across", "unknown"):
-            c.add_metric([where], float(sum(f.pulls[where] for f in self.fleets)))
-        yield c
 
 
 def _pct(values, q: float) -> float | None:
@@ -61,14 +43,20 @@ class GatewayMetrics:
                                       "this gateway's (reason: not_json, too_large, bad_shape, bad_count, "
                                       "implausible_growth, lowered): the last good copy is kept and "
                                       "written back", ["reason"], registry=r)
-        self._pulls = _Pulls()
-        r.register(self._pulls)
+        self.kv_pulls = Gauge("pd_gateway_kv_pulls", "Decoders picked for a prefill since start, by where the KV "
+                              "pull goes: within its A3 superpod, across superpods, or unknown (no superpod "
+                              "reported)", ["superpod"], registry=r)
         self._ttft: collections.deque[float] = collections.deque(maxlen=WINDOW)
         self._tbt: collections.deque[float] = collections.deque(maxlen=WINDOW)
 
     def counting_pulls(self, fleets: Iterable[Any]) -> GatewayMetrics:
-        """pd_gateway_kv_pulls_total read from the routers' counts (pd_router.Fleet.pulls) at each scrape."""
-        self._pulls.fleets = list(fleets)
+        """kv_pulls read from the routers' counts (pd_router.Fleet.pulls) at each scrape."""
+        fleets = list(fleets)
+
+        def count(where: str) -> Callable[[], float]:
+            return lambda: float(sum(f.pulls[where] for f in fleets))
+        for where in ("within", "across", "unknown"):
+            self.kv_pulls.labels(where).set_function(count(where))
         return self
 
     def record(self, key: str, ttft_ms: float, tbt_ms: float | None) -> None:

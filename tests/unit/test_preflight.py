@@ -293,20 +293,3 @@ def test_hccn_tool_answers_are_read_from_the_real_tool(tmp_path):
     rep = asyncio.run(real.run())
     assert {(f.device_id, f.check) for f in rep.failures} == {(4, "link"), (5, "link")}, rep.failures
     assert rep.tls_switch == "0" and rep.source == "hccn_tool"
-
-
-def test_the_gateway_exports_the_routers_pull_counts_as_a_counter():
-    from types import SimpleNamespace
-
-    from prometheus_client import generate_latest
-
-    from pd_gateway.metrics import GatewayMetrics
-    a = SimpleNamespace(pulls={"within": 3, "across": 1, "unknown": 0})
-    b = SimpleNamespace(pulls={"within": 2, "across": 0, "unknown": 5})
-    m = GatewayMetrics().counting_pulls([a, b])
-    text = generate_latest(m.registry).decode()
-    assert "# TYPE pd_gateway_kv_pulls_total counter" in text or "# TYPE pd_gateway_kv_pulls counter" in text
-    assert 'pd_gateway_kv_pulls_total{superpod="within"} 5.0' in text
-    assert 'pd_gateway_kv_pulls_total{superpod="unknown"} 5.0' in text
-    a.pulls["across"] += 2
-    assert 'pd_gateway_kv_pulls_total{superpod="across"} 3.0' in generate_latest(m.registry).decode()
