@@ -45,7 +45,6 @@ from .loadmeter import LoadMeter
 from .notify import Notifier
 
 if TYPE_CHECKING:
-    from .preflight import Preflight
     from .reference import ReferenceEngine
 
 PROBE_TTL_S = 60
@@ -115,7 +114,7 @@ class AgentCore:
         self.inference: Serving | None = None     # set by pd_agent.inference (or an adapter) when serving
         self.meter = LoadMeter(started=time.monotonic())   # what the serving did lately (the report's window)
         self.device_ips, self.device_error = "", ""   # where the device IP came from (devices.resolve); why not
-        self.preflight: Preflight | None = None       # the network preflight (preflight.py), run by server.py
+        self.preflight: Any = None    # the network preflight (a preflight.Preflight), run by server.py
         # The host's scheduler follows the engine's role: before-hooks may refuse a switch
         # (raise AgentError), after-hooks learn the new role. (old_role, new_role) -> None.
         self.before_switch: list[Callable[[str, str], Awaitable[None]]] = []

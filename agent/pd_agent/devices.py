@@ -92,7 +92,8 @@ def superpod_of(text: str) -> str:
     """The annotation's `super_pod_id` (MindCluster's device plugin writes it on A3), "" without one."""
     try:
         value = json.loads(text).get("super_pod_id")
-        return str(int(value)) if value is not None and not isinstance(value, bool) and int(value) >= 0 else ""
+        n = int(value) if value is not None and not isinstance(value, bool) else -1
+        return str(n) if 0 <= n < 1 << 32 else ""
     except (ValueError, TypeError, AttributeError):
         return ""
 

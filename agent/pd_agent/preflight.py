@@ -21,23 +21,18 @@ from pd_contract.agent_api import DeviceCheck, FaultsRequest, PreflightReport
 from pd_contract.engine_env import PD_BACKEND, PD_HCCN_TOOL, PD_PREFLIGHT, PD_TENSOR_PARALLEL
 
 from .devices import Device, Devices
+from .http import wait_event
 
 log = logging.getLogger("pd_agent.preflight")
 
 RETRY_S = 3.0        # a failed preflight is run again this often
 RECHECK_S = 15.0     # a passed one, this often
 TOOL_TIMEOUT_S = 10.0
+VALUE_CHARS, MESSAGE_CHARS = 256, 512   # pd_contract.agent_api.DeviceCheck's bounds
 CONCURRENT_TOOLS = 8     # hccn_tool processes at once (TP 16 x 6 checks would otherwise be 96)
 FAILS_TO_HOLD = 2        # a pod that passed is held only after this many failed runs in a row
 
 Reader = Callable[[str, Device], Awaitable[str]]
-
-
-async def wait_event(event: asyncio.Event, timeout: float) -> None:
-    try:
-        await asyncio.wait_for(event.wait(), timeout)
-    except asyncio.TimeoutError:
-        pass
 
 
 def evaluate(devices: list[Device], answers: Mapping[tuple[int, str], str], source: str, enforced: bool,
@@ -51,16 +46,19 @@ def evaluate(devices: list[Device], answers: Mapping[tuple[int, str], str], sour
             value = pf.parse(check, answers.get((d.rank, check), ""))
             if check == "tls":
                 tls[dev] = value
-            if wrong := pf.judge(check, value, d.ip):
-                failures.append(DeviceCheck(device_id=dev, check=check, value=value or "", message=wrong))
+            if wrong := pf.judge(check, value, d.ip):   # the tool's text, bounded as the report's fields are
+                failures.append(DeviceCheck(device_id=dev, check=check, value=(value or "")[:VALUE_CHARS],
+                                            message=wrong[:MESSAGE_CHARS]))
     values = set(tls.values())
     if None not in values and len(values) > 1:
         odd = sorted(tls.items(), key=lambda kv: (str(kv[1]), kv[0]))
-        failures.append(DeviceCheck(device_id=odd[0][0], check="tls", value=",".join(f"{k}:{v}" for k, v in odd),
+        failures.append(DeviceCheck(device_id=odd[0][0], check="tls",
+                                    value=",".join(f"{k}:{v}" for k, v in odd)[:VALUE_CHARS],
                                     message="TLS switch differs between the pod's devices"))
     switch = values.pop() if len(values) == 1 else None
     return PreflightReport(state="failed" if failures else "passed", enforced=enforced, source=source,
-                           devices=len(devices), tls_switch=switch or "", failures=failures[:256], checked_at=at)
+                           devices=len(devices), tls_switch=(switch or "")[:8], failures=failures[:256],
+                           checked_at=at)
 
 
 def hccn_reader(tool: str) -> Reader:
@@ -138,7 +136,7 @@ class Preflight:
         if outs and all(isinstance(o, OSError) for o in outs):   # the tool itself is missing or cannot run
             first = ranks[0].device_id if ranks and ranks[0].device_id is not None else 0
             report = report.model_copy(update={"failures": [DeviceCheck(
-                device_id=first, check="hccn_tool", value=str(outs[0])[:200],
+                device_id=first, check="hccn_tool", value=str(outs[0])[:VALUE_CHARS],
                 message="hccn_tool cannot run: mount the driver (spec.ascend.driverPath) or name it with "
                         "PD_HCCN_TOOL, or set spec.datadist.preflight Report or Off")]})
         self.fails = self.fails + 1 if report.state == "failed" else 0

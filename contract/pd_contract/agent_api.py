@@ -349,9 +349,9 @@ MAX_STATUS_LINKS = 16384
 class DeviceCheck(_Reply):
     """One failed network preflight check of one device (pd_contract.preflight names them)."""
     device_id: int
-    check: str                    # link | net_health | netdetect | gateway | ip | tls
-    value: str = ""               # what the device reported
-    message: str = ""
+    check: str = Field(max_length=32)                 # link | net_health | netdetect | gateway | ip | tls
+    value: str = Field(default="", max_length=256)    # what the device reported
+    message: str = Field(default="", max_length=512)
 
 
 class PreflightReport(_Reply):
@@ -360,10 +360,10 @@ class PreflightReport(_Reply):
     and is not linked while it fails."""
     state: Literal["pending", "passed", "failed"] = "pending"
     enforced: bool = True         # false: checks are reported, nothing waits on them
-    source: str = ""              # hccn_tool | sim
+    source: str = Field(default="", max_length=32)        # hccn_tool | sim
     devices: int = 0
-    tls_switch: str = ""          # the devices' TLS switch (0 | 1), "" if unknown or they differ
-    superpod: str = ""            # the A3 superpod of the pod's node (device plugin annotation), "" unknown
+    tls_switch: str = Field(default="", max_length=8)     # the devices' TLS switch (0 | 1), "" unknown or differ
+    superpod: str = Field(default="", max_length=64)      # the node's A3 superpod (device plugin annotation)
     failures: list[DeviceCheck] = Field(default=[], max_length=256)
     checked_at: float = 0.0       # unix seconds
 

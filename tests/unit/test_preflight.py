@@ -69,25 +69,30 @@ def test_a_wrong_device_ip_and_tls_differing_within_the_pod_fail():
     assert rep.tls_switch == "" and "differs" in [f for f in rep.failures if f.check == "tls"][0].message
 
 
+async def until(ok, timeout: float = 30.0) -> None:
+    """Until `ok()` holds (what the test observes), bounded."""
+    async def poll() -> None:
+        while not ok():
+            await asyncio.sleep(0.01)
+    await asyncio.wait_for(poll(), timeout)
+
+
 def test_a_pod_gate_waits_until_fixed_and_a_fault_at_run_time_is_seen():
     async def run():
         pre = Preflight(Devices(source="annotation", ranks=tuple(DEVS)), True, "sim", None, lambda: 5.0)
         pre.faults = NetFaults(link_down=(0,))
         stop = asyncio.Event()
         gate = asyncio.create_task(pre.gate(stop))
-        await asyncio.sleep(0.05)
+        await until(lambda: pre.report.state != "pending")
         assert not gate.done() and pre.report.state == "failed"
         assert pre.set_faults(FaultsRequest(preflight_link_down=[]))
         await asyncio.wait_for(gate, 10)
         assert pre.report.state == "passed" and pre.report.checked_at == 5.0
         pre.start(stop)
         pre.set_faults(FaultsRequest(preflight_no_gateway=True))
-        await asyncio.sleep(0.2)
-        assert pre.report.state == "passed" and pre.fails == 1, "one failed run of a serving pod holds nothing"
-        for _ in range(300):   # the second, RETRY_S later
-            if pre.report.state == "failed":
-                break
-            await asyncio.sleep(0.02)
+        await until(lambda: pre.fails >= 1)
+        assert pre.report.state == "passed", "one failed run of a serving pod holds nothing"
+        await until(lambda: pre.report.state == "failed")   # the second run, RETRY_S later
         assert {f.check for f in pre.report.failures} >= {"gateway"} and held(pre)
         assert not pre.set_faults(FaultsRequest(pull_fail=True))
         stop.set()   # the recheck loop ends with the pod
@@ -293,3 +298,18 @@ def test_hccn_tool_answers_are_read_from_the_real_tool(tmp_path):
     rep = asyncio.run(real.run())
     assert {(f.device_id, f.check) for f in rep.failures} == {(4, "link"), (5, "link")}, rep.failures
     assert rep.tls_switch == "0" and rep.source == "hccn_tool"
+
+
+def test_a_report_out_of_bounds_is_refused_and_the_agent_keeps_its_own_within_them():
+    import pydantic
+    with pytest.raises(pydantic.ValidationError):
+        PreflightReport(tls_switch="1" * 100)
+    with pytest.raises(pydantic.ValidationError):
+        status("p", PreflightReport(superpod="x" * 1000))
+    answers = sim_answers(NetFaults())
+    answers[(0, "ip")] = "ipaddr:" + "9" * 5000
+    rep = evaluate(DEVS, answers, "sim", True, 1.0)
+    [bad] = rep.failures
+    assert bad.check == "ip" and len(bad.value) == 256 and len(bad.message) <= 512
+    from pd_agent.devices import superpod_of
+    assert superpod_of('{"super_pod_id": "' + "9" * 100 + '"}') == ""
