@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 KUBECONFIG_LOCAL := $(CURDIR)/.localcluster/kubeconfig
 BIN_DIR = $(shell hack/k8s-bins/build.sh --print-dir)
 
-.PHONY: help venv lint k8s-bins lwepp cluster-up cluster-down test test-unit test-vllm test-integration test-e2e e2e-kind images lint-workflows crd crd-check docs demo bench bench-sim bench-links bench-switch bench-gateway bench-decide bench-rebalance bench-policy-sim soak busy-machine busy-machine-stop clean
+.PHONY: help venv lint k8s-bins lwepp vllm-ascend-src cluster-up cluster-down test test-unit test-vllm test-integration test-e2e e2e-kind images lint-workflows crd crd-check docs demo bench bench-sim bench-links bench-switch bench-gateway bench-decide bench-rebalance bench-policy-sim soak busy-machine busy-machine-stop clean
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
@@ -43,6 +43,9 @@ $(BENCH_STAMP): $(STAMP)
 k8s-bins: ## build etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, helm (cached)
 	@hack/k8s-bins/build.sh
 
+vllm-ascend-src: ## vllm-ascend's source to check the Mooncake config against (its sdist from PyPI, pinned digest, read only; cached)
+	@python3 hack/vllm/ascend_src.py >/dev/null
+
 lwepp: ## build GIE's reference endpoint picker (cmd/lwepp), an ext_proc probe and the InferencePool CRD (cached)
 	@hack/lwepp/build.sh
 
@@ -52,10 +55,10 @@ cluster-up: venv k8s-bins ## start the local control plane and node agent (idemp
 cluster-down: venv ## stop the local cluster and remove its state (idempotent)
 	@$(PY) -m pd_localcluster down
 
-test: venv k8s-bins lwepp lint-workflows images ## every test: unit, integration on the local cluster, e2e from the images
+test: venv k8s-bins lwepp vllm-ascend-src lint-workflows images ## every test: unit, integration on the local cluster, e2e from the images
 	$(PY) -m pytest tests -v -p no:cacheprovider
 
-test-unit: venv ## unit tests only (seconds; no control plane)
+test-unit: venv vllm-ascend-src ## unit tests only (seconds; no control plane)
 	$(PY) -m pytest tests/unit -q -p no:cacheprovider
 
 # the oldest and the newest vLLM releases vllm-ascend pairs with (docs/engines.md), each in a venv of its own

@@ -43,6 +43,12 @@ PD_RANK_REGISTER_URL = "PD_RANK_REGISTER_URL"
 PD_RANKS_EXTERNAL = "PD_RANKS_EXTERNAL"                  # "1": an inference server's workers register
 PD_AGENT_URL = "PD_AGENT_URL"                            # the pod's agent, as the engine container reaches it
 
+# vllm-ascend's Mooncake connector (spec.engine.kvTransfer mooncake): what pd_engine.launch renders
+PD_KV_TRANSFER = "PD_KV_TRANSFER"                        # mooncake
+PD_KV_PORT = "PD_KV_PORT"                                # the side channel's base port (vLLM's kv_port)
+PD_KV_PARALLEL = "PD_KV_PARALLEL"                        # JSON: both roles' tp_size and dp_size
+PD_ENGINE_PORT = "PD_ENGINE_PORT"                        # the server's own OpenAI port
+
 # the agent
 PD_BACKEND = "PD_BACKEND"                                # sim | llm-datadist
 PD_MODEL_NAME = "PD_MODEL_NAME"

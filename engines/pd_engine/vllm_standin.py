@@ -13,10 +13,10 @@ import os
 
 from pd_contract.engine_env import PD_LOCAL_POD_IP, PD_MODEL_NAME, PD_REFERENCE_MODEL
 
-from .vllm_standin_engine import Choice, Generation, NoRoom, StandIn, load_connector
+from .vllm_standin_engine import REGISTERED, Choice, Generation, NoRoom, StandIn, load_connector
 from .vllm_standin_http import app
 
-__all__ = ["Choice", "Generation", "NoRoom", "StandIn", "app", "load_connector", "main"]
+__all__ = ["REGISTERED", "Choice", "Generation", "NoRoom", "StandIn", "app", "load_connector", "main"]
 log = logging.getLogger("pd_engine.vllm_standin")
 
 
@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)   # a health check a second
     cfg = json.loads(args.kv_transfer_config)
     env = dict(os.environ)
     if args.reference_model:
@@ -39,8 +40,8 @@ def main(argv: list[str] | None = None) -> None:
     standin = StandIn(load_connector(cfg), cfg, args.tensor_parallel_size, env)
     host = os.environ.get(PD_LOCAL_POD_IP) or "0.0.0.0"
     name = args.served_model_name or os.environ.get(PD_MODEL_NAME) or "reference"
-    log.info("connector %s loaded from %s; serving %s on %s:%d", cfg["kv_connector"], cfg["kv_connector_module_path"],
-             name, host, args.port)
+    log.info("connector %s loaded from %s; serving %s on %s:%d", cfg["kv_connector"],
+             cfg.get("kv_connector_module_path") or "its registration", name, host, args.port)
     try:
         web.run_app(app(standin, name), host=host, port=args.port, print=None)
     finally:

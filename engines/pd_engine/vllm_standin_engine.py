@@ -74,10 +74,19 @@ class _Blocks:
         return (list(self.ids),)
 
 
+# connectors a plugin registers by name (vllm-ascend's register_connector), as the stand-in has them
+REGISTERED = {"MooncakeConnectorV1": ("pd_engine.mooncake_standin", "MooncakeConnector")}
+
+
 def load_connector(kv_transfer_config: dict) -> type:
-    """The class vLLM would load: `kv_connector` from `kv_connector_module_path`."""
-    module = importlib.import_module(kv_transfer_config["kv_connector_module_path"])
-    return getattr(module, kv_transfer_config["kv_connector"])
+    """The class vLLM would load: `kv_connector` from `kv_connector_module_path`, else the one
+    registered under that name (vllm-ascend's connectors: the stand-in's of them)."""
+    name, path = kv_transfer_config["kv_connector"], kv_transfer_config.get("kv_connector_module_path")
+    if not path:
+        if name not in REGISTERED:
+            raise SystemExit(f"no connector registered as {name!r} (known: {', '.join(sorted(REGISTERED))})")
+        path, name = REGISTERED[name]
+    return getattr(importlib.import_module(path), name)
 
 
 def profile_from(env: dict[str, str], desc: dict) -> Profile:
@@ -92,6 +101,15 @@ def profile_from(env: dict[str, str], desc: dict) -> Profile:
     if mla:
         d["latentDim"] = dim
     return Profile.from_json(d)
+
+
+def vllm_config(kv_transfer_config: dict) -> SimpleNamespace:
+    """vLLM's VllmConfig as a connector reads it: its kv_transfer_config."""
+    return SimpleNamespace(kv_transfer_config=SimpleNamespace(
+        kv_connector_extra_config=kv_transfer_config.get("kv_connector_extra_config") or {},
+        is_kv_producer=kv_transfer_config.get("kv_role") in ("kv_producer", "kv_both"),
+        kv_role=kv_transfer_config.get("kv_role"), kv_port=int(kv_transfer_config.get("kv_port") or 14579),
+        engine_id=str(kv_transfer_config.get("engine_id") or os.environ.get("POD_NAME") or os.getpid())))
 
 
 @dataclass
@@ -123,9 +141,8 @@ class StandIn:
         if tensor_parallel != 1:
             raise SystemExit("pd_engine.vllm_standin runs one rank (--tensor-parallel-size 1)")
         from .vllm_connector import KVConnectorRole
-        cfg = SimpleNamespace(kv_transfer_config=SimpleNamespace(
-            kv_connector_extra_config=kv_transfer_config.get("kv_connector_extra_config") or {},
-            is_kv_producer=True, kv_role=kv_transfer_config.get("kv_role")))
+        cfg = vllm_config(kv_transfer_config)
+        self.connector, self.kv_role = kv_transfer_config["kv_connector"], kv_transfer_config.get("kv_role")
         desc = json.loads(env[LLM_DATADIST_CACHE_DESC])
         paged = desc.get("paged")
         if not paged:

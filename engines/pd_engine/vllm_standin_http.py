@@ -136,7 +136,7 @@ def app(standin: StandIn, served: str) -> web.Application:
 
     async def healthz(_: web.Request) -> web.Response:
         return web.json_response({"ok": True, "held": len(standin.held), "free_blocks": len(standin.free),
-                                  **standin.counts})
+                                  "kv_connector": standin.connector, "kv_role": standin.kv_role, **standin.counts})
 
     async def ticker(a: web.Application):
         async def loop() -> None:

@@ -10,6 +10,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
+from pd_contract import mooncake
+from pd_contract.mooncake import DEFAULT_KV_PORT, DEFAULT_NPUS_PER_NODE, KvTransfer
 from pd_contract.names import PODINFO_DIR
 
 GROUP = "pdoperator.io"
@@ -560,6 +562,9 @@ class Ascend(Model):
     driver_path: str = _host_path("/usr/local/Ascend/driver")
     extra_host_paths: list[Annotated[str, Field(max_length=1024, pattern=HOST_PATH)]] = Field(
         default_factory=lambda: ["/usr/local/dcmi", "/usr/local/bin/npu-smi"], max_length=16)
+    npus_per_node: int = Field(default=DEFAULT_NPUS_PER_NODE, ge=1, le=64, description=(
+        "NPUs per node (8: Atlas 800 A2; 16: A3 superpod nodes): Mooncake's Ascend transport takes random ports "
+        "in [20000, 20000 + 1000 x this), which spec.engine.kvPort must stay out of"))
 
 
 class SimTiming(Model):
@@ -610,6 +615,24 @@ REFERENCE_MAX_SEQ = 8192
 REFERENCE_MIN_SEQ = 64
 _REF = "has(self.sim) && has(self.sim.engine) && self.sim.engine == 'reference'"
 _KV = "self.model.kvCache"
+_MOONCAKE = "(has(self.engine) && has(self.engine.kvTransfer) && self.engine.kvTransfer == 'mooncake')"
+_KV_PORT = f"(has(self.engine.kvPort) ? self.engine.kvPort : {DEFAULT_KV_PORT})"
+_NPN = f"(has(self.ascend) && has(self.ascend.npusPerNode) ? self.ascend.npusPerNode : {DEFAULT_NPUS_PER_NODE})"
+
+
+def _kv_port_rule(npus: int | None) -> tuple[str, str, str]:
+    """spec.engine.kvPort out of Mooncake's random range: a rule (and message naming the range) for
+    8 and for 16 NPUs per node, and one for any other count."""
+    tp = f"({_P_TP} > {_D_TP} ? {_P_TP} : {_D_TP})"
+    ok = f"{_KV_PORT} + {tp} <= 20000 || {_KV_PORT} >= 20000 + 1000 * {_NPN}"
+    if npus is None:
+        return (f"!{_MOONCAKE} || {_NPN} == 8 || {_NPN} == 16 || {ok}",
+                "spec.engine.kvPort is inside the Mooncake transport random port range [20000, 20000 + 1000 x "
+                "spec.ascend.npusPerNode): use 20000 + 1000 x spec.ascend.npusPerNode or above", ".engine.kvPort")
+    lo, hi = mooncake.random_port_range(npus)
+    return (f"!{_MOONCAKE} || {_NPN} != {npus} || {ok}",
+            f"spec.engine.kvPort is inside the Mooncake transport random port range [{lo}, {hi}) for {npus} NPUs "
+            f"per node (spec.ascend.npusPerNode): use {hi} or above", ".engine.kvPort")
 
 
 # each group's TP and cluster id base, as CEL (the defaults of Group.tensorParallel and clusterIdBase)
@@ -654,6 +677,15 @@ class EngineContainer(Model):
                              description="the server's own API port (vLLM: its OpenAI port): declared on the "
                                          "container and admitted by the engines' NetworkPolicy from the pods of the "
                                          "namespace (a P-D router of the server's own)")
+    kv_transfer: KvTransfer = Field(
+        default="pd-operator", description=(
+            "adapter vLLM: how KV moves. pd-operator: pd_engine's connector over LLM-DataDist (kv_both, roles "
+            "switch live). mooncake: vllm-ascend's own MooncakeConnectorV1 (kv_producer or kv_consumer; the "
+            "container runs the engine under pd_engine.launch, which restarts it in place, drained, with the "
+            "flipped kv_role when the operator switches the pod's role)"))
+    kv_port: int = Field(default=DEFAULT_KV_PORT, ge=1024, le=65535, description=(
+        "kvTransfer mooncake: the side channel's base port (vLLM's kv_port; rank r listens on kvPort + r); at "
+        "least 20000 + 1000 x spec.ascend.npusPerNode"))
 
 
 class PDDeploymentSpec(Model):
@@ -707,6 +739,23 @@ class PDDeploymentSpec(Model):
         ("!has(self.engine) || self.engine.adapter != 'vLLM' || has(self.model.kvCache.paged)",
          "spec.model.kvCache.paged is required with spec.engine.adapter vLLM (vLLM's KV cache is paged: blockSize "
          "and numBlocks as vLLM runs)", ".engine"),
+        (f"!{_MOONCAKE} || self.engine.adapter == 'vLLM'",
+         "spec.engine.kvTransfer mooncake needs spec.engine.adapter vLLM (vllm-ascend's MooncakeConnectorV1)",
+         ".engine.kvTransfer"),
+        (f"!{_MOONCAKE} || has(self.engine.port)",
+         "spec.engine.port is required with spec.engine.kvTransfer mooncake: the operator verifies each pair and "
+         "pd-gateway routes through the engines' own OpenAI port", ".engine.port"),
+        *(_kv_port_rule(n) for n in (8, 16, None)),
+        (f"!{_MOONCAKE} || {_KV_PORT} + ({_P_TP} > {_D_TP} ? {_P_TP} : {_D_TP}) <= 65536",
+         "spec.engine.kvPort plus the ranks' side channels (one port per rank) must stay at most 65535",
+         ".engine.kvPort"),
+        (f"!{_MOONCAKE} || {_P_TP} >= {_D_TP}",
+         "spec.prefill.tensorParallel must be at least spec.decoder.tensorParallel with spec.engine.kvTransfer "
+         "mooncake (vllm-ascend's connector maps the decoder's heads onto the prefill's ranks)", ".engine.kvTransfer"),
+        (f"!{_MOONCAKE} || !has(self.engine.port) || self.engine.port < {_KV_PORT} || self.engine.port >= "
+         f"{_KV_PORT} + ({_P_TP} > {_D_TP} ? {_P_TP} : {_D_TP})",
+         "spec.engine.port must not be one of the Mooncake side channels' ports (spec.engine.kvPort + rank)",
+         ".engine.port"),
         ("!has(self.engine) || !has(self.engine.port) || (self.engine.port != 8080 && self.engine.port != 9091 && "
          "self.engine.port != (has(self.datadist.port) ? self.datadist.port : 26000))",
          "spec.engine.port must not be the agent's ports (8080, 9091) nor spec.datadist.port", ".engine"),

@@ -10,6 +10,7 @@ import hashlib
 import json
 
 from pd_contract import engine_env as ev
+from pd_contract import mooncake
 from pd_contract.agent_api import AgentPath
 from pd_contract.engine_env import TOKEN_DIGEST_ENV
 from pd_contract.names import (  # noqa: F401 (re-exported: the operator's modules take names from here)
@@ -289,9 +290,14 @@ def engine_container(name: str, spec: PDDeploymentSpec, group: str, resource: st
     # $(LLM_DATADIST_IP) is the pod IP (defined above it): the agent listens there
     env.append({"name": ev.PD_AGENT_URL, "value": f"http://$({ev.LLM_DATADIST_IP}):{AGENT_PORT}"})
     args = list(user.get("args") or [])
+    command = list(user.get("command") or [])
     if e.adapter == "vLLM":
-        given = list(user.get("command") or []) + args
+        given = command + args
         vargs, venv = render_vllm_args(tensor_parallel=spec.tp(group), host_ip=f"$({ev.LLM_DATADIST_IP})")
+        if e.kv_transfer == "mooncake":   # pd_engine.launch adds the role's --kv-transfer-config at each start
+            vargs = vargs[:2]
+            env += mooncake_env(spec)
+            command = [*LAUNCHER, *(command or VLLM_SERVE)]
         for flag, value in zip(vargs[::2], vargs[1::2]):
             short = VLLM_SHORT_FLAGS.get(flag, flag)
             if not any(a in (flag, short) or a.startswith((flag + "=", short + "=")) for a in given):
@@ -302,14 +308,30 @@ def engine_container(name: str, spec: PDDeploymentSpec, group: str, resource: st
                "env": env}
     if e.port:
         c["ports"] = [{"name": "serving", "containerPort": e.port, "protocol": "TCP"}]
-    if user.get("command"):
-        c["command"] = list(user["command"])
+    if command:
+        c["command"] = command
     if args:
         c["args"] = args
     c["volumeMounts"] = list(mounts) + list(user.get("volumeMounts") or [])
     if resources:
         c["resources"] = resources
     return c
+
+
+# spec.engine.kvTransfer mooncake: the server runs under pd_engine's launcher (the image's vllm
+# serve when the group names no command), which renders the role's --kv-transfer-config
+LAUNCHER = ("python3", "-m", "pd_engine.launch", "--")
+VLLM_SERVE = ("vllm", "serve")
+
+
+def mooncake_env(spec: PDDeploymentSpec) -> list[dict]:
+    """What pd_engine.launch renders vllm-ascend's MooncakeConnectorV1 config from."""
+    assert spec.engine is not None
+    parallel = mooncake.extra_config(spec.tp("prefill"), spec.tp("decoder"))
+    return [{"name": ev.PD_KV_TRANSFER, "value": spec.engine.kv_transfer},
+            {"name": ev.PD_KV_PORT, "value": str(spec.engine.kv_port)},
+            {"name": ev.PD_KV_PARALLEL, "value": json.dumps(parallel, separators=(",", ":"), sort_keys=True)},
+            {"name": ev.PD_ENGINE_PORT, "value": str(spec.engine.port or "")}]
 
 
 def unique_by_name(items: list[dict]) -> list[dict]:

@@ -28,6 +28,7 @@ import json
 
 from pd_contract import engine_env as ev
 from pd_contract import gateway_env as gwenv
+from pd_contract import mooncake
 from pd_contract.names import (
     AGENT_METRICS_PORT,
     AGENT_PORT,
@@ -256,6 +257,16 @@ def network_policy(name: str, namespace: str, spec: PDDeploymentSpec, owner: dic
     if spec.engine is not None and spec.engine.port:
         # the server's own API (spec.engine.port): a router of its own, in this namespace
         ingress.append({"from": [{"podSelector": {}}], "ports": [{"protocol": "TCP", "port": spec.engine.port}]})
+    if spec.engine is not None and spec.engine.kv_transfer == "mooncake":
+        # Mooncake between the engines: the side channels (kvPort + rank), the transport's own ports
+        # and the pair verification's requests to the other engine's OpenAI port
+        lo, hi = mooncake.random_port_range(spec.ascend.npus_per_node if spec.ascend else
+                                            mooncake.DEFAULT_NPUS_PER_NODE)
+        kv = [{"protocol": "TCP", "port": spec.engine.kv_port,
+               "endPort": spec.engine.kv_port + max(spec.tp("prefill"), spec.tp("decoder")) - 1},
+              {"protocol": "TCP", "port": lo, "endPort": hi - 1}]
+        ingress.append({"from": [own], "ports": kv})
+        ports += kv + ([{"protocol": "TCP", "port": spec.engine.port}] if spec.engine.port else [])
     scrapers = metrics_scrapers(operator_namespace, metrics_namespaces)
     if scrapers:
         ingress.append({"from": scrapers, "ports": [{"protocol": "TCP", "port": AGENT_METRICS_PORT}]})
