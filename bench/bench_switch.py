@@ -7,8 +7,12 @@ control-plane cost is the total without the drain (unlink, switch_role, relink, 
 check, undrain, and the passes between them). Goal: control-plane cost <= 0.5 s.
 `--tp 8` runs instances of 8 tensor-parallel ranks (one engine each, on the local device plugin's
 device IPs): a switch moves all 8 engines of the instance.
+`--kv-transfer mooncake` runs vLLM stand-ins with vllm-ascend's Mooncake connector
+(spec.engine.kvTransfer: mooncake), the load through pd-gateway: a switch there is a drained restart
+of the server in place with the flipped kv_role, and its cost is the server's restart.
 
-    python bench/bench_switch.py [--switches 5] [--rate 7] [--workload code] [--max-output 32] [--tp 1]"""
+    python bench/bench_switch.py [--switches 5] [--rate 7] [--workload code] [--max-output 32] [--tp 1]
+                                 [--kv-transfer pd-operator|mooncake]"""
 from __future__ import annotations
 
 import argparse
@@ -38,7 +42,10 @@ def main() -> None:
     ap.add_argument("--max-output", type=int, default=32)
     ap.add_argument("--time-scale", type=float, default=0.5, help="the simulator's time scale")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per instance")
+    ap.add_argument("--kv-transfer", choices=("pd-operator", "mooncake"), default="pd-operator",
+                    help="mooncake: vLLM stand-ins with vllm-ascend's Mooncake connector, through pd-gateway")
     args = ap.parse_args()
+    mooncake = args.kv_transfer == "mooncake"
     bench = Bench()
     ns = f"bench-switch-{uuid.uuid4().hex[:6]}"
     bench.namespace(ns)
@@ -57,13 +64,20 @@ def main() -> None:
             doc["spec"]["model"]["kvCache"]["numKvHeads"] = max(tp, doc["spec"]["model"]["kvCache"]["numKvHeads"])
             for g in ("prefill", "decoder"):
                 doc["spec"][g]["resources"] = {"limits": {"huawei.com/Ascend910": tp}}
+        if mooncake:
+            mooncake_engines(bench, ns, doc)
         bench.custom.create_namespaced_custom_object("pdoperator.io", "v1alpha1", ns, "pddeployments", doc)
         wait(bench, ns, lambda st: st.get("phase") == "Ready" and st.get("linksSummary") == f"{4 * tp}/{4 * tp}", 300)
-        token = base64.b64decode(bench.core.read_namespaced_secret("sim-small-agent-token", ns).data["token"]).decode()
+        if mooncake:
+            target_args = ["--gateway", gateway_url(bench, ns), "--api-key", API_KEY]
+        else:
+            token = base64.b64decode(bench.core.read_namespaced_secret("sim-small-agent-token", ns).data["token"])
+            target_args = ["--kubeconfig", bench.kubeconfig, "--namespace", ns, "--deployment", "sim-small",
+                           f"--token={token.decode()}"]
         load = subprocess.Popen(
-            [sys.executable, "-m", "pd_agent.loadgen", "--kubeconfig", bench.kubeconfig, "--namespace", ns,
-             "--deployment", "sim-small", f"--token={token}", "--rate", str(args.rate), "--duration", "3600",
-             "--workload", args.workload, "--max-prompt", "2048", "--max-output", str(args.max_output), "--json"],
+            [sys.executable, "-m", "pd_agent.loadgen", *target_args, "--rate", str(args.rate), "--duration", "3600",
+             "--workload", args.workload, "--max-prompt", str(MOONCAKE_MAX_PROMPT if mooncake else 2048),
+             "--max-output", str(args.max_output), "--json"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
         time.sleep(3)
         last_at = None
@@ -98,7 +112,8 @@ def main() -> None:
         op.wait(20)
         bench.core.delete_namespace(ns)
         bench.close()
-    print(f"\nTP {args.tp}; load during the switches: {args.rate} req/s {args.workload}: "
+    print(f"\nTP {args.tp}, KV transfer {args.kv_transfer}; load during the switches: {args.rate} req/s "
+          f"{args.workload}: "
           f"{summary['requests']} requests, "
           f"{summary['completed']} completed, {summary['failed']} failed {summary['failed_by_reason'] or ''}, "
           f"{summary['retried']} retried elsewhere {summary['refused_by_reason'] or ''}; "
@@ -109,10 +124,49 @@ def main() -> None:
             continue
         control = [(r["totalMs"] - r.get("drainMs", 0)) / 1000 for r in done]
         drain = [r.get("drainMs", 0) / 1000 for r in done]
+        met = "met" if statistics.median(control) <= GOAL_CONTROL_S else "missed"
+        goal = "a drained restart of the server, not a live switch" if mooncake else \
+            f"goal <= {GOAL_CONTROL_S} s: {met}"
         print(f"{direction}: {len(done)} switches; control plane (drain excluded) median "
-              f"{statistics.median(control):.3f} s max {max(control):.3f} s "
-              f"(goal <= {GOAL_CONTROL_S} s: {'met' if statistics.median(control) <= GOAL_CONTROL_S else 'missed'}); "
+              f"{statistics.median(control):.3f} s max {max(control):.3f} s ({goal}); "
               f"drain median {statistics.median(drain):.3f} s max {max(drain):.3f} s")
+
+
+API_KEY = "bench-switch-key"
+MOONCAKE_MAX_PROMPT = 200      # the reference model the vLLM stand-in computes is small
+STANDIN_PORT = 8001
+
+
+def mooncake_engines(bench: Bench, ns: str, doc: dict) -> None:
+    """The vLLM stand-in (the reference model) with vllm-ascend's Mooncake connector, pd-gateway in front."""
+    from kubernetes import client
+    bench.core.create_namespaced_secret(ns, client.V1Secret(
+        metadata=client.V1ObjectMeta(name="sim-small-keys", labels={"pdoperator.io/keys": "true"}),
+        string_data={"bench": API_KEY}))
+    spec = doc["spec"]
+    spec.pop("sim", None)
+    spec["gateway"] = {"enabled": True, "apiKeysSecret": "sim-small-keys"}
+    spec["engine"] = {"image": "example.com/pd/pd-reference-engine:0.1.0", "adapter": "vLLM", "port": STANDIN_PORT,
+                      "kvTransfer": "mooncake", "kvPort": 30000}
+    kv = spec["model"]["kvCache"]
+    kv.update(attention="GQA", numLayers=2, numKvHeads=2, headDim=16, dtype="float16", maxSeqLen=512,
+              tensorParallel=1, paged={"blockSize": 16, "numBlocks": 256})
+    kv.pop("latentDim", None)
+    profile = {k: kv[k] for k in ("attention", "numLayers", "numKvHeads", "headDim", "dtype", "maxSeqLen")}
+    for g in ("prefill", "decoder"):
+        spec[g].update(resources={"limits": {"huawei.com/Ascend910": 1}},
+                       command=["python3", "-m", "pd_engine.vllm_standin", "--port", str(STANDIN_PORT),
+                                "--reference-model", json.dumps({**profile, "seed": 1})])
+
+
+def gateway_url(bench: Bench, ns: str) -> str:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        for p in bench.core.list_namespaced_pod(ns, label_selector="pdoperator.io/gateway=sim-small").items:
+            if p.status.pod_ip and any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or []):
+                return f"http://{p.status.pod_ip}:8000"
+        time.sleep(0.5)
+    raise SystemExit("the gateway did not become Ready in 120 s")
 
 
 def wait(bench: Bench, ns: str, ok, timeout: float) -> dict:
