@@ -7,12 +7,12 @@ control-plane cost is the total without the drain (unlink, switch_role, relink, 
 check, undrain, and the passes between them). Goal: control-plane cost <= 0.5 s.
 `--tp 8` runs instances of 8 tensor-parallel ranks (one engine each, on the local device plugin's
 device IPs): a switch moves all 8 engines of the instance.
-`--kv-transfer mooncake` runs vLLM stand-ins with vllm-ascend's Mooncake connector
-(spec.engine.kvTransfer: mooncake), the load through pd-gateway: a switch there is a drained restart
+`--kv-transfer mooncake` (or `mooncake-layerwise`) runs vLLM stand-ins with vllm-ascend's Mooncake
+connector (spec.engine.kvTransfer), the load through pd-gateway: a switch there is a drained restart
 of the server in place with the flipped kv_role, and its cost is the server's restart.
 
     python bench/bench_switch.py [--switches 5] [--rate 7] [--workload code] [--max-output 32] [--tp 1]
-                                 [--kv-transfer pd-operator|mooncake]"""
+                                 [--kv-transfer pd-operator|mooncake|mooncake-layerwise]"""
 from __future__ import annotations
 
 import argparse
@@ -42,10 +42,11 @@ def main() -> None:
     ap.add_argument("--max-output", type=int, default=32)
     ap.add_argument("--time-scale", type=float, default=0.5, help="the simulator's time scale")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per instance")
-    ap.add_argument("--kv-transfer", choices=("pd-operator", "mooncake"), default="pd-operator",
-                    help="mooncake: vLLM stand-ins with vllm-ascend's Mooncake connector, through pd-gateway")
+    ap.add_argument("--kv-transfer", choices=("pd-operator", "mooncake", "mooncake-layerwise"),
+                    default="pd-operator", help="mooncake(-layerwise): vLLM stand-ins with vllm-ascend's Mooncake "
+                    "connector, through pd-gateway")
     args = ap.parse_args()
-    mooncake = args.kv_transfer == "mooncake"
+    mooncake = args.kv_transfer != "pd-operator"
     bench = Bench()
     ns = f"bench-switch-{uuid.uuid4().hex[:6]}"
     bench.namespace(ns)
@@ -65,7 +66,7 @@ def main() -> None:
             for g in ("prefill", "decoder"):
                 doc["spec"][g]["resources"] = {"limits": {"huawei.com/Ascend910": tp}}
         if mooncake:
-            mooncake_engines(bench, ns, doc)
+            mooncake_engines(bench, ns, doc, args.kv_transfer)
         bench.custom.create_namespaced_custom_object("pdoperator.io", "v1alpha1", ns, "pddeployments", doc)
         wait(bench, ns, lambda st: st.get("phase") == "Ready" and st.get("linksSummary") == f"{4 * tp}/{4 * tp}", 300)
         if mooncake:
@@ -137,7 +138,7 @@ MOONCAKE_MAX_PROMPT = 200      # the reference model the vLLM stand-in computes 
 STANDIN_PORT = 8001
 
 
-def mooncake_engines(bench: Bench, ns: str, doc: dict) -> None:
+def mooncake_engines(bench: Bench, ns: str, doc: dict, kind: str) -> None:
     """The vLLM stand-in (the reference model) with vllm-ascend's Mooncake connector, pd-gateway in front."""
     from kubernetes import client
     bench.core.create_namespaced_secret(ns, client.V1Secret(
@@ -147,7 +148,7 @@ def mooncake_engines(bench: Bench, ns: str, doc: dict) -> None:
     spec.pop("sim", None)
     spec["gateway"] = {"enabled": True, "apiKeysSecret": "sim-small-keys"}
     spec["engine"] = {"image": "example.com/pd/pd-reference-engine:0.1.0", "adapter": "vLLM", "port": STANDIN_PORT,
-                      "kvTransfer": "mooncake", "kvPort": 30000}
+                      "kvTransfer": kind, "kvPort": 30000}
     kv = spec["model"]["kvCache"]
     kv.update(attention="GQA", numLayers=2, numKvHeads=2, headDim=16, dtype="float16", maxSeqLen=512,
               tensorParallel=1, paged={"blockSize": 16, "numBlocks": 256})

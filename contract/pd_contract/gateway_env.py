@@ -13,6 +13,10 @@ PD_GATEWAY_RPM = "PD_GATEWAY_RPM"                        # JSON {key name: reque
 # the engines' own OpenAI port (spec.engine.port with adapter vLLM): requests go there with vLLM's P-D
 # protocol, not to the agents (a PDGateway's route carries it as `enginePort`)
 PD_GATEWAY_ENGINE_PORT = "PD_GATEWAY_ENGINE_PORT"
+# "1": those engines run vllm-ascend's layerwise Mooncake connector: decoder first, the decoder posting
+# its blocks to this gateway's metaserver, at POD_IP (a PDGateway's route carries `decoderFirst`)
+PD_GATEWAY_DECODER_FIRST = "PD_GATEWAY_DECODER_FIRST"
+POD_IP = "POD_IP"
 # the model's own tokenizer (spec.model.tokenizer): tokenizer.json's path, the chat template and
 # its special tokens (a PDGateway's route carries them as `tokenizer`, `chatTemplateEnv` (the
 # variable holding the template: each in one of its own, within the kernel's bound on one variable),

@@ -1,4 +1,5 @@
-"""vllm-ascend's own P-D connector, Mooncake (`MooncakeConnectorV1`), as pd-operator runs it: the
+"""vllm-ascend's own P-D connectors, Mooncake (`MooncakeConnectorV1`, and `MooncakeLayerwiseConnector`
+which pushes the KV layer by layer, decoder first), as pd-operator runs them: the
 `--kv-transfer-config` an engine starts with in a role, and the ports rule of its Ascend transport.
 Pure: no I/O, no vllm import. Checked against vllm-ascend's source (tests/unit/test_mooncake.py).
 
@@ -18,9 +19,16 @@ from __future__ import annotations
 from typing import Literal
 
 Role = Literal["prompt", "decoder"]
-KvTransfer = Literal["pd-operator", "mooncake"]
+KvTransfer = Literal["pd-operator", "mooncake", "mooncake-layerwise"]
+Kind = Literal["mooncake", "mooncake-layerwise"]
 
-CONNECTOR = "MooncakeConnectorV1"          # the name vllm-ascend registers (register_connector)
+# the names vllm-ascend registers (register_connector)
+CONNECTORS: dict[str, str] = {"mooncake": "MooncakeConnectorV1", "mooncake-layerwise": "MooncakeLayerwiseConnector"}
+CONNECTOR = CONNECTORS["mooncake"]
+# mooncake-layerwise runs decoder first: the router sends the request to a decoder with this
+# metaserver URL; the decoder's connector posts its blocks there, and the router then sends the
+# request to a prefill with those kv_transfer_params (the prefill pushes the KV layer by layer)
+METASERVER_PATH = "/v1/metaserver"
 KV_ROLES = {"prompt": "kv_producer", "decoder": "kv_consumer"}
 RANDOM_PORT_BASE = 20000
 RANDOM_PORTS_PER_NPU = 1000
@@ -61,15 +69,26 @@ def extra_config(prefill_tp: int, decoder_tp: int, prefill_dp: int = 1, decoder_
             "decode": {"tp_size": decoder_tp, "dp_size": decoder_dp}}
 
 
+def is_mooncake(kv_transfer: str | None) -> bool:
+    return kv_transfer in CONNECTORS
+
+
+def decoder_first(kv_transfer: str | None) -> bool:
+    """The router sends a request to the decoder first (mooncake-layerwise)."""
+    return kv_transfer == "mooncake-layerwise"
+
+
 def kv_transfer_config(role: Role, *, kv_port: int, engine_id: str, prefill_tp: int, decoder_tp: int,
-                       prefill_dp: int = 1, decoder_dp: int = 1) -> dict:
+                       prefill_dp: int = 1, decoder_dp: int = 1, kind: Kind = "mooncake") -> dict:
     """vLLM's `--kv-transfer-config` for an engine that serves as `role` (vllm-ascend's registry
     names the connector; no module path)."""
+    if kind not in CONNECTORS:
+        raise ValueError(f"kind must be one of {sorted(CONNECTORS)}, got {kind!r}")
     if role not in KV_ROLES:
         raise ValueError(f"role must be prompt or decoder, got {role!r}")
     if not engine_id:
         raise ValueError("engine_id is required (unique per engine)")
     if not 1 <= kv_port <= 65535:
         raise ValueError(f"kv_port must be a port, got {kv_port}")
-    return {"kv_connector": CONNECTOR, "kv_role": KV_ROLES[role], "kv_port": kv_port, "engine_id": engine_id,
+    return {"kv_connector": CONNECTORS[kind], "kv_role": KV_ROLES[role], "kv_port": kv_port, "engine_id": engine_id,
             "kv_connector_extra_config": extra_config(prefill_tp, decoder_tp, prefill_dp, decoder_dp)}

@@ -72,6 +72,7 @@ METRIC = re.compile(r"^(vllm:num_requests_running|vllm:num_requests_waiting)(\{[
 class Settings:
     """What the launcher runs from: the pod's env (the operator's) and the server command."""
     command: tuple[str, ...]
+    kind: mooncake.Kind
     pod: str
     role: Role
     tensor_parallel: int
@@ -88,16 +89,19 @@ class Settings:
     def from_env(argv: Sequence[str], env: Mapping[str, str]) -> Settings:
         from pd_agent.identity import Identity
         ident = Identity.from_env({k: v for k, v in env.items() if k != ev.PD_RANK})   # the pod's rank 0
-        if (env.get(ev.PD_KV_TRANSFER) or "mooncake") != "mooncake":
-            raise SystemExit(f"{ev.PD_KV_TRANSFER}={env.get(ev.PD_KV_TRANSFER)!r}: pd_engine.launch runs mooncake")
+        kind = env.get(ev.PD_KV_TRANSFER) or "mooncake"
+        if not mooncake.is_mooncake(kind):
+            raise SystemExit(f"{ev.PD_KV_TRANSFER}={kind!r}: pd_engine.launch runs "
+                             f"{' or '.join(mooncake.CONNECTORS)}")
         cmd = tuple(argv[1:] if argv and argv[0] == "--" else argv) or ("vllm", "serve")
         port = int(env.get(ev.PD_ENGINE_PORT) or 0)
         if not port:
             raise SystemExit(f"{ev.PD_ENGINE_PORT} (spec.engine.port) is required: the launcher checks the "
                              "server there")
         parallel = json.loads(env.get(ev.PD_KV_PARALLEL) or "{}") or mooncake.extra_config(1, 1)
-        return Settings(command=cmd, pod=ident.pod, role=ident.role, tensor_parallel=int(env.get(ev.PD_TENSOR_PARALLEL)
-                        or 1), kv_port=int(env.get(ev.PD_KV_PORT) or mooncake.DEFAULT_KV_PORT), parallel=parallel,
+        return Settings(command=cmd, kind=kind, pod=ident.pod, role=ident.role,  # type: ignore[arg-type]
+                        tensor_parallel=int(env.get(ev.PD_TENSOR_PARALLEL) or 1),
+                        kv_port=int(env.get(ev.PD_KV_PORT) or mooncake.DEFAULT_KV_PORT), parallel=parallel,
                         engine_port=port, host=ev.engine_ip(env), drain_timeout_s=ident.drain_timeout_s,
                         token=ident.token, identity=ident, env=dict(env))
 
@@ -107,7 +111,7 @@ class Settings:
                                           prefill_tp=self.parallel["prefill"]["tp_size"],
                                           decoder_tp=self.parallel["decode"]["tp_size"],
                                           prefill_dp=self.parallel["prefill"]["dp_size"],
-                                          decoder_dp=self.parallel["decode"]["dp_size"])
+                                          decoder_dp=self.parallel["decode"]["dp_size"], kind=self.kind)
         out, skip = [], False
         for a in self.command:
             if skip:
@@ -138,12 +142,16 @@ def host_of(url: str | None) -> str | None:
 
 
 class PairProbe:
-    """verify: a real request through a prefill and this decoder, compared with this server alone."""
+    """verify: a real request through a prefill and this decoder, compared with this server alone.
+    mooncake: prefill first, its kv_transfer_params to the decoder. mooncake-layerwise: decoder
+    first with this launcher's metaserver, which sends the prefill the decoder's blocks."""
 
     def __init__(self, s: Settings, http: httpx.AsyncClient, engine_url: Callable[[], str],
                  clock: Callable[[], float]):
         self.s, self.http, self.engine_url, self.clock = s, http, engine_url, clock
         self.served = ""
+        self.metaserver = ""      # this launcher's, as the pod's server reaches it (set once it listens)
+        self.pending: dict[str, tuple[str, dict, asyncio.Future]] = {}   # probe id -> (prefill host, body, status)
 
     async def _model(self) -> str:
         if not self.served:
@@ -157,20 +165,14 @@ class PairProbe:
         if role != "decoder":
             return result(ok=False, code="LLM_PARAM_INVALID", message=f"{self.s.pod} serves as {role}")
         try:
-            model = await self._model()
-            body = {"model": model, "prompt": PROBE_PROMPT, "temperature": 0, "stream": False}
+            body = {"model": await self._model(), "prompt": PROBE_PROMPT, "temperature": 0, "stream": False}
             t0 = self.clock()
-            pre = await self.http.post(f"http://{host}:{self.s.engine_port}/v1/completions", timeout=10, json={
-                **body, "max_tokens": 1, "kv_transfer_params": {
-                    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                    "remote_block_ids": None, "remote_host": None, "remote_port": None}})
-            params = pre.json().get("kv_transfer_params") if pre.status_code == 200 else None
-            if not params or not params.get("remote_block_ids"):
-                return result(ok=False, code="PEER_AGENT_ERROR", message=f"the prefill's server at {host}:"
-                                    f"{self.s.engine_port} answered {pre.status_code} without KV to read: "
-                                    f"{pre.text[:200]}")
-            dec = await self.http.post(f"{self.engine_url()}/v1/completions", timeout=10,
-                                       json={**body, "max_tokens": PROBE_TOKENS, "kv_transfer_params": params})
+            if mooncake.decoder_first(self.s.kind):
+                dec, refused = await self._decoder_first(host, body)
+            else:
+                dec, refused = await self._prefill_first(host, body)
+            if refused:
+                return result(ok=False, code="PEER_AGENT_ERROR", message=refused)
             ms = (self.clock() - t0) * 1000
             alone = await self.http.post(f"{self.engine_url()}/v1/completions", timeout=10,
                                          json={**body, "max_tokens": PROBE_TOKENS})
@@ -182,9 +184,53 @@ class PairProbe:
                 return result(ok=False, code="KV_CONTENT_MISMATCH", message=f"decoding from {peer}'s KV gave "
                                     f"{got!r}, computing the prompt here {want!r}", pull_ms=ms)
             return result(ok=True, code="LLM_SUCCESS", pull_ms=ms)
-        except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, asyncio.TimeoutError) as e:
             return result(ok=False, code="PEER_AGENT_UNREACHABLE", message=f"probing through {host}: {e!r}")
 
+    async def _prefill_first(self, host: str, body: dict) -> tuple[httpx.Response, str]:
+        pre = await self.http.post(f"http://{host}:{self.s.engine_port}/v1/completions", timeout=10, json={
+            **body, "max_tokens": 1, "kv_transfer_params": {
+                "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                "remote_block_ids": None, "remote_host": None, "remote_port": None}})
+        params = pre.json().get("kv_transfer_params") if pre.status_code == 200 else None
+        if not params or not params.get("remote_block_ids"):
+            return pre, (f"the prefill's server at {host}:{self.s.engine_port} answered {pre.status_code} without "
+                         f"KV to read: {pre.text[:200]}")
+        dec = await self.http.post(f"{self.engine_url()}/v1/completions", timeout=10,
+                                   json={**body, "max_tokens": PROBE_TOKENS, "kv_transfer_params": params})
+        return dec, ""
+
+    async def _decoder_first(self, host: str, body: dict) -> tuple[httpx.Response, str]:
+        pid = uuid.uuid4().hex
+        status: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.pending[pid] = (host, body, status)
+        try:
+            dec = await self.http.post(f"{self.engine_url()}/v1/completions", timeout=30, json={
+                **body, "max_tokens": PROBE_TOKENS, "kv_transfer_params": {
+                    "do_remote_decode": False, "do_remote_prefill": True,
+                    "metaserver": f"{self.metaserver}{mooncake.METASERVER_PATH}/{pid}"}})
+            if not status.done():
+                return dec, "the decoder's server never asked the metaserver for a prefill"
+            code, text = status.result()
+            if code != 200:
+                return dec, f"the prefill's server at {host}:{self.s.engine_port} answered {code}: {text[:200]}"
+            return dec, ""
+        finally:
+            self.pending.pop(pid, None)
+
+    async def metaserve(self, pid: str, params: dict) -> None:
+        """The decoder's server names its blocks: the probe's prefill is sent them."""
+        if pid not in self.pending:
+            raise LaunchError("NOT_FOUND", f"no probe {pid} in progress", 404)
+        host, body, status = self.pending[pid]
+        try:
+            pre = await self.http.post(f"http://{host}:{self.s.engine_port}/v1/completions", timeout=10,
+                                       json={**body, "max_tokens": 1, "kv_transfer_params": params})
+            outcome = (pre.status_code, pre.text)
+        except httpx.HTTPError as e:
+            outcome = (0, repr(e))
+        if not status.done():
+            status.set_result(outcome)
 
 
 class Launcher:
@@ -289,8 +335,13 @@ class Launcher:
 
     async def link(self, r: int, req: LinkRequest) -> LinkResult:
         t0 = self.clock()
-        rets = await asyncio.gather(*(self._reach(p.ip if not p.agent_url else host_of(p.agent_url) or p.ip, p.port,
-                                                  req.timeout_ms / 1000) for p in req.peers))
+        if mooncake.decoder_first(self.s.kind):
+            # layerwise: the prefill pushes into this decoder's side channel (the pair's verification
+            # proves the push); the link checks that the side channel listens
+            ends = [(self.s.host, self.s.kv_port + r)] * len(req.peers)
+        else:
+            ends = [(host_of(p.agent_url) or p.ip, p.port) for p in req.peers]
+        rets = await asyncio.gather(*(self._reach(h, port, req.timeout_ms / 1000) for h, port in ends))
         now = self.wall()
         for p, code in zip(req.peers, rets):
             self.links[r][p.name] = LinkState(name=p.name, cluster_id=p.cluster_id, ip=p.ip, port=p.port, code=code,
@@ -300,7 +351,7 @@ class Launcher:
                           duration_ms=(self.clock() - t0) * 1000)
 
     async def _reach(self, host: str, port: int, timeout: float) -> str:
-        """A prefill rank's side channel accepts a connection: the pair can move KV."""
+        """A side channel accepts a connection: the pair can move KV."""
         try:
             _, w = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
             w.close()
@@ -377,29 +428,33 @@ class LaunchError(Exception):
         self.code, self.status = code, status
 
 
+def _route(launcher: Launcher, fn: Callable[[int, Any], Awaitable[Any]], body: type | None = None) -> Any:
+    """A rank API handler: the control token, the rank, the body validated, errors as the agent's."""
+    from aiohttp import web
+
+    async def handler(request: web.Request) -> web.Response:
+        t = launcher.s.token
+        if t and request.headers.get("Authorization") != f"Bearer {t}":
+            return web.json_response({"code": "UNAUTHORIZED", "message": "control token required"}, status=401)
+        r = int(request.match_info["rank"])
+        if not 0 <= r < launcher.s.tensor_parallel:
+            return web.json_response({"code": "LLM_PARAM_INVALID", "message": f"no rank {r}"}, status=404)
+        try:
+            arg = body.model_validate(await request.json()) if body is not None else None  # type: ignore[attr-defined]
+            out = await fn(r, arg)
+        except LaunchError as e:
+            return web.json_response({"code": e.code, "message": str(e)}, status=e.status)
+        except ValueError as e:
+            return web.json_response({"code": "LLM_PARAM_INVALID", "message": str(e)[:500]}, status=400)
+        return web.json_response(out.model_dump(mode="json") if hasattr(out, "model_dump") else (out or {}))
+    return handler
+
+
 def build_app(launcher: Launcher) -> Any:
     from aiohttp import web
 
-    def authorised(request: web.Request) -> bool:
-        t = launcher.s.token
-        return not t or request.headers.get("Authorization") == f"Bearer {t}"
-
     def route(fn: Callable[[int, Any], Awaitable[Any]], body: type | None = None) -> Any:
-        async def handler(request: web.Request) -> web.Response:
-            if not authorised(request):
-                return web.json_response({"code": "UNAUTHORIZED", "message": "control token required"}, status=401)
-            r = int(request.match_info["rank"])
-            if not 0 <= r < launcher.s.tensor_parallel:
-                return web.json_response({"code": "LLM_PARAM_INVALID", "message": f"no rank {r}"}, status=404)
-            try:
-                arg = body.model_validate(await request.json()) if body is not None else None  # type: ignore[attr-defined]
-                out = await fn(r, arg)
-            except LaunchError as e:
-                return web.json_response({"code": e.code, "message": str(e)}, status=e.status)
-            except ValueError as e:
-                return web.json_response({"code": "LLM_PARAM_INVALID", "message": str(e)[:500]}, status=400)
-            return web.json_response(out.model_dump(mode="json") if hasattr(out, "model_dump") else (out or {}))
-        return handler
+        return _route(launcher, fn, body)
 
     async def status(r: int, _: Any) -> AgentStatus:
         return launcher.status(r)
@@ -420,8 +475,21 @@ def build_app(launcher: Launcher) -> Any:
     async def nothing(r: int, _: Any) -> dict:
         return {}
 
+    async def metaserver(request: web.Request) -> web.Response:
+        try:
+            params = await request.json()
+            await launcher.pairs.metaserve(request.match_info["probe"], params if isinstance(params, dict) else {})
+        except LaunchError as e:
+            return web.json_response({"code": e.code, "message": str(e)}, status=e.status)
+        except ValueError as e:
+            return web.json_response({"code": "LLM_PARAM_INVALID", "message": str(e)[:500]}, status=400)
+        return web.json_response({})
+
     p = "/rank/{rank}"
     app = web.Application()
+    # the pod's server posts a verification probe's blocks here (mooncake-layerwise); a probe id is
+    # known only to the probe that made it
+    app.add_routes([web.post(mooncake.METASERVER_PATH + "/{probe}", metaserver)])
     app.add_routes([
         web.get(p + AgentPath.STATUS, route(status)),
         web.post(p + AgentPath.LINK, route(launcher.link, LinkRequest)),
@@ -478,6 +546,7 @@ async def serve(s: Settings) -> int:
         await site.start()
         port = site._server.sockets[0].getsockname()[1]   # type: ignore[union-attr]
         url = f"http://127.0.0.1:{port}"
+        launcher.pairs.metaserver = url
         log.info("rank API of %s on %s (%d ranks)", s.pod, url, s.tensor_parallel)
         code = 0
         if await register(s, url, launcher.boot_id, stop):

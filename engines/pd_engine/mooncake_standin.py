@@ -59,6 +59,7 @@ class _Recv:
 class MooncakeStandInMetadata:
     recv: list[_Recv] = field(default_factory=list)
     send: dict[str, list[int]] = field(default_factory=dict)
+    push: dict[str, dict] = field(default_factory=dict)      # layerwise: the decoder's params, and "local"
 
 
 class MooncakeConnector:
@@ -278,6 +279,227 @@ class SideChannel:
         out.write(json.dumps({"ok": True, "sizes": [len(p) for p in parts]}).encode() + b"\n")
         for p in parts:
             out.write(p)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+# ---- MooncakeLayerwiseConnector: decoder first, the prefill pushes layer by layer -----------------
+
+LOAD_TIMEOUT_S = 30.0     # a decoder waits this long for a prefill's push, then computes the prompt itself
+
+
+class MooncakeLayerwiseConnector:
+    """A stand-in for vllm-ascend's MooncakeLayerwiseConnector. The decoder gets the request first
+    (`do_remote_prefill` and a `metaserver` URL): it allocates the prompt's blocks and posts them to
+    the metaserver (`do_remote_decode`, `remote_block_ids`, `remote_host`, `remote_port`,
+    `request_id`, ...); the router sends that to a prefill, which pushes each layer's blocks into
+    the decoder's as it computes them, then says done. The prefill keeps nothing afterwards."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None, *,
+                 env: dict[str, str] | None = None, agent: Any = None,
+                 clock: Callable[[], float] = time.monotonic):
+        kt = vllm_config.kv_transfer_config
+        self.env = dict(os.environ if env is None else env)
+        self.kv_role, self.engine_id, self.kv_port = kt.kv_role, str(kt.engine_id), int(kt.kv_port)
+        if self.kv_role not in ("kv_producer", "kv_consumer"):
+            raise ValueError(f"MooncakeLayerwiseConnector's kv_role is kv_producer or kv_consumer, "
+                             f"got {self.kv_role!r}")
+        self.host = self.env.get(PD_LOCAL_POD_IP) or engine_ip(self.env)
+        self.side_channel_port = self.kv_port
+        self.block_size = 0
+        self._need_recv: dict[str, list[int]] = {}
+        self._need_send: dict[str, dict] = {}
+        self.layers: list[list[Any]] = []
+        self.receiver: PushReceiver | None = None
+        self._meta: MooncakeStandInMetadata | None = None
+        self._sending: dict[str, tuple[socket.socket, Any]] = {}
+        self.done_recving: set[str] = set()
+        self.load_errors: dict[str, str] = {}
+        self._failed_blocks: set[int] = set()
+        self.counts = {"pushed": 0, "received": 0, "metaserver_failed": 0}
+
+    # ---- scheduler side -------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params or {}
+        if params.get("do_remote_prefill"):
+            count = max(len(request.prompt_token_ids or []) - num_computed_tokens, 0)
+            return count, count > 0
+        return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params or {}
+        if params.get("do_remote_prefill"):
+            local = list(blocks.get_block_ids()[0]) if num_external_tokens > 0 else []
+            params["do_remote_prefill"] = False
+            self._need_recv[request.request_id] = local
+            message = {"token_ids": [], "request_id": request.request_id, "do_remote_prefill": False,
+                       "do_remote_decode": True, "remote_block_ids": [local], "remote_block_size": self.block_size,
+                       "remote_engine_id": self.engine_id, "remote_host": self.host,
+                       "remote_port": self.side_channel_port, "remote_tp_size": 1, "remote_pcp_size": 1,
+                       "remote_dcp_size": 1, "remote_cached_tokens": 0}
+            threading.Thread(target=self._metaserver, args=(params.get("metaserver"), message), daemon=True).start()
+        if params.get("do_remote_decode") and params.get("remote_block_ids"):
+            self._need_send[request.request_id] = {**params, "local": list(blocks.get_block_ids()[0])}
+
+    def _metaserver(self, url: str | None, message: dict) -> None:
+        import httpx
+        try:
+            httpx.post(str(url), json=message, timeout=IO_TIMEOUT_S, trust_env=False).raise_for_status()
+        except (httpx.HTTPError, ValueError) as e:
+            self.counts["metaserver_failed"] += 1
+            log.error("Access metaserver fail. url=%s error=%r", url, e)
+
+    def build_connector_meta(self, scheduler_output: Any) -> MooncakeStandInMetadata:
+        meta = MooncakeStandInMetadata(recv=[_Recv(rid, blocks, {}) for rid, blocks in self._need_recv.items()],
+                                       push=dict(self._need_send))
+        self._need_recv.clear()
+        self._need_send.clear()
+        return meta
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+        return False, None      # pushed layer by layer: nothing held after the step
+
+    # ---- worker side ----------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self.layers = [list(kv) if kv.ndim == 5 else [kv] for kv in kv_caches.values()]
+        self.block_size = int(next(iter(kv_caches.values())).shape[-3])
+        if self.kv_role == "kv_consumer":
+            self.receiver = PushReceiver(self, self.host, self.side_channel_port)
+
+    def bind_connector_metadata(self, meta: MooncakeStandInMetadata) -> None:
+        self._meta = meta
+
+    def clear_connector_metadata(self) -> None:
+        self._meta = None
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        for r in (self._meta.recv if self._meta else []):
+            if self.receiver is not None and self.receiver.wait(r.request_id, LOAD_TIMEOUT_S):
+                self.counts["received"] += 1
+            else:
+                self.load_errors[r.request_id] = f"no prefill pushed the KV in {LOAD_TIMEOUT_S:.0f}s"
+                self._failed_blocks.update(r.local_blocks)
+            self.done_recving.add(r.request_id)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        """The prefill pushes this layer's blocks of every request it computed to its decoder."""
+        index = int(layer_name.split(".")[2]) if layer_name.count(".") >= 2 else 0
+        tensors = list(kv_layer) if kv_layer.ndim == 5 else [kv_layer]
+        for rid, p in (self._meta.push.items() if self._meta else []):
+            try:
+                if rid not in self._sending:
+                    s = socket.create_connection((p["remote_host"], int(p["remote_port"])), timeout=IO_TIMEOUT_S)
+                    self._sending[rid] = (s, s.makefile("rwb"))
+                remote = [int(b) for b in p["remote_block_ids"][0]]
+                local = p["local"][:len(remote)]
+                parts = [t[local].tobytes() for t in tensors]
+                f = self._sending[rid][1]
+                f.write(json.dumps({"op": "write", "request_id": p.get("request_id", rid), "layer": index,
+                                    "blocks": remote, "sizes": [len(x) for x in parts]}).encode() + b"\n")
+                for x in parts:
+                    f.write(x)
+                f.flush()
+                if not json.loads(f.readline(MAX_LINE) or b"{}").get("ok"):
+                    raise RuntimeError("the decoder refused the layer")
+            except (OSError, ValueError, RuntimeError, KeyError) as e:
+                log.error("request %s: pushing layer %d to %s:%s: %r", rid, index, p.get("remote_host"),
+                          p.get("remote_port"), e)
+                self._close(rid)
+
+    def wait_for_save(self) -> None:
+        for rid, p in (self._meta.push.items() if self._meta else []):
+            if rid in self._sending:
+                f = self._sending[rid][1]
+                try:
+                    f.write(json.dumps({"op": "done", "request_id": p.get("request_id", rid)}).encode() + b"\n")
+                    f.flush()
+                    f.readline(MAX_LINE)
+                    self.counts["pushed"] += 1
+                except OSError as e:
+                    log.error("request %s: done to the decoder: %r", rid, e)
+                self._close(rid)
+
+    def _close(self, rid: str) -> None:
+        s, f = self._sending.pop(rid, (None, None))
+        for x in (f, s):
+            if x is not None:
+                try:
+                    x.close()
+                except OSError:
+                    pass
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        recved, self.done_recving = self.done_recving, set()
+        return None, recved or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._failed_blocks = self._failed_blocks, set()
+        return out
+
+    def shutdown(self) -> None:
+        if self.receiver is not None:
+            self.receiver.close()
+            self.receiver = None
+
+
+class PushReceiver:
+    """A decoder's side channel (layerwise): prefills write layers into its blocks, then say done."""
+
+    def __init__(self, conn: MooncakeLayerwiseConnector, host: str, port: int):
+        self.conn = conn
+        self.lock = threading.Lock()
+        self.done: dict[str, threading.Event] = {}
+        receiver = self
+
+        class Handler(socketserver.StreamRequestHandler):
+            timeout = IO_TIMEOUT_S
+
+            def handle(self) -> None:
+                try:
+                    while True:
+                        line = self.rfile.readline(MAX_LINE)
+                        if not line:
+                            return
+                        receiver.answer(json.loads(line), self.rfile, self.wfile)
+                except (OSError, ValueError) as e:
+                    log.warning("side channel: %r", e)
+
+        socketserver.ThreadingTCPServer.allow_reuse_address = True
+        self.server = socketserver.ThreadingTCPServer((host, port), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, name="mooncake-layerwise", daemon=True).start()
+
+    def _event(self, rid: str) -> threading.Event:
+        with self.lock:
+            return self.done.setdefault(rid, threading.Event())
+
+    def answer(self, msg: dict, rfile: Any, out: Any) -> None:
+        rid = str(msg.get("request_id", ""))
+        if msg.get("op") == "done":
+            self._event(rid).set()
+            out.write(b'{"ok": true}\n')
+            return
+        layer, blocks, sizes = int(msg["layer"]), [int(b) for b in msg["blocks"]], msg["sizes"]
+        tensors = self.conn.layers[layer]
+        if len(sizes) != len(tensors):
+            out.write(b'{"ok": false}\n')
+            return
+        for t, n in zip(tensors, sizes):
+            data = rfile.read(n)
+            raw = t.view(np.uint8).reshape(t.shape[0], -1)
+            if len(data) != n or n != raw[blocks].nbytes:
+                out.write(b'{"ok": false}\n')
+                return
+            raw[blocks] = np.frombuffer(data, dtype=np.uint8).reshape(len(blocks), -1)
+        out.write(b'{"ok": true}\n')
+
+    def wait(self, rid: str, timeout: float) -> bool:
+        ok = self._event(rid).wait(timeout)
+        with self.lock:
+            self.done.pop(rid, None)
+        return ok
 
     def close(self) -> None:
         self.server.shutdown()

@@ -75,7 +75,8 @@ class _Blocks:
 
 
 # connectors a plugin registers by name (vllm-ascend's register_connector), as the stand-in has them
-REGISTERED = {"MooncakeConnectorV1": ("pd_engine.mooncake_standin", "MooncakeConnector")}
+REGISTERED = {"MooncakeConnectorV1": ("pd_engine.mooncake_standin", "MooncakeConnector"),
+              "MooncakeLayerwiseConnector": ("pd_engine.mooncake_standin", "MooncakeLayerwiseConnector")}
 
 
 def load_connector(kv_transfer_config: dict) -> type:
@@ -234,20 +235,20 @@ class StandIn:
             self._schedule()
 
     # ---- the three kinds of request -------------------------------------------------------------
-    def prefill_remote(self, rid: str, gen: Generation) -> tuple[list[Choice], dict | None]:
+    def prefill_remote(self, rid: str, gen: Generation, given: dict | None = None) -> tuple[list[Choice], dict | None]:
         """do_remote_decode: compute the prompt, leave its KV in blocks for a decoder, one token."""
         m = self.model
         kv, logits = m.prefill(gen.ids)
         first = m.sample(logits, gen.temperature, gen.top_p, gen.seed, 0)
         with self.lock:
-            _, params = self._produce(rid, gen.ids, lambda blocks: self.write_kv(kv, blocks))
+            _, params = self._produce(rid, gen.ids, lambda blocks: self.write_kv(kv, blocks), given)
             self.counts["prefill"] += 1
         return [Choice(0, [first], tokens.decode([first]))], params
 
-    def _produce(self, rid: str, ids: list[int], forward) -> tuple[list[int], dict | None]:
+    def _produce(self, rid: str, ids: list[int], forward, given: dict | None = None) -> tuple[list[int], dict | None]:
         """A request with do_remote_decode, as vLLM's engine runs it: blocks allocated, the forward
         pass fills them (`forward(blocks)`), the connector keeps them for a decoder."""
-        req = SimpleNamespace(request_id=rid, kv_transfer_params={"do_remote_decode": True},
+        req = SimpleNamespace(request_id=rid, kv_transfer_params={**(given or {}), "do_remote_decode": True},
                               prompt_token_ids=list(ids))
         self.scheduler.get_num_new_matched_tokens(req, 0)
         blocks = self._alloc(len(ids))

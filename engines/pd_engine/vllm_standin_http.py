@@ -103,7 +103,7 @@ def app(standin: StandIn, served: str) -> web.Application:
         params = body.kv_transfer_params or {}
         try:
             if params.get("do_remote_decode"):
-                choices, out_params = await asyncio.to_thread(standin.prefill_remote, rid, gen)
+                choices, out_params = await asyncio.to_thread(standin.prefill_remote, rid, gen, params)
                 return web.json_response(_reply(chat, rid, served, body, gen, choices, out_params))
             source = (standin.decode_remote(rid, gen, params) if params.get("do_remote_prefill")
                       else standin.local(gen))

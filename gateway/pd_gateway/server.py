@@ -44,10 +44,12 @@ from pd_contract.engine_env import (
     PD_LOCAL_ROOT,
     PD_MODEL_NAME,
     POD_NAMESPACE,
+    flag,
 )
 from pd_contract.gateway_env import (
     PD_GATEWAY_BOS_TOKEN,
     PD_GATEWAY_CHAT_TEMPLATE,
+    PD_GATEWAY_DECODER_FIRST,
     PD_GATEWAY_DEPLOYMENT,
     PD_GATEWAY_ENGINE_PORT,
     PD_GATEWAY_EOS_TOKEN,
@@ -58,6 +60,7 @@ from pd_contract.gateway_env import (
     PD_GATEWAY_TOKENIZER,
     PD_GATEWAY_USAGE_CONFIGMAP,
     PD_MODEL_ALIASES,
+    POD_IP,
 )
 from pd_contract.names import AGENT_PORT, GATEWAY_METRICS_PORT
 from pd_router.routing import (
@@ -151,6 +154,8 @@ class Config:
     usage_configmap: str | None = None
     # the engines serve vLLM's OpenAI API on this port (spec.engine.adapter vLLM): vLLM's P-D protocol
     engine_port: int | None = None
+    decoder_first: bool = False     # ... decoder first, through this gateway's metaserver
+    self_url: str = ""              # where the engines reach this gateway's pod (the metaserver)
     # the model's own tokenizer.json and chat template (spec.model.tokenizer); default cl100k
     tokenizer: str | None = None
     chat_template: str | None = None
@@ -186,6 +191,9 @@ class Config:
                    key_policy=policy.parse(env.get(PD_GATEWAY_KEY_POLICY)),
                    usage_configmap=env.get(PD_GATEWAY_USAGE_CONFIGMAP) or None,
                    engine_port=_positive(env, PD_GATEWAY_ENGINE_PORT, None),
+                   decoder_first=flag(env, PD_GATEWAY_DECODER_FIRST),
+                   self_url=f"http://{env.get(POD_IP) or env.get(PD_LOCAL_POD_IP) or '127.0.0.1'}:"
+                            f"{int(env.get('PD_GATEWAY_PORT') or PORT)}",
                    tokenizer=env.get(PD_GATEWAY_TOKENIZER) or None,
                    chat_template=env.get(PD_GATEWAY_CHAT_TEMPLATE) or None,
                    bos_token=env.get(PD_GATEWAY_BOS_TOKEN, ""), eos_token=env.get(PD_GATEWAY_EOS_TOKEN, ""))
@@ -200,6 +208,7 @@ class Route:
     deployment: str | None = None
     aliases: tuple[str, ...] = ()
     tokenizer: ModelTokenizer = field(default_factory=Cl100k)
+    decoder_first: bool = False     # vLLM engines with vllm-ascend's layerwise Mooncake: the decoder first
 
 
 @dataclass
@@ -873,8 +882,8 @@ class Gateway:
             web.get("/v1/models", self.models), web.post("/v1/chat/completions", self.chat),
             web.post("/v1/completions", self.completions), web.post("/v1/messages", self.messages),
             web.post("/v1/responses", self.responses), web.get("/v1/usage", self.usage_report),
-            web.delete("/v1/usage/{key}", self.usage_reset),
-        ])
+            web.delete("/v1/usage/{key}", self.usage_reset)])
+        vllm_route.attach(app, self.cfg.self_url)
         app.router.add_route("*", "/{tail:.*}", self.not_found)
         return app
 
@@ -955,17 +964,17 @@ async def serve(cfg: Config, host: str, port: int, metrics_port: int = GATEWAY_M
                                 r["deployment"], tuple(r.get("aliases") or ()),
                                 load_tokenizer(r.get("tokenizer"), os.environ.get(r.get("chatTemplateEnv") or "")
                                                or None, local_root, r.get("bosToken") or "", r.get("eosToken") or "",
-                                               strict=False)))
+                                               strict=False), bool(r.get("decoderFirst"))))
     elif cfg.agents:
         fleet = Fleet(http, cfg.data_token, fixed_finder(cfg.agents), engine_port=cfg.engine_port)
         routes.append(Route(cfg.model, fleet, None, cfg.aliases,
                             load_tokenizer(cfg.tokenizer, cfg.chat_template, local_root, cfg.bos_token,
-                                           cfg.eos_token)))
+                                           cfg.eos_token), cfg.decoder_first))
     elif cfg.deployment:
         routes.append(Route(cfg.model, Fleet(http, cfg.data_token, pod_finder(cfg.namespace, cfg.deployment),
                                              engine_port=cfg.engine_port), cfg.deployment, cfg.aliases,
                             load_tokenizer(cfg.tokenizer, cfg.chat_template, local_root, cfg.bos_token,
-                                           cfg.eos_token)))
+                                           cfg.eos_token), cfg.decoder_first))
     else:
         raise SystemExit("pd_gateway: set PD_GATEWAY_DEPLOYMENT, PD_GATEWAY_ROUTES or PD_GATEWAY_AGENTS")
     keys = Keys(from_secret(cfg.namespace, cfg.keys_secret) if cfg.keys_secret else from_env(),

@@ -21,6 +21,7 @@ import asyncio
 import copy
 import json
 import logging
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 import httpx
 from aiohttp import web
 
+from pd_contract.mooncake import METASERVER_PATH
 from pd_router.routing import BadReport, EngineError, Fleet, Unavailable, lines_capped, read_capped
 
 from . import policy
@@ -122,6 +124,7 @@ class Pairing:
         self.avoid: set[str] = set()
         self.refusals: dict[str, int] = {}
         self.rid = uuid.uuid4().hex
+        self.prefilled = ""      # decoder first: the prefill that pushed the KV (the metaserver's pick)
 
     def refuse(self, reason: str, url: str | None) -> None:
         if url is None and reason in self.refusals:
@@ -256,12 +259,12 @@ async def serve(gw, request: web.Request, key: str, api: str, data: dict, body, 
     r: httpx.Response | None = None
     gw.usage.reserve(key, reserved)
     try:
-        p, params = await pairing.prefill(path, data, estimate, out)
-        if out.status != 200:        # the engine refused the request itself: its answer, as it gave it
+        first = decoder_first(pairing, request.app, path, data, estimate) if route.decoder_first else \
+            prefill_first(pairing, path, data, estimate, out)
+        d, r, usage_added = await first
+        if r is None:        # the engine refused the request itself: its answer, as it gave it
             status = str(out.status)
             return web.Response(body=out.body, status=out.status, content_type="application/json")
-        decode, usage_added = decode_body(data, params)
-        d, r = await pairing.decoder(p, path, decode)
         out.decoder = d["name"]
         if r.status_code != 200:
             status = str(r.status_code)
@@ -310,10 +313,121 @@ async def serve(gw, request: web.Request, key: str, api: str, data: dict, body, 
                 gw._account(key, api, None, t0, times, prompt, completion, route.model)
             else:
                 gw.usage.record(key, route.model, prompt, completion, gw.clock())
-        gw.counted(key, api, status, out.prefill, out.decoder, pairing.refusals)
+        gw.counted(key, api, status, out.prefill or pairing.prefilled, out.decoder, pairing.refusals)
 
 
 RETRY_WINDOW_S = 10.0
+
+
+async def prefill_first(pairing: Pairing, path: str, data: dict, tokens: int,
+                        out: Relayed) -> tuple[dict, httpx.Response | None, bool]:
+    """vLLM's order: a prefill, then a decoder linked to it with the prefill's kv_transfer_params.
+    (decoder, its open response or None when the prefill refused the request itself, usage added)."""
+    p, params = await pairing.prefill(path, data, tokens, out)
+    if out.status != 200:
+        return {}, None, False
+    decode, added = decode_body(data, params)
+    d, r = await pairing.decoder(p, path, decode)
+    return d, r, added
+
+
+# ---- decoder first (vllm-ascend's MooncakeLayerwiseConnector) ------------------------------------
+# The request goes to a decoder with `kv_transfer_params: {"do_remote_prefill": true, "metaserver":
+# <this gateway>/v1/metaserver}`. The decoder's connector allocates the prompt's blocks and posts them
+# there (`request_id`, `remote_block_ids`, `remote_host`, ...); the gateway then sends the request to
+# a prefill linked to that decoder with those kv_transfer_params, `max_tokens: 1`, `stream: false`,
+# and the prefill pushes the KV into the decoder's blocks layer by layer. The decoder's reply is
+# relayed as for vLLM's order. A request id is known only to the gateway and the decoder it chose.
+
+PENDING: web.AppKey[dict] = web.AppKey("pd_gateway.decoder_first", dict)
+SELF_URL: web.AppKey[str] = web.AppKey("pd_gateway.self_url", str)
+RID = re.compile(r"[0-9a-f]{32}")
+PENDING_MAX_AGE_S = 600.0
+
+
+@dataclass
+class Waiting:
+    """A decoder-first request the metaserver has not been asked about yet."""
+    pairing: Pairing
+    path: str
+    data: dict
+    first: dict                 # the prefill picked with the decoder (linked to it)
+    at: float
+    decoder: dict | None = None
+
+    async def prefill(self, params: dict) -> None:
+        """The prefill that pushes the KV: the one picked first, else another linked to the decoder."""
+        pr, body = self.pairing, prefill_body(self.data)
+        body["kv_transfer_params"] = params
+        while True:
+            linked = [p for p in pr.fleet.prefills if self.decoder is not None and pr.fleet.linked(p, self.decoder)]
+            p = next((p for p in [self.first, *linked] if p["url"] not in pr.avoid), None)
+            if p is None:
+                pr.refuse("NoLinkedPair", None)
+                await pr.wait()
+                pr.avoid.clear()
+                continue
+            try:
+                status, raw = await pr._post(p["engine_url"] + self.path, body)
+            except (httpx.HTTPError, BadReport) as e:
+                pr.refuse(type(e).__name__, p["url"])
+                await pr.wait()
+                continue
+            if status in RETRYABLE_STATUS:
+                pr.refuse(f"HTTP{status}", p["url"])
+                await pr.wait()
+                continue
+            if status != 200:
+                log.warning("prefill %s refused request %s: %d %s", p["name"], pr.rid, status, raw[:200])
+            pr.prefilled = p["name"]
+            return
+
+
+def attach(app: web.Application, self_url: str) -> None:
+    """The metaserver route (decoder first), on the gateway's API port."""
+    app[PENDING] = {}
+    app[SELF_URL] = self_url
+    app.router.add_post(METASERVER_PATH, metaserver)
+
+
+async def decoder_first(pairing: Pairing, app: web.Application, path: str, data: dict,
+                        tokens: int) -> tuple[dict, httpx.Response | None, bool]:
+    pending: dict[str, Waiting] = app[PENDING]
+    now = pairing.clock()
+    for rid in [rid for rid, w in pending.items() if now - w.at > PENDING_MAX_AGE_S]:
+        del pending[rid]          # a decoder that never asked
+    while (p := pairing.fleet.pick_prefill(pairing.avoid, tokens)) is None:
+        pairing.refuse("NoLinkedPair", None)
+        await pairing.wait()
+        pairing.avoid.clear()
+    waiting = pending[pairing.rid] = Waiting(pairing, path, data, p, now)
+    decode, added = decode_body(data, {"do_remote_decode": False, "do_remote_prefill": True,
+                                       "metaserver": app[SELF_URL] + METASERVER_PATH})
+    try:
+        d, r = await pairing.decoder(p, path, decode)
+    except BaseException:
+        pending.pop(pairing.rid, None)
+        raise
+    waiting.decoder = d
+    return d, r, added
+
+
+async def metaserver(request: web.Request) -> web.Response:
+    """A decoder's connector names the blocks of a request this gateway sent it: a prefill fills them."""
+    try:
+        msg = await request.json()
+    except ValueError:
+        return web.json_response({"error": "the body is not JSON"}, status=400)
+    m = RID.search(str(msg.get("request_id", ""))) if isinstance(msg, dict) else None
+    waiting: Waiting | None = request.app[PENDING].pop(m.group(0), None) if m else None
+    if waiting is None:
+        return web.json_response({"error": "no request of this gateway waits for that id"}, status=404)
+    try:
+        await waiting.prefill(msg)
+    except Unavailable as e:
+        log.warning("request %s: no prefill took the decoder's blocks: %s", waiting.pairing.rid, e)
+        return web.json_response({"error": str(e)}, status=503)
+    return web.json_response({})
 
 
 def _json(raw: bytes) -> dict:

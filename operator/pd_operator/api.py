@@ -615,7 +615,8 @@ REFERENCE_MAX_SEQ = 8192
 REFERENCE_MIN_SEQ = 64
 _REF = "has(self.sim) && has(self.sim.engine) && self.sim.engine == 'reference'"
 _KV = "self.model.kvCache"
-_MOONCAKE = "(has(self.engine) && has(self.engine.kvTransfer) && self.engine.kvTransfer == 'mooncake')"
+_MOONCAKE = ("(has(self.engine) && has(self.engine.kvTransfer) && "
+             "self.engine.kvTransfer in ['mooncake', 'mooncake-layerwise'])")
 _KV_PORT = f"(has(self.engine.kvPort) ? self.engine.kvPort : {DEFAULT_KV_PORT})"
 _NPN = f"(has(self.ascend) && has(self.ascend.npusPerNode) ? self.ascend.npusPerNode : {DEFAULT_NPUS_PER_NODE})"
 
@@ -682,7 +683,8 @@ class EngineContainer(Model):
             "adapter vLLM: how KV moves. pd-operator: pd_engine's connector over LLM-DataDist (kv_both, roles "
             "switch live). mooncake: vllm-ascend's own MooncakeConnectorV1 (kv_producer or kv_consumer; the "
             "container runs the engine under pd_engine.launch, which restarts it in place, drained, with the "
-            "flipped kv_role when the operator switches the pod's role)"))
+            "flipped kv_role when the operator switches the pod's role). mooncake-layerwise: vllm-ascend's "
+            "MooncakeLayerwiseConnector the same way (decoder first: pd-gateway serves its metaserver)"))
     kv_port: int = Field(default=DEFAULT_KV_PORT, ge=1024, le=65535, description=(
         "kvTransfer mooncake: the side channel's base port (vLLM's kv_port; rank r listens on kvPort + r); at "
         "least 20000 + 1000 x spec.ascend.npusPerNode"))
@@ -740,10 +742,12 @@ class PDDeploymentSpec(Model):
          "spec.model.kvCache.paged is required with spec.engine.adapter vLLM (vLLM's KV cache is paged: blockSize "
          "and numBlocks as vLLM runs)", ".engine"),
         (f"!{_MOONCAKE} || self.engine.adapter == 'vLLM'",
-         "spec.engine.kvTransfer mooncake needs spec.engine.adapter vLLM (vllm-ascend's MooncakeConnectorV1)",
+         "spec.engine.kvTransfer mooncake and mooncake-layerwise need spec.engine.adapter vLLM (vllm-ascend's "
+         "connectors)",
          ".engine.kvTransfer"),
         (f"!{_MOONCAKE} || has(self.engine.port)",
-         "spec.engine.port is required with spec.engine.kvTransfer mooncake: the operator verifies each pair and "
+         "spec.engine.port is required with spec.engine.kvTransfer mooncake (and mooncake-layerwise): the operator "
+         "verifies each pair and "
          "pd-gateway routes through the engines' own OpenAI port", ".engine.port"),
         *(_kv_port_rule(n) for n in (8, 16, None)),
         (f"!{_MOONCAKE} || {_KV_PORT} + ({_P_TP} > {_D_TP} ? {_P_TP} : {_D_TP}) <= 65536",

@@ -294,7 +294,7 @@ def engine_container(name: str, spec: PDDeploymentSpec, group: str, resource: st
     if e.adapter == "vLLM":
         given = command + args
         vargs, venv = render_vllm_args(tensor_parallel=spec.tp(group), host_ip=f"$({ev.LLM_DATADIST_IP})")
-        if e.kv_transfer == "mooncake":   # pd_engine.launch adds the role's --kv-transfer-config at each start
+        if mooncake.is_mooncake(e.kv_transfer):   # pd_engine.launch adds the role's --kv-transfer-config at each start
             vargs = vargs[:2]
             env += mooncake_env(spec)
             command = [*LAUNCHER, *(command or VLLM_SERVE)]

@@ -83,6 +83,16 @@ def vllm_port(spec: PDDeploymentSpec) -> int | None:
     return e.port if e is not None and e.adapter == "vLLM" and e.port else None
 
 
+def decoder_first(spec: PDDeploymentSpec) -> bool:
+    """vLLM engines with vllm-ascend's layerwise Mooncake connector: a gateway sends each request to a
+    decoder first, which posts its blocks to the gateway's metaserver."""
+    return vllm_port(spec) is not None and spec.engine is not None and mooncake.decoder_first(spec.engine.kv_transfer)
+
+
+# where the engines reach a gateway's pod (its metaserver)
+POD_IP_ENV = {"name": gwenv.POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+
+
 def gateway_objects(name: str, namespace: str, spec: PDDeploymentSpec, owner: dict,
                     image: str | None = None, keys_allowed: bool = True,
                     config: OperatorConfig | None = None) -> list[dict]:
@@ -114,6 +124,8 @@ def gateway_objects(name: str, namespace: str, spec: PDDeploymentSpec, owner: di
     port = vllm_port(spec)
     if port:
         env.append({"name": gwenv.PD_GATEWAY_ENGINE_PORT, "value": str(port)})
+    if decoder_first(spec):
+        env += [{"name": gwenv.PD_GATEWAY_DECODER_FIRST, "value": "1"}, POD_IP_ENV]
     tok = tokenizer_mount(name, spec)
     if tok is not None:
         for k, var in (("tokenizer", gwenv.PD_GATEWAY_TOKENIZER), ("chatTemplate", gwenv.PD_GATEWAY_CHAT_TEMPLATE),
@@ -257,7 +269,7 @@ def network_policy(name: str, namespace: str, spec: PDDeploymentSpec, owner: dic
     if spec.engine is not None and spec.engine.port:
         # the server's own API (spec.engine.port): a router of its own, in this namespace
         ingress.append({"from": [{"podSelector": {}}], "ports": [{"protocol": "TCP", "port": spec.engine.port}]})
-    if spec.engine is not None and spec.engine.kv_transfer == "mooncake":
+    if spec.engine is not None and mooncake.is_mooncake(spec.engine.kv_transfer):
         # Mooncake between the engines: the side channels (kvPort + rank), the transport's own ports
         # and the pair verification's requests to the other engine's OpenAI port
         lo, hi = mooncake.random_port_range(spec.ascend.npus_per_node if spec.ascend else
@@ -270,14 +282,17 @@ def network_policy(name: str, namespace: str, spec: PDDeploymentSpec, owner: dic
     scrapers = metrics_scrapers(operator_namespace, metrics_namespaces)
     if scrapers:
         ingress.append({"from": scrapers, "ports": [{"protocol": "TCP", "port": AGENT_METRICS_PORT}]})
+    egress = [{"to": [own], "ports": ports}, {"ports": copy.deepcopy(DNS_PORTS)}]
+    if spec.engine is not None and mooncake.decoder_first(spec.engine.kv_transfer):
+        # a decoder posts its blocks to the metaserver of the pd-gateway that sent it the request
+        egress.append({"to": agent_from[1:3], "ports": [{"protocol": "TCP", "port": GATEWAY_PORT}]})
     return {
         "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
         "metadata": object_meta(f"{name}-engines", namespace, owner, common_labels(name)),
         "spec": {"podSelector": {"matchLabels": {LABEL_DEPLOYMENT: name}}, "policyTypes": ["Ingress", "Egress"],
                  "ingress": ingress,
                  # links, pulls, verify probes and pull notices go to the deployment's own pods
-                 "egress": [{"to": [own], "ports": ports}, {"ports": copy.deepcopy(DNS_PORTS)}]
-                 + extra_egress(spec)},
+                 "egress": egress + extra_egress(spec)},
     }
 
 

@@ -22,7 +22,15 @@ from .api import GROUP, VERSION, parse_spec
 from .api_gateway import KIND, PDGatewaySpec, Selector
 from .conditions import set_condition
 from .config import OperatorConfig
-from .gateway import data_token_secret_name, gateway_network_policy, tokenizer_mount, vllm_port, workload
+from .gateway import (
+    POD_IP_ENV,
+    data_token_secret_name,
+    decoder_first,
+    gateway_network_policy,
+    tokenizer_mount,
+    vllm_port,
+    workload,
+)
 from .resources import with_defaults
 
 
@@ -53,6 +61,7 @@ class Served:
     aliases: list[str] = field(default_factory=list)
     engine_port: int | None = None            # vLLM engines: their OpenAI port (vLLM's P-D protocol)
     tokenizer: tuple[dict, dict, dict] | None = None   # spec.model.tokenizer: volume, mount, route settings
+    decoder_first: bool = False               # vllm-ascend's layerwise Mooncake: the decoder first
 
 
 @dataclass
@@ -96,7 +105,7 @@ def routing(deployments: list[dict], selector: Selector | None, tokens: set[str]
     (`outage`: seconds without serving, by deployment) for `grace`: a brief outage of the owner
     does not hand its model to another claim."""
     claims: dict[str, list[dict]] = {}
-    picked: list[tuple[str, str, list[str], int | None, tuple | None]] = []
+    picked: list[tuple[str, str, list[str], int | None, tuple | None, bool]] = []
     invalid: dict[str, str] = {}
     for d in sorted(deployments, key=lambda d: d["metadata"]["name"]):
         meta = d["metadata"]
@@ -111,7 +120,7 @@ def routing(deployments: list[dict], selector: Selector | None, tokens: set[str]
         for n in dict.fromkeys(names):
             claims.setdefault(n, []).append(d)
         picked.append((meta["name"], spec.model.name, list(spec.model.aliases or []), vllm_port(spec),
-                       tokenizer_mount(meta["name"], spec)))
+                       tokenizer_mount(meta["name"], spec), decoder_first(spec)))
     owner: dict[str, str] = {}
     conflicts: dict[str, list[str]] = {}
     for n, ds in claims.items():
@@ -123,14 +132,14 @@ def routing(deployments: list[dict], selector: Selector | None, tokens: set[str]
         if len(ds) > 1:
             conflicts[n] = [owner[n], *(d["metadata"]["name"] for d in ds if d is not win)]
     served, waiting = [], []
-    for dep, model, aliases, port, tok in picked:
+    for dep, model, aliases, port, tok, first in picked:
         names = [n for n in dict.fromkeys([model, *aliases]) if owner.get(n) == dep]
         if not names:
             continue
         if tokens is not None and dep not in tokens:
             waiting.append(dep)
             continue
-        served.append(Served(names[0], dep, names[1:], port, tok))
+        served.append(Served(names[0], dep, names[1:], port, tok, first))
     return Routing(served, conflicts, invalid, waiting)
 
 
@@ -176,6 +185,8 @@ def objects(name: str, namespace: str, spec: PDGatewaySpec, owner: dict, r: Rout
         route: dict = {"model": s.model, "aliases": s.aliases, "deployment": s.deployment, "tokenEnv": token_env}
         if s.engine_port:
             route["enginePort"] = s.engine_port
+        if s.decoder_first:
+            route["decoderFirst"] = True
         if s.tokenizer:
             settings = dict(s.tokenizer[2])
             if "chatTemplate" in settings:   # in a variable of its own: one variable holds at most 128 KiB
@@ -187,6 +198,8 @@ def objects(name: str, namespace: str, spec: PDGatewaySpec, owner: dict, r: Rout
         env.append({"name": token_env, "valueFrom": {"secretKeyRef": {
             "name": data_token_secret_name(s.deployment), "key": "token", "optional": True}}})
     env.insert(1, {"name": gwenv.PD_GATEWAY_ROUTES, "value": json.dumps(routes, sort_keys=True)})
+    if any(s.decoder_first for s in r.served):
+        env.append(POD_IP_ENV)      # where those engines post to the metaserver
     pod_labels = {"app.kubernetes.io/name": "pd-gateway", "app.kubernetes.io/instance": name, LABEL_PDGATEWAY: name}
     config = config or OperatorConfig()
     meta = _meta(name, namespace, owner, name)

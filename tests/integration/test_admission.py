@@ -152,7 +152,7 @@ CASES = [
                 with_("spec.model.kvCache.paged", {"blockSize": 16, "numBlocks": 64})(d)),
      "[20000, 36000) for 16 NPUs per node"),
     ("Mooncake without vLLM", with_("spec.engine", {"image": "e:1", "kvTransfer": "mooncake", "port": 8001}),
-     "spec.engine.kvTransfer mooncake needs spec.engine.adapter vLLM"),
+     "spec.engine.kvTransfer mooncake and mooncake-layerwise need spec.engine.adapter vLLM"),
     ("Mooncake without the server's port",
      lambda d: (with_("spec.engine", {"image": "e:1", "adapter": "vLLM", "kvTransfer": "mooncake"})(d),
                 with_("spec.model.kvCache.paged", {"blockSize": 16, "numBlocks": 64})(d)),

@@ -1,9 +1,11 @@
-"""vllm-ascend's own Mooncake connector on the local cluster (`spec.engine.kvTransfer: mooncake`), with
-the vLLM stand-in's MooncakeConnectorV1 (pd_engine.mooncake_standin: vllm-ascend's config and
-kv_transfer_params, real TCP reads of real blocks). The engine containers run under pd_engine.launch;
-the operator pairs and verifies each pair with a real request, pd-gateway routes with vLLM's P-D
-protocol, and a role switch is a drained restart of the server in place with the flipped kv_role:
-the pod, its UID and its container stay, traffic runs through it and no request fails."""
+"""vllm-ascend's own Mooncake connectors on the local cluster (`spec.engine.kvTransfer: mooncake` and
+`mooncake-layerwise`), with the vLLM stand-in's MooncakeConnectorV1 and MooncakeLayerwiseConnector
+(pd_engine.mooncake_standin: vllm-ascend's config and kv_transfer_params, real TCP reads and pushes
+of real blocks; layerwise runs decoder first through pd-gateway's metaserver). The engine containers
+run under pd_engine.launch; the operator pairs and verifies each pair with a real request, pd-gateway
+routes with vLLM's P-D protocol (or decoder first), and a role switch is a drained restart of the
+server in place with the flipped kv_role: the pod, its UID and its container stay, traffic runs
+through it and no request fails."""
 from __future__ import annotations
 
 import json
@@ -21,10 +23,10 @@ STANDIN_PORT = 8001
 KV_PORT = 30000
 
 
-def mooncake_doc() -> tuple[dict, dict]:
+def mooncake_doc(kind: str) -> tuple[dict, dict]:
     from tests.integration.test_vllm_path import vllm_gateway_doc
     doc, profile = vllm_gateway_doc()
-    doc["spec"]["engine"].update(kvTransfer="mooncake", kvPort=KV_PORT)
+    doc["spec"]["engine"].update(kvTransfer=kind, kvPort=KV_PORT)
     return doc, profile
 
 
@@ -38,8 +40,10 @@ def pods(cluster: Cluster, ns: str) -> dict[str, dict]:
         "pods", "-n", ns, "-l", "pdoperator.io/deployment=sim-small")["items"]}
 
 
+@pytest.mark.parametrize("kind,connector", [("mooncake", "MooncakeConnectorV1"),
+                                            ("mooncake-layerwise", "MooncakeLayerwiseConnector")])
 def test_a_mooncake_deployment_serves_and_switches_a_decoder_by_a_drained_restart_in_place(
-        cluster: Cluster, namespace: str, operator) -> None:
+        cluster: Cluster, namespace: str, operator, kind: str, connector: str) -> None:
     from llm_datadist_sim.refmodel import Model, Profile
     from tests.integration.conftest import keys_secret
     from tests.integration.test_content import KEY, Checker, assert_all_match, gateway_url, prompts
@@ -47,7 +51,7 @@ def test_a_mooncake_deployment_serves_and_switches_a_decoder_by_a_drained_restar
     from tests.integration.test_traffic import Load
     ns = namespace
     keys_secret(cluster, ns, **{"team-a": KEY})
-    doc, profile = mooncake_doc()
+    doc, profile = mooncake_doc(kind)
     cluster.apply(doc, ns)
     obj = wait_phase(cluster, ns, "Ready", timeout=240, extra=lambda o: o["status"]["linksSummary"] == "4/4"
                      and condition(o, "KVPathVerified").get("status") == "True")
@@ -58,13 +62,13 @@ def test_a_mooncake_deployment_serves_and_switches_a_decoder_by_a_drained_restar
     assert engine["command"][:4] == ["python3", "-m", "pd_engine.launch", "--"], engine["command"]
     assert "--kv-transfer-config" not in engine.get("args", [])
     env = {e["name"]: e.get("value") for e in engine["env"]}
-    assert env["PD_KV_TRANSFER"] == "mooncake" and env["PD_KV_PORT"] == str(KV_PORT)
+    assert env["PD_KV_TRANSFER"] == kind and env["PD_KV_PORT"] == str(KV_PORT)
     assert json.loads(env["PD_KV_PARALLEL"]) == {"prefill": {"tp_size": 1, "dp_size": 1},
                                                  "decode": {"tp_size": 1, "dp_size": 1}}
     for pod, want in (("sim-small-prefill-0", "kv_producer"), ("sim-small-prefill-1", "kv_producer"),
                       ("sim-small-decoder-0", "kv_consumer"), ("sim-small-decoder-1", "kv_consumer")):
         h = engine_health(cluster, ns, pod)
-        assert h["kv_connector"] == "MooncakeConnectorV1" and h["kv_role"] == want, (pod, h)
+        assert h["kv_connector"] == connector and h["kv_role"] == want, (pod, h)
 
     # through pd-gateway: every completion equal to one engine's, the KV read from the prefills
     url = gateway_url(cluster, ns)
@@ -87,7 +91,7 @@ def test_a_mooncake_deployment_serves_and_switches_a_decoder_by_a_drained_restar
     took = time.monotonic() - t0
     s, c = load.stop(), check.summary()
     moved = last["pod"]
-    print(f"\nMooncake switch of {moved}: {last}; loadgen {s['completed']}/{s['requests']} completed, "
+    print(f"\n{kind}: switch of {moved}: {last}; loadgen {s['completed']}/{s['requests']} completed, "
           f"content checks {c} ({took:.0f}s)")
     assert s["failed"] == 0, s["failed_by_reason"]
     assert c["failed"] == 0 and c["mismatched"] == 0, c

@@ -318,3 +318,37 @@ def test_the_servers_own_port_is_admitted_from_the_namespace_only_when_set():
     assert {"from": [{"podSelector": {}}], "ports": [{"protocol": "TCP", "port": 8000}]} in rules
     plain = network_policy("llm", "ns", spec_with(engine={"image": "e:1"}), {})["spec"]["ingress"]
     assert not any(r["from"] == [{"podSelector": {}}] for r in plain)
+
+
+@pytest.mark.parametrize("kind", ["mooncake", "mooncake-layerwise"])
+def test_a_mooncake_engine_runs_under_the_launcher_with_its_ports_admitted(kind):
+    import json
+
+    from pd_operator.gateway import gateway_objects, network_policy
+    vllm = {"replicas": 1, "command": ["vllm", "serve", "/models/qwen"], "args": ["--port", "8001"],
+            "tensorParallel": 2}
+    spec = spec_with(engine={"image": "vllm-ascend:0.23", "adapter": "vLLM", "port": 8001, "kvTransfer": kind,
+                             "kvPort": 36000},
+                     ascend={"npusPerNode": 16},
+                     model={**SPEC["model"], "kvCache": {**SPEC["model"]["kvCache"], "numKvHeads": 8}},
+                     prefill=vllm, decoder=vllm, gateway={"enabled": True, "apiKeysSecret": "k"})
+    c = pod_of(spec, "decoder")["containers"][1]
+    assert c["command"] == ["python3", "-m", "pd_engine.launch", "--", "vllm", "serve", "/models/qwen"]
+    assert c["args"] == ["--port", "8001", "--tensor-parallel-size", "2"]     # kv-transfer-config: the launcher's
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["PD_KV_TRANSFER"] == kind and env["PD_KV_PORT"] == "36000" and env["PD_ENGINE_PORT"] == "8001"
+    assert json.loads(env["PD_KV_PARALLEL"]) == {"prefill": {"tp_size": 2, "dp_size": 1},
+                                                 "decode": {"tp_size": 2, "dp_size": 1}}
+    pol = network_policy("llm", "ns", spec, {})["spec"]
+    kv = [{"protocol": "TCP", "port": 36000, "endPort": 36001}, {"protocol": "TCP", "port": 20000, "endPort": 35999}]
+    assert {"from": [{"podSelector": {"matchLabels": {"pdoperator.io/deployment": "llm"}}}], "ports": kv} \
+        in pol["ingress"]
+    to_gateway = [r for r in pol["egress"] if r.get("ports") == [{"protocol": "TCP", "port": 8000}]]
+    gw_env = {e["name"] for o in gateway_objects("llm", "ns", spec, {}) if o["kind"] == "Deployment"
+              for e in o["spec"]["template"]["spec"]["containers"][0]["env"]}
+    if kind == "mooncake-layerwise":    # decoder first: the engines post to the gateway's metaserver
+        assert to_gateway and {"PD_GATEWAY_DECODER_FIRST", "POD_IP"} <= gw_env
+    else:
+        assert not to_gateway and "PD_GATEWAY_DECODER_FIRST" not in gw_env
+    plain = pod_of(spec_with(engine={"image": "e:1", "adapter": "vLLM"}, prefill=vllm), "prefill")["containers"][1]
+    assert plain["command"] == ["vllm", "serve", "/models/qwen"]      # pd-operator's connector: as before

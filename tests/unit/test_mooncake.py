@@ -200,3 +200,80 @@ def test_the_launcher_reads_vllms_own_load_metrics():
             'vllm:num_requests_waiting{engine="0",model_name="m"} 2.0\nvllm:kv_cache_usage_perc 0.5\n')
     assert parse_load(text) == (4, 2)
     assert parse_load("") == (0, 0)
+
+
+# ---- mooncake-layerwise: decoder first, a metaserver, pushes layer by layer ------------------------
+
+def test_the_layerwise_config_and_protocol_are_vllm_ascends(src):
+    tree = ast.parse((src / "__init__.py").read_text())
+    names = {n.args[0].value: n.args[2].value for n in ast.walk(tree) if isinstance(n, ast.Call)  # type: ignore
+             and getattr(n.func, "attr", "") == "register_connector"}
+    assert names[mooncake.CONNECTORS["mooncake-layerwise"]] == "MooncakeLayerwiseConnector"
+    assert vs.REGISTERED["MooncakeLayerwiseConnector"][1] == "MooncakeLayerwiseConnector"
+    code = (src / "kv_p2p/mooncake_layerwise_connector.py").read_text()
+    # the decoder posts its blocks to the request's metaserver; these are what the prefill reads
+    assert 'params.get("metaserver"' in code and "self._access_metaserver" in code
+    for key in ("request_id", "do_remote_decode", "remote_block_ids", "remote_engine_id", "remote_host",
+                "remote_port", "remote_tp_size"):
+        assert f"{key}=" in code, key
+    assert "# layer_wise push, not need delay_free_blocks\n        return False, None" in code
+    assert "kv_transfer_config.kv_port" in code and "kv_transfer_config.engine_id" in code
+    proxy = (SRC / "examples/disaggregated_prefill_v1/load_balance_proxy_layerwise_server_example.py").read_text()
+    assert '"do_remote_prefill": True,\n            "metaserver":' in proxy
+    assert 'req_data["kv_transfer_params"] = kv_transfer_params' in proxy and '@app.post("/v1/metaserver")' in proxy
+    assert mooncake.METASERVER_PATH == "/v1/metaserver" and mooncake.decoder_first("mooncake-layerwise")
+    cfg = mooncake.kv_transfer_config("prompt", kv_port=36000, engine_id="p", prefill_tp=1, decoder_tp=1,
+                                      kind="mooncake-layerwise")
+    assert cfg["kv_connector"] == "MooncakeLayerwiseConnector" and cfg["kv_role"] == "kv_producer"
+
+
+@pytest.fixture
+def layerwise_pair():
+    made = []
+
+    def make(role: str) -> vs.StandIn:
+        cfg = mooncake.kv_transfer_config(role, kv_port=free_port(), engine_id=f"{role}-0", prefill_tp=1,
+                                          decoder_tp=1, kind="mooncake-layerwise")
+        s = vs.StandIn(vs.load_connector(cfg), cfg, 1, _env(role))
+        made.append(s)
+        return s
+    yield make("prompt"), make("decoder")
+    for s in made:
+        s.worker.shutdown()
+
+
+def test_layerwise_the_decoder_asks_the_metaserver_and_the_prefill_pushes_every_layer(layerwise_pair):
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    p, d = layerwise_pair
+    model = Model.get(Profile.from_json(PROFILE))
+    texts = ("pushed layer by layer", "the decoder goes first " * 3)
+    gens = {f"chatcmpl-{i}": generation(p, chat(t)) for i, t in enumerate(texts)}
+    asked: list[dict] = []
+
+    class Metaserver(BaseHTTPRequestHandler):      # what pd-gateway does with the decoder's message
+        def do_POST(self) -> None:
+            msg = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            asked.append(msg)
+            choices, out = p.prefill_remote("p-" + msg["request_id"], gens[msg["request_id"]], msg)
+            assert out is None and len(choices[0].token_ids) == 1
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Metaserver)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1/metaserver"
+        for rid, gen in gens.items():
+            params = {"do_remote_decode": False, "do_remote_prefill": True, "metaserver": url}
+            got = [c.token_ids for c, _ in d.choices(gen, d.decode_remote(rid, gen, params))][-1]
+            assert got == model.generate(gen.ids, 12), rid
+    finally:
+        server.shutdown()
+    assert [m["request_id"] for m in asked] == list(gens)
+    assert all(m["do_remote_decode"] is True and m["remote_port"] == d.worker.side_channel_port for m in asked)
+    assert d.counts["recomputed"] == 0 and d.worker.counts["received"] == 2 and p.worker.counts["pushed"] == 2
+    p.tick()
+    assert len(p.free) == p.num_blocks     # the prefill keeps nothing after its push
