@@ -48,6 +48,29 @@ def _parallel(extra: dict, role: str) -> dict:
     return conf
 
 
+def serve_lines(host: str, port: int, answer: Callable[[dict, Any, Any], None],
+                name: str) -> socketserver.ThreadingTCPServer:
+    """A side channel: each connection's JSON lines answered by `answer(msg, rfile, wfile)`."""
+    class Handler(socketserver.StreamRequestHandler):
+        timeout = IO_TIMEOUT_S
+
+        def handle(self) -> None:
+            try:
+                while True:
+                    line = self.rfile.readline(MAX_LINE)
+                    if not line:
+                        return
+                    answer(json.loads(line), self.rfile, self.wfile)
+            except (OSError, ValueError) as e:
+                log.warning("side channel: %r", e)
+
+    socketserver.ThreadingTCPServer.allow_reuse_address = True
+    server = socketserver.ThreadingTCPServer((host, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name=name, daemon=True).start()
+    return server
+
+
 @dataclass
 class _Recv:
     request_id: str
@@ -236,28 +259,10 @@ class SideChannel:
 
     def __init__(self, conn: MooncakeConnector, host: str, port: int):
         self.conn = conn
-        channel = self
-
-        class Handler(socketserver.StreamRequestHandler):
-            timeout = IO_TIMEOUT_S
-
-            def handle(self) -> None:
-                try:
-                    while True:
-                        line = self.rfile.readline(MAX_LINE)
-                        if not line:
-                            return
-                        channel.answer(json.loads(line), self.wfile)
-                except (OSError, ValueError) as e:
-                    log.warning("side channel: %r", e)
-
-        socketserver.ThreadingTCPServer.allow_reuse_address = True
-        self.server = socketserver.ThreadingTCPServer((host, port), Handler)
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, name="mooncake-side-channel", daemon=True).start()
+        self.server = serve_lines(host, port, self.answer, "mooncake-side-channel")
         log.info("side channel of engine %s on %s:%d", conn.engine_id, host, port)
 
-    def answer(self, msg: dict, out: Any) -> None:
+    def answer(self, msg: dict, rfile: Any, out: Any) -> None:
         c, rid = self.conn, str(msg.get("request_id", ""))
         if msg.get("op") == "done":
             with c._lock:
@@ -451,25 +456,7 @@ class PushReceiver:
         self.conn = conn
         self.lock = threading.Lock()
         self.done: dict[str, threading.Event] = {}
-        receiver = self
-
-        class Handler(socketserver.StreamRequestHandler):
-            timeout = IO_TIMEOUT_S
-
-            def handle(self) -> None:
-                try:
-                    while True:
-                        line = self.rfile.readline(MAX_LINE)
-                        if not line:
-                            return
-                        receiver.answer(json.loads(line), self.rfile, self.wfile)
-                except (OSError, ValueError) as e:
-                    log.warning("side channel: %r", e)
-
-        socketserver.ThreadingTCPServer.allow_reuse_address = True
-        self.server = socketserver.ThreadingTCPServer((host, port), Handler)
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, name="mooncake-layerwise", daemon=True).start()
+        self.server = serve_lines(host, port, self.answer, "mooncake-layerwise")
 
     def _event(self, rid: str) -> threading.Event:
         with self.lock:

@@ -110,19 +110,23 @@ def _env(role: str) -> dict:
             "POD_NAME": f"{role}-0", "PD_LOCAL_POD_IP": "127.0.0.1"}
 
 
-@pytest.fixture
-def mooncake_pair():
+def _pair(kind: str):
     made = []
 
     def make(role: str) -> vs.StandIn:
         cfg = mooncake.kv_transfer_config(role, kv_port=free_port(), engine_id=f"{role}-0", prefill_tp=1,
-                                          decoder_tp=1)
+                                          decoder_tp=1, kind=kind)  # type: ignore[arg-type]
         s = vs.StandIn(vs.load_connector(cfg), cfg, 1, _env(role))
         made.append(s)
         return s
     yield make("prompt"), make("decoder")
     for s in made:
         s.worker.shutdown()
+
+
+@pytest.fixture
+def mooncake_pair():
+    yield from _pair("mooncake")
 
 
 def test_a_consumer_reads_the_producers_blocks_and_decodes_as_one_engine(mooncake_pair):
@@ -229,17 +233,7 @@ def test_the_layerwise_config_and_protocol_are_vllm_ascends(src):
 
 @pytest.fixture
 def layerwise_pair():
-    made = []
-
-    def make(role: str) -> vs.StandIn:
-        cfg = mooncake.kv_transfer_config(role, kv_port=free_port(), engine_id=f"{role}-0", prefill_tp=1,
-                                          decoder_tp=1, kind="mooncake-layerwise")
-        s = vs.StandIn(vs.load_connector(cfg), cfg, 1, _env(role))
-        made.append(s)
-        return s
-    yield make("prompt"), make("decoder")
-    for s in made:
-        s.worker.shutdown()
+    yield from _pair("mooncake-layerwise")
 
 
 def test_layerwise_the_decoder_asks_the_metaserver_and_the_prefill_pushes_every_layer(layerwise_pair):
