@@ -7,7 +7,8 @@ The launcher
    prefix here), retrying while the agent refuses (its network preflight has not passed), so the
    server starts only on a pod cleared to serve;
 2. starts the server with the pod's role's `--kv-transfer-config` (pd_contract.mooncake: kv_role,
-   kv_port, engine_id the pod's name, both roles' parallel sizes from PD_KV_PARALLEL);
+   kv_port, engine_id the pod's name with a suffix new at every start, both roles' parallel sizes
+   from PD_KV_PARALLEL), in a process group of its own;
 3. answers the rank API the pod's agent relays the operator's calls to:
    - status: the role, initialised while the server answers `/health`, its load from vLLM's own
      `/metrics` (`vllm:num_requests_running`, `vllm:num_requests_waiting`);
@@ -20,9 +21,10 @@ The launcher
      them);
    - switch_role: a drained restart in place: the server is stopped (SIGTERM, then killed after the
      drain timeout) and started again with the flipped kv_role; the pod, its NPUs and the agent
-     stay. A repeated call joins the restart in progress.
-4. exits with the server's code when the server exits on its own (the container restarts), and
-   stops the server on SIGTERM.
+     stay. The call waits 3 s, then answers 503 SWITCH_IN_PROGRESS; a repeated call joins the
+     restart in progress, and the role is the old one until the server serves in the new.
+4. exits with the server's code when the server exits on its own (the container restarts); on
+   SIGTERM waits until the server holds no request (at most the drain timeout), then stops it.
 Without a command after `--` it runs `vllm serve`."""
 from __future__ import annotations
 
@@ -62,6 +64,8 @@ from pd_contract.agent_api import (
 
 log = logging.getLogger("pd_engine.launch")
 HEALTH_EVERY_S = 1.0
+SWITCH_WAIT_S = 3.0           # switch_role waits this long for the restart, then says it is in progress
+PROBE_TIMEOUT_S = 12.0        # a pair's verification, whole (the pod's agent waits 15 s for it)
 START_TIMEOUT_S = 1800.0      # weights load: a server that has not answered /health by then failed
 PROBE_PROMPT = "pd-operator checks the KV path between a prefill and a decoder with this prompt."
 PROBE_TOKENS = 8
@@ -98,6 +102,11 @@ class Settings:
         if not port:
             raise SystemExit(f"{ev.PD_ENGINE_PORT} (spec.engine.port) is required: the launcher checks the "
                              "server there")
+        given = next((a.split("=", 1)[1] if "=" in a else b for a, b in zip(cmd, (*cmd[1:], ""))
+                      if a == "--port" or a.startswith("--port=")), None)
+        if given is not None and given != str(port):
+            raise SystemExit(f"the server's --port {given} is not {ev.PD_ENGINE_PORT} {port} (spec.engine.port): the "
+                             "launcher would wait for a server on the other port")
         parallel = json.loads(env.get(ev.PD_KV_PARALLEL) or "{}") or mooncake.extra_config(1, 1)
         return Settings(command=cmd, kind=kind, pod=ident.pod, role=ident.role,  # type: ignore[arg-type]
                         tensor_parallel=int(env.get(ev.PD_TENSOR_PARALLEL) or 1),
@@ -105,9 +114,10 @@ class Settings:
                         engine_port=port, host=ev.engine_ip(env), drain_timeout_s=ident.drain_timeout_s,
                         token=ident.token, identity=ident, env=dict(env))
 
-    def argv(self, role: str) -> list[str]:
-        """The server's command with the role's --kv-transfer-config (one given is replaced)."""
-        cfg = mooncake.kv_transfer_config(role, kv_port=self.kv_port, engine_id=self.pod,  # type: ignore[arg-type]
+    def argv(self, role: str, engine_id: str) -> list[str]:
+        """The server's command with the role's --kv-transfer-config (one given is replaced).
+        engine_id: new at every start (a peer caches an engine's addresses by its id)."""
+        cfg = mooncake.kv_transfer_config(role, kv_port=self.kv_port, engine_id=engine_id,  # type: ignore[arg-type]
                                           prefill_tp=self.parallel["prefill"]["tp_size"],
                                           decoder_tp=self.parallel["decode"]["tp_size"],
                                           prefill_dp=self.parallel["prefill"]["dp_size"],
@@ -126,6 +136,13 @@ class Settings:
         return out + ["--kv-transfer-config", json.dumps(cfg, separators=(",", ":"), sort_keys=True)]
 
 
+def _signal_group(proc: Any, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def parse_load(metrics_text: str) -> tuple[int, int]:
     """(running, waiting) from vLLM's /metrics."""
     running = waiting = 0.0
@@ -135,6 +152,17 @@ def parse_load(metrics_text: str) -> tuple[int, int]:
         else:
             waiting += float(value)
     return int(running), int(waiting)
+
+
+async def reach(host: str, port: int, timeout: float) -> str:
+    """A side channel accepts a connection: the pair can move KV."""
+    try:
+        _, w = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+        w.close()
+        return "LLM_SUCCESS"
+    except (OSError, asyncio.TimeoutError) as e:
+        log.warning("side channel %s:%d unreachable: %r", host, port, e)
+        return "LLM_LINK_FAILED"
 
 
 def host_of(url: str | None) -> str | None:
@@ -160,6 +188,13 @@ class PairProbe:
         return self.served
 
     async def probe(self, role: str, peer: str, host: str) -> VerifyResult:
+        try:
+            return await asyncio.wait_for(self._probe(role, peer, host), PROBE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return VerifyResult(ok=False, code="LLM_WAIT_PROCESS_TIMEOUT", prefill=peer, decoder=self.s.pod,
+                                message=f"a request through {peer} and {self.s.pod} took over {PROBE_TIMEOUT_S:.0f}s")
+
+    async def _probe(self, role: str, peer: str, host: str) -> VerifyResult:
         def result(ok: bool, code: str, message: str = "", pull_ms: float = 0.0) -> VerifyResult:
             return VerifyResult(ok=ok, code=code, message=message, pull_ms=pull_ms, prefill=peer, decoder=self.s.pod)
         if role != "decoder":
@@ -174,7 +209,7 @@ class PairProbe:
             if refused:
                 return result(ok=False, code="PEER_AGENT_ERROR", message=refused)
             ms = (self.clock() - t0) * 1000
-            alone = await self.http.post(f"{self.engine_url()}/v1/completions", timeout=10,
+            alone = await self.http.post(f"{self.engine_url()}/v1/completions",
                                          json={**body, "max_tokens": PROBE_TOKENS})
             if dec.status_code != 200 or alone.status_code != 200:
                 return result(ok=False, code="LLM_FAILED", message=f"the decoder's server answered "
@@ -188,7 +223,8 @@ class PairProbe:
             return result(ok=False, code="PEER_AGENT_UNREACHABLE", message=f"probing through {host}: {e!r}")
 
     async def _prefill_first(self, host: str, body: dict) -> tuple[httpx.Response, str]:
-        pre = await self.http.post(f"http://{host}:{self.s.engine_port}/v1/completions", timeout=10, json={
+        rid = {"X-Request-Id": uuid.uuid4().hex}     # one id on both engines, as pd-gateway sends
+        pre = await self.http.post(f"http://{host}:{self.s.engine_port}/v1/completions", headers=rid, json={
             **body, "max_tokens": 1, "kv_transfer_params": {
                 "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                 "remote_block_ids": None, "remote_host": None, "remote_port": None}})
@@ -196,7 +232,7 @@ class PairProbe:
         if not params or not params.get("remote_block_ids"):
             return pre, (f"the prefill's server at {host}:{self.s.engine_port} answered {pre.status_code} without "
                          f"KV to read: {pre.text[:200]}")
-        dec = await self.http.post(f"{self.engine_url()}/v1/completions", timeout=10,
+        dec = await self.http.post(f"{self.engine_url()}/v1/completions", headers=rid,
                                    json={**body, "max_tokens": PROBE_TOKENS, "kv_transfer_params": params})
         return dec, ""
 
@@ -205,7 +241,8 @@ class PairProbe:
         status: asyncio.Future = asyncio.get_running_loop().create_future()
         self.pending[pid] = (host, body, status)
         try:
-            dec = await self.http.post(f"{self.engine_url()}/v1/completions", timeout=30, json={
+            # the decoder and the prefill must see one request id: the prefill's push names it
+            dec = await self.http.post(f"{self.engine_url()}/v1/completions", headers={"X-Request-Id": pid}, json={
                 **body, "max_tokens": PROBE_TOKENS, "kv_transfer_params": {
                     "do_remote_decode": False, "do_remote_prefill": True,
                     "metaserver": f"{self.metaserver}{mooncake.METASERVER_PATH}/{pid}"}})
@@ -224,7 +261,8 @@ class PairProbe:
             raise LaunchError("NOT_FOUND", f"no probe {pid} in progress", 404)
         host, body, status = self.pending[pid]
         try:
-            pre = await self.http.post(f"http://{host}:{self.s.engine_port}/v1/completions", timeout=10,
+            pre = await self.http.post(f"http://{host}:{self.s.engine_port}/v1/completions",
+                                       headers={"X-Request-Id": pid},
                                        json={**body, "max_tokens": 1, "kv_transfer_params": params})
             outcome = (pre.status_code, pre.text)
         except httpx.HTTPError as e:
@@ -247,6 +285,7 @@ class Launcher:
         self.healthy = False
         self.restarting: asyncio.Task | None = None
         self.restart_role: str | None = None
+        self.restart_at = 0.0
         self.stopping = False
         self.draining = False
         self.exited = asyncio.Event()
@@ -261,11 +300,13 @@ class Launcher:
         return f"http://{self.s.host}:{self.s.engine_port}"
 
     # ---- the server process -------------------------------------------------------------------------
-    async def start(self) -> None:
-        argv = self.s.argv(self.role)
-        log.info("starting the server as %s: %s", self.role, " ".join(argv))
+    async def start(self, role: Role | None = None) -> None:
+        role = role or self.role
+        argv = self.s.argv(role, f"{self.s.pod}-{uuid.uuid4().hex[:8]}")
+        log.info("starting the server as %s: %s", role, " ".join(argv))
         self.healthy = False
-        self.proc = await self.spawn(*argv, env=dict(self.s.env))
+        # a session of its own: a stop reaches the server's workers too (they hold the NPUs and ports)
+        self.proc = await self.spawn(*argv, env=dict(self.s.env), start_new_session=True)
         proc = self.proc
         asyncio.get_running_loop().create_task(self._watch(proc))
 
@@ -280,13 +321,14 @@ class Launcher:
         proc, self.healthy = self.proc, False
         if proc is None or proc.returncode is not None:
             return
-        proc.send_signal(signal.SIGTERM)
+        _signal_group(proc, signal.SIGTERM)
         try:
             await asyncio.wait_for(proc.wait(), grace)
         except asyncio.TimeoutError:
             log.warning("the server did not stop in %.0fs: killing it", grace)
-            proc.kill()
+            _signal_group(proc, signal.SIGKILL)
             await proc.wait()
+        _signal_group(proc, signal.SIGKILL)     # a worker that outlived the server
 
     async def wait_healthy(self, timeout: float) -> None:
         deadline = self.clock() + timeout
@@ -330,7 +372,8 @@ class Launcher:
             port=self.s.kv_port + r, model_id=ident.model_id, links=list(self.links[r].values()),
             load=Load(running=self.running, queue_depth=self.waiting, in_flight=in_flight if r == 0 else 0,
                       pending_kv=self.held if r == 0 else 0),
-            draining=self.draining, terminating=self.stopping, switchable=True, cache_desc=ident.cache_desc,
+            draining=self.draining, terminating=self.stopping,
+            switchable=ev.flag(self.s.env, ev.PD_ENABLE_SWITCH_ROLE, True), cache_desc=ident.cache_desc,
             engine="vllm", tensor_parallel=1)
 
     async def link(self, r: int, req: LinkRequest) -> LinkResult:
@@ -341,7 +384,7 @@ class Launcher:
             ends = [(self.s.host, self.s.kv_port + r)] * len(req.peers)
         else:
             ends = [(host_of(p.agent_url) or p.ip, p.port) for p in req.peers]
-        rets = await asyncio.gather(*(self._reach(h, port, req.timeout_ms / 1000) for h, port in ends))
+        rets = await asyncio.gather(*(reach(h, port, req.timeout_ms / 1000) for h, port in ends))
         now = self.wall()
         for p, code in zip(req.peers, rets):
             self.links[r][p.name] = LinkState(name=p.name, cluster_id=p.cluster_id, ip=p.ip, port=p.port, code=code,
@@ -349,16 +392,6 @@ class Launcher:
         failed = next((c for c in rets if c != "LLM_SUCCESS"), None)
         return LinkResult(ret=failed or "LLM_SUCCESS", rets={p.name: c for p, c in zip(req.peers, rets)},
                           duration_ms=(self.clock() - t0) * 1000)
-
-    async def _reach(self, host: str, port: int, timeout: float) -> str:
-        """A side channel accepts a connection: the pair can move KV."""
-        try:
-            _, w = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
-            w.close()
-            return "LLM_SUCCESS"
-        except (OSError, asyncio.TimeoutError) as e:
-            log.warning("side channel %s:%d unreachable: %r", host, port, e)
-            return "LLM_LINK_FAILED"
 
     def unlink(self, r: int, req: UnlinkRequest) -> LinkResult:
         rets = {p.name: "LLM_SUCCESS" if self.links[r].pop(p.name, None) else "LLM_NOT_YET_LINK" for p in req.peers}
@@ -390,26 +423,37 @@ class Launcher:
         return DrainResult(draining=False, in_flight=self.running + self.waiting, pending_kv=self.held, drained=False)
 
     async def switch_role(self, req: SwitchRoleRequest) -> None:
+        """Starts the restart (or joins the one running) and waits a little for it: a server that
+        loads for longer answers 503 SWITCH_IN_PROGRESS, and the caller asks again (the role is the
+        old one until the server serves in the new)."""
+        if self.stopping:
+            raise LaunchError("TERMINATING", f"{self.s.pod} is stopping", 503)
         if self.restarting is None:
             if req.role == self.role and self.proc is not None and self.proc.returncode is None:
                 return
-            self.restart_role = req.role
+            self.restart_role, self.restart_at = req.role, self.clock()
             self.restarting = asyncio.get_running_loop().create_task(self._restart(req.role))
         elif self.restart_role != req.role:
             raise LaunchError("SWITCH_IN_PROGRESS", f"{self.s.pod} is restarting as {self.restart_role}", 409)
-        await asyncio.shield(self.restarting)
+        task = self.restarting
+        done, _ = await asyncio.wait({task}, timeout=SWITCH_WAIT_S)
+        if not done:
+            raise LaunchError("SWITCH_IN_PROGRESS", f"{self.s.pod}: the server restarts as {req.role} "
+                              f"({self.clock() - self.restart_at:.0f}s so far); it serves once it answers /health",
+                              503)
+        task.result()
 
     async def _restart(self, role: Role) -> None:
         t0 = self.clock()
         try:
             log.info("switching %s from %s to %s: restarting the server", self.s.pod, self.role, role)
             await self.stop(self.s.drain_timeout_s)
-            self.role = role
             for links in self.links.values():
                 links.clear()
             self.pairs.served = ""
-            await self.start()
+            await self.start(role)
             await self.wait_healthy(START_TIMEOUT_S)
+            self.role = role
             log.info("%s serves as %s (restart %.1fs)", self.s.pod, role, self.clock() - t0)
         except Exception as e:
             log.error("the server did not come back as %s: %s; the launcher exits", role, e)
@@ -558,7 +602,11 @@ async def serve(s: Settings) -> int:
                 w.cancel()
             code = launcher.exit_code if launcher.exited.is_set() and not stop.is_set() else 0
             launcher.stopping = True
-            await launcher.stop(s.drain_timeout_s + 5)
+            if launcher.restarting is not None:
+                launcher.restarting.cancel()
+            elif not code:   # SIGTERM: what the server took on finishes first, as the agent drains
+                await launcher.drain(DrainRequest(timeout_s=s.drain_timeout_s))
+            await launcher.stop(5)
             health.cancel()
         await runner.cleanup()
         return code

@@ -320,6 +320,7 @@ class MooncakeLayerwiseConnector:
         self.receiver: PushReceiver | None = None
         self._meta: MooncakeStandInMetadata | None = None
         self._sending: dict[str, tuple[socket.socket, Any]] = {}
+        self._failed_push: set[str] = set()
         self.done_recving: set[str] = set()
         self.load_errors: dict[str, str] = {}
         self._failed_blocks: set[int] = set()
@@ -393,6 +394,8 @@ class MooncakeLayerwiseConnector:
         index = int(layer_name.split(".")[2]) if layer_name.count(".") >= 2 else 0
         tensors = list(kv_layer) if kv_layer.ndim == 5 else [kv_layer]
         for rid, p in (self._meta.push.items() if self._meta else []):
+            if rid in self._failed_push:
+                continue
             try:
                 if rid not in self._sending:
                     s = socket.create_connection((p["remote_host"], int(p["remote_port"])), timeout=IO_TIMEOUT_S)
@@ -401,7 +404,8 @@ class MooncakeLayerwiseConnector:
                 local = p["local"][:len(remote)]
                 parts = [t[local].tobytes() for t in tensors]
                 f = self._sending[rid][1]
-                f.write(json.dumps({"op": "write", "request_id": p.get("request_id", rid), "layer": index,
+                # named by this engine's own request id: the router gave both engines one id
+                f.write(json.dumps({"op": "write", "request_id": rid, "layer": index,
                                     "blocks": remote, "sizes": [len(x) for x in parts]}).encode() + b"\n")
                 for x in parts:
                     f.write(x)
@@ -411,14 +415,18 @@ class MooncakeLayerwiseConnector:
             except (OSError, ValueError, RuntimeError, KeyError) as e:
                 log.error("request %s: pushing layer %d to %s:%s: %r", rid, index, p.get("remote_host"),
                           p.get("remote_port"), e)
+                self._failed_push.add(rid)      # no later layer, no done: the decoder computes it itself
                 self._close(rid)
 
     def wait_for_save(self) -> None:
-        for rid, p in (self._meta.push.items() if self._meta else []):
+        for rid in (self._meta.push if self._meta else {}):
+            if rid in self._failed_push:
+                self._failed_push.discard(rid)
+                continue
             if rid in self._sending:
                 f = self._sending[rid][1]
                 try:
-                    f.write(json.dumps({"op": "done", "request_id": p.get("request_id", rid)}).encode() + b"\n")
+                    f.write(json.dumps({"op": "done", "request_id": rid}).encode() + b"\n")
                     f.flush()
                     f.readline(MAX_LINE)
                     self.counts["pushed"] += 1
@@ -460,6 +468,8 @@ class PushReceiver:
 
     def _event(self, rid: str) -> threading.Event:
         with self.lock:
+            while len(self.done) >= 4096:       # dones nobody waited for (their wait timed out)
+                self.done.pop(next(iter(self.done)))
             return self.done.setdefault(rid, threading.Event())
 
     def answer(self, msg: dict, rfile: Any, out: Any) -> None:

@@ -192,11 +192,15 @@ class Config:
                    usage_configmap=env.get(PD_GATEWAY_USAGE_CONFIGMAP) or None,
                    engine_port=_positive(env, PD_GATEWAY_ENGINE_PORT, None),
                    decoder_first=flag(env, PD_GATEWAY_DECODER_FIRST),
-                   self_url=f"http://{env.get(POD_IP) or env.get(PD_LOCAL_POD_IP) or '127.0.0.1'}:"
-                            f"{int(env.get('PD_GATEWAY_PORT') or PORT)}",
+                   self_url=_self_url(env.get(POD_IP) or env.get(PD_LOCAL_POD_IP) or "127.0.0.1",
+                                      int(env.get("PD_GATEWAY_PORT") or PORT)),
                    tokenizer=env.get(PD_GATEWAY_TOKENIZER) or None,
                    chat_template=env.get(PD_GATEWAY_CHAT_TEMPLATE) or None,
                    bos_token=env.get(PD_GATEWAY_BOS_TOKEN, ""), eos_token=env.get(PD_GATEWAY_EOS_TOKEN, ""))
+
+
+def _self_url(ip: str, port: int) -> str:
+    return f"http://[{ip}]:{port}" if ":" in ip else f"http://{ip}:{port}"
 
 
 @dataclass
@@ -883,7 +887,7 @@ class Gateway:
             web.post("/v1/completions", self.completions), web.post("/v1/messages", self.messages),
             web.post("/v1/responses", self.responses), web.get("/v1/usage", self.usage_report),
             web.delete("/v1/usage/{key}", self.usage_reset)])
-        vllm_route.attach(app, self.cfg.self_url)
+        vllm_route.attach(app, self.cfg.self_url, any(r.decoder_first for r in self.routes))
         app.router.add_route("*", "/{tail:.*}", self.not_found)
         return app
 

@@ -25,6 +25,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import httpx
 from aiohttp import web
@@ -244,22 +245,16 @@ async def serve(gw, request: web.Request, key: str, api: str, data: dict, body, 
     given = data.get("n")
     n = given if isinstance(given, int) and not isinstance(given, bool) and given > 0 else 1
     estimate, asked = _estimate(body), (body.asked_tokens() or body.default_tokens()) * n
-    reserved = 0
-    pol = gw.policies.get(key)
-    if pol is not None and pol.tokens_per_day is not None:
-        now = gw.clock()
-        refused = policy.tokens_fit(key, pol, now, gw.usage.tokens_today(key, now), estimate + asked)
-        if refused:
-            gw.m.requests.labels(key, api, str(refused.status)).inc()
-            return gw.refuse("openai", refused)
-        reserved = estimate + asked
+    reserved, refused = _reserve(gw, key, api, estimate + asked)
+    if refused is not None:
+        return refused
     pairing, out = Pairing(route.fleet, RETRY_WINDOW_S), Relayed()
     t0, times, status = time.monotonic(), [], "200"
     resp: web.StreamResponse | None = None
     r: httpx.Response | None = None
     gw.usage.reserve(key, reserved)
     try:
-        first = decoder_first(pairing, request.app, path, data, estimate) if route.decoder_first else \
+        first = decoder_first(pairing, request.app, path, data, estimate, out) if route.decoder_first else \
             prefill_first(pairing, path, data, estimate, out)
         d, r, usage_added = await first
         if r is None:        # the engine refused the request itself: its answer, as it gave it
@@ -302,6 +297,7 @@ async def serve(gw, request: web.Request, key: str, api: str, data: dict, body, 
                                                            "code": reason}}).encode() + b"\n\n")
         return resp
     finally:
+        request.app.get(PENDING, {}).pop(pairing.rid, None)
         if r is not None:
             await r.aclose()
         gw.usage.settle(key, reserved)
@@ -319,6 +315,19 @@ async def serve(gw, request: web.Request, key: str, api: str, data: dict, body, 
 RETRY_WINDOW_S = 10.0
 
 
+def _reserve(gw, key: str, api: str, tokens: int) -> tuple[int, web.Response | None]:
+    """A day's token budget: (tokens reserved, or the refusal when they do not fit)."""
+    pol = gw.policies.get(key)
+    if pol is None or pol.tokens_per_day is None:
+        return 0, None
+    now = gw.clock()
+    refused = policy.tokens_fit(key, pol, now, gw.usage.tokens_today(key, now), tokens)
+    if refused:
+        gw.m.requests.labels(key, api, str(refused.status)).inc()
+        return 0, gw.refuse("openai", refused)
+    return tokens, None
+
+
 async def prefill_first(pairing: Pairing, path: str, data: dict, tokens: int,
                         out: Relayed) -> tuple[dict, httpx.Response | None, bool]:
     """vLLM's order: a prefill, then a decoder linked to it with the prefill's kv_transfer_params.
@@ -333,35 +342,48 @@ async def prefill_first(pairing: Pairing, path: str, data: dict, tokens: int,
 
 # ---- decoder first (vllm-ascend's MooncakeLayerwiseConnector) ------------------------------------
 # The request goes to a decoder with `kv_transfer_params: {"do_remote_prefill": true, "metaserver":
-# <this gateway>/v1/metaserver}`. The decoder's connector allocates the prompt's blocks and posts them
-# there (`request_id`, `remote_block_ids`, `remote_host`, ...); the gateway then sends the request to
-# a prefill linked to that decoder with those kv_transfer_params, `max_tokens: 1`, `stream: false`,
-# and the prefill pushes the KV into the decoder's blocks layer by layer. The decoder's reply is
-# relayed as for vLLM's order. A request id is known only to the gateway and the decoder it chose.
+# <this gateway>/v1/metaserver/<secret>}`. The decoder's connector allocates the prompt's blocks and
+# posts them there (`request_id`, `remote_block_ids`, `remote_host`, ...); the gateway then sends the
+# request to a prefill linked to that decoder with those kv_transfer_params, `max_tokens: 1`,
+# `stream: false`, and the prefill pushes the KV into the decoder's blocks layer by layer. Both
+# engines get the request under one X-Request-Id: the prefill's push names it. The decoder's reply is
+# relayed as in vLLM's order. The metaserver answers only a post that names a request this gateway
+# sent, at that request's own secret path, from the decoder it was sent to; when no prefill takes the
+# blocks, the decoder's request is ended (vLLM aborts it) and the client gets a 502.
 
 PENDING: web.AppKey[dict] = web.AppKey("pd_gateway.decoder_first", dict)
 SELF_URL: web.AppKey[str] = web.AppKey("pd_gateway.self_url", str)
 RID = re.compile(r"[0-9a-f]{32}")
-PENDING_MAX_AGE_S = 600.0
 
 
 @dataclass
 class Waiting:
-    """A decoder-first request the metaserver has not been asked about yet."""
+    """A decoder-first request whose decoder has not named its blocks yet."""
     pairing: Pairing
     path: str
     data: dict
     first: dict                 # the prefill picked with the decoder (linked to it)
-    at: float
-    decoder: dict | None = None
+    secret: str
+    out: Relayed
+    aborted: asyncio.Event = field(default_factory=asyncio.Event)
+    why: str = ""
+    response: httpx.Response | None = None
 
-    async def prefill(self, params: dict) -> None:
+    def decoder(self, host: str) -> dict | None:
+        """The fleet's decoder at `host` (the blocks' owner the post names), linked to a prefill."""
+        fleet = self.pairing.fleet
+        return next((d for d in fleet.decoders if urlsplit(d["engine_url"]).hostname == host
+                     and any(fleet.linked(p, d) for p in fleet.prefills)), None)
+
+    async def prefill(self, params: dict, decoder: dict) -> None:
         """The prefill that pushes the KV: the one picked first, else another linked to the decoder."""
         pr, body = self.pairing, prefill_body(self.data)
         body["kv_transfer_params"] = params
+        pr.deadline = pr.clock() + pr.window      # the decoder may have queued it: the window starts now
         while True:
-            linked = [p for p in pr.fleet.prefills if self.decoder is not None and pr.fleet.linked(p, self.decoder)]
-            p = next((p for p in [self.first, *linked] if p["url"] not in pr.avoid), None)
+            linked = [p for p in pr.fleet.prefills if pr.fleet.linked(p, decoder)]
+            p = next((p for p in [self.first, *linked] if p["url"] not in pr.avoid and pr.fleet.linked(p, decoder)),
+                     None)
             if p is None:
                 pr.refuse("NoLinkedPair", None)
                 await pr.wait()
@@ -377,38 +399,54 @@ class Waiting:
                 pr.refuse(f"HTTP{status}", p["url"])
                 await pr.wait()
                 continue
-            if status != 200:
-                log.warning("prefill %s refused request %s: %d %s", p["name"], pr.rid, status, raw[:200])
+            if status != 200:      # the prefill refused the request itself: so would any other
+                raise EngineError(p["name"], f"HTTP{status}", raw[:300].decode("utf-8", "replace"))
             pr.prefilled = p["name"]
             return
 
+    async def abort(self, why: str) -> None:
+        """No prefill fills the decoder's blocks: its request ends (closing it aborts it in vLLM)."""
+        self.why = why
+        self.aborted.set()
+        if self.response is not None:
+            await self.response.aclose()
 
-def attach(app: web.Application, self_url: str) -> None:
-    """The metaserver route (decoder first), on the gateway's API port."""
+
+def attach(app: web.Application, self_url: str, decoder_first: bool) -> None:
+    """The metaserver route, on the gateway's API port, when a route runs decoder first."""
     app[PENDING] = {}
     app[SELF_URL] = self_url
-    app.router.add_post(METASERVER_PATH, metaserver)
+    if decoder_first:
+        app.router.add_post(METASERVER_PATH + "/{secret}", metaserver)
 
 
-async def decoder_first(pairing: Pairing, app: web.Application, path: str, data: dict,
-                        tokens: int) -> tuple[dict, httpx.Response | None, bool]:
-    pending: dict[str, Waiting] = app[PENDING]
-    now = pairing.clock()
-    for rid in [rid for rid, w in pending.items() if now - w.at > PENDING_MAX_AGE_S]:
-        del pending[rid]          # a decoder that never asked
+async def decoder_first(pairing: Pairing, app: web.Application, path: str, data: dict, tokens: int,
+                        out: Relayed) -> tuple[dict, httpx.Response | None, bool]:
+    n, prompt = data.get("n"), data.get("prompt")
+    if (isinstance(n, int) and n > 1) or isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        out.status, out.body = 400, json.dumps({"error": {
+            "message": "n > 1 and batched prompts are not served by engines that run decoder first "
+                       "(spec.engine.kvTransfer mooncake-layerwise): send one prompt and one choice per request",
+            "type": "invalid_request_error", "code": "unsupported_parameter"}}).encode()
+        return {}, None, False
     while (p := pairing.fleet.pick_prefill(pairing.avoid, tokens)) is None:
         pairing.refuse("NoLinkedPair", None)
         await pairing.wait()
         pairing.avoid.clear()
-    waiting = pending[pairing.rid] = Waiting(pairing, path, data, p, now)
+    waiting = app[PENDING][pairing.rid] = Waiting(pairing, path, data, p, uuid.uuid4().hex, out)
     decode, added = decode_body(data, {"do_remote_decode": False, "do_remote_prefill": True,
-                                       "metaserver": app[SELF_URL] + METASERVER_PATH})
-    try:
-        d, r = await pairing.decoder(p, path, decode)
-    except BaseException:
-        pending.pop(pairing.rid, None)
-        raise
-    waiting.decoder = d
+                                       "metaserver": f"{app[SELF_URL]}{METASERVER_PATH}/{waiting.secret}"})
+    send = asyncio.ensure_future(pairing.decoder(p, path, decode))
+    stop = asyncio.ensure_future(waiting.aborted.wait())
+    await asyncio.wait({send, stop}, return_when=asyncio.FIRST_COMPLETED)
+    stop.cancel()
+    if not send.done():           # a reply that comes whole: the decoder still waited for the KV
+        send.cancel()
+        raise EngineError(out.decoder or "decoder", "NoPrefill", waiting.why)
+    d, r = send.result()
+    waiting.response = r
+    if waiting.aborted.is_set():
+        raise EngineError(d["name"], "NoPrefill", waiting.why)
     return d, r, added
 
 
@@ -419,14 +457,20 @@ async def metaserver(request: web.Request) -> web.Response:
     except ValueError:
         return web.json_response({"error": "the body is not JSON"}, status=400)
     m = RID.search(str(msg.get("request_id", ""))) if isinstance(msg, dict) else None
-    waiting: Waiting | None = request.app[PENDING].pop(m.group(0), None) if m else None
-    if waiting is None:
-        return web.json_response({"error": "no request of this gateway waits for that id"}, status=404)
+    pending: dict[str, Waiting] = request.app[PENDING]
+    waiting = pending.get(m.group(0)) if m else None
+    if waiting is None or request.match_info["secret"] != waiting.secret:
+        return web.json_response({"error": "no request of this gateway waits for that id here"}, status=404)
+    decoder = waiting.decoder(str(msg.get("remote_host", "")))
+    if decoder is None:
+        return web.json_response({"error": "remote_host is none of the deployment's decoders"}, status=400)
+    del pending[m.group(0)]  # type: ignore[union-attr]
     try:
-        await waiting.prefill(msg)
-    except Unavailable as e:
+        await waiting.prefill(msg, decoder)
+    except (Unavailable, EngineError) as e:
         log.warning("request %s: no prefill took the decoder's blocks: %s", waiting.pairing.rid, e)
-        return web.json_response({"error": str(e)}, status=503)
+        await waiting.abort(f"no prefill took the decoder's blocks: {e}")
+        return web.json_response({"error": str(e)}, status=502)
     return web.json_response({})
 
 

@@ -562,7 +562,7 @@ class Ascend(Model):
     driver_path: str = _host_path("/usr/local/Ascend/driver")
     extra_host_paths: list[Annotated[str, Field(max_length=1024, pattern=HOST_PATH)]] = Field(
         default_factory=lambda: ["/usr/local/dcmi", "/usr/local/bin/npu-smi"], max_length=16)
-    npus_per_node: int = Field(default=DEFAULT_NPUS_PER_NODE, ge=1, le=64, description=(
+    npus_per_node: int = Field(default=DEFAULT_NPUS_PER_NODE, ge=1, le=32, description=(
         "NPUs per node (8: Atlas 800 A2; 16: A3 superpod nodes): Mooncake's Ascend transport takes random ports "
         "in [20000, 20000 + 1000 x this), which spec.engine.kvPort must stay out of"))
 
@@ -750,6 +750,9 @@ class PDDeploymentSpec(Model):
          "verifies each pair and "
          "pd-gateway routes through the engines' own OpenAI port", ".engine.port"),
         *(_kv_port_rule(n) for n in (8, 16, None)),
+        (f"!{_MOONCAKE} || {_KV_PORT} > 9091 || {_KV_PORT} + ({_P_TP} > {_D_TP} ? {_P_TP} : {_D_TP}) <= 8080",
+         "spec.engine.kvPort and the ranks' side channels above it must not take the agent's ports (8080, 9091)",
+         ".engine.kvPort"),
         (f"!{_MOONCAKE} || {_KV_PORT} + ({_P_TP} > {_D_TP} ? {_P_TP} : {_D_TP}) <= 65536",
          "spec.engine.kvPort plus the ranks' side channels (one port per rank) must stay at most 65535",
          ".engine.kvPort"),

@@ -184,16 +184,18 @@ def test_the_launcher_renders_the_roles_config_and_replaces_one_given():
     s = _settings(("vllm", "serve", "/models/qwen", "--kv-transfer-config", '{"kv_role": "kv_both"}', "--port", "8001"))
     assert s.pod == "sim-small-decoder-1" and s.role == "decoder" and s.engine_port == 8001 and s.host == "10.0.0.7"
     for role, kv_role in (("decoder", "kv_consumer"), ("prompt", "kv_producer")):
-        argv = s.argv(role)
+        argv = s.argv(role, "sim-small-decoder-1-0a1b2c3d")
         assert argv[:5] == ["vllm", "serve", "/models/qwen", "--port", "8001"]
         assert argv.count("--kv-transfer-config") == 1
         cfg = json.loads(argv[argv.index("--kv-transfer-config") + 1])
-        assert cfg == mooncake.kv_transfer_config(role, kv_port=30000, engine_id="sim-small-decoder-1",  # type: ignore
+        assert cfg == mooncake.kv_transfer_config(role, kv_port=30000, engine_id="sim-small-decoder-1-0a1b2c3d",  # type: ignore
                                                   prefill_tp=2, decoder_tp=2)
         assert cfg["kv_role"] == kv_role
     assert _settings(()).command == ("vllm", "serve")       # no command: the image's vllm serve
-    eq = _settings(("vllm", "serve", "--kv-transfer-config={}")).argv("decoder")
+    eq = _settings(("vllm", "serve", "--kv-transfer-config={}")).argv("decoder", "e")
     assert not any(a.startswith("--kv-transfer-config=") for a in eq)
+    with pytest.raises(SystemExit, match="--port 8000 is not PD_ENGINE_PORT 8001"):
+        _settings(("vllm", "serve", "--port=8000"))
 
 
 def test_the_launcher_reads_vllms_own_load_metrics():
@@ -249,7 +251,8 @@ def test_layerwise_the_decoder_asks_the_metaserver_and_the_prefill_pushes_every_
         def do_POST(self) -> None:
             msg = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             asked.append(msg)
-            choices, out = p.prefill_remote("p-" + msg["request_id"], gens[msg["request_id"]], msg)
+            # the router sends both engines one request id (X-Request-Id): the push names it
+            choices, out = p.prefill_remote(msg["request_id"], gens[msg["request_id"]], msg)
             assert out is None and len(choices[0].token_ids) == 1
             self.send_response(200)
             self.end_headers()
