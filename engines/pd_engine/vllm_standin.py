@@ -10,8 +10,9 @@ import argparse
 import json
 import logging
 import os
+import time
 
-from pd_contract.engine_env import PD_LOCAL_POD_IP, PD_MODEL_NAME, PD_REFERENCE_MODEL
+from pd_contract.engine_env import PD_LOCAL_POD_IP, PD_MODEL_NAME, PD_REFERENCE_MODEL, PD_SIM_ENGINE_START_S
 
 from .vllm_standin_engine import REGISTERED, Choice, Generation, NoRoom, StandIn, load_connector
 from .vllm_standin_http import app
@@ -35,6 +36,10 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)   # a health check a second
     cfg = json.loads(args.kv_transfer_config)
     env = dict(os.environ)
+    load_s = float(env.get(PD_SIM_ENGINE_START_S) or 0)   # spec.sim.engineStartSeconds: as a server loads weights
+    if load_s:
+        log.info("loading for %.1fs", load_s)
+        time.sleep(load_s)
     if args.reference_model:
         env[PD_REFERENCE_MODEL] = args.reference_model
     standin = StandIn(load_connector(cfg), cfg, args.tensor_parallel_size, env)

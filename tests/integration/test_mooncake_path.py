@@ -52,6 +52,8 @@ def test_a_mooncake_deployment_serves_and_switches_a_decoder_by_a_drained_restar
     ns = namespace
     keys_secret(cluster, ns, **{"team-a": KEY})
     doc, profile = mooncake_doc(kind)
+    if kind == "mooncake-layerwise":   # a server that loads for longer than switch_role waits (3 s)
+        doc["spec"].setdefault("sim", {})["engineStartSeconds"] = 5
     cluster.apply(doc, ns)
     obj = wait_phase(cluster, ns, "Ready", timeout=240, extra=lambda o: o["status"]["linksSummary"] == "4/4"
                      and condition(o, "KVPathVerified").get("status") == "True")
@@ -95,6 +97,8 @@ def test_a_mooncake_deployment_serves_and_switches_a_decoder_by_a_drained_restar
           f"content checks {c} ({took:.0f}s)")
     assert s["failed"] == 0, s["failed_by_reason"]
     assert c["failed"] == 0 and c["mismatched"] == 0, c
+    if kind == "mooncake-layerwise":   # the switch waited for the server's load, past switch_role's 3 s
+        assert last["switchMs"] >= 5000, last
     load.assert_traffic_through_changes()
     after = pods(cluster, ns)
     # the same pod (not rescheduled), the same containers (no container restart): the server restarted inside
