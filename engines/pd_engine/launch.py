@@ -66,6 +66,7 @@ log = logging.getLogger("pd_engine.launch")
 HEALTH_EVERY_S = 1.0
 SWITCH_WAIT_S = 3.0           # switch_role waits this long for the restart, then says it is in progress
 PROBE_TIMEOUT_S = 12.0        # a pair's verification, whole (the pod's agent waits 15 s for it)
+METASERVER_GRACE_S = 3.0      # layerwise: how long after the decoder's reply the prefill's may come
 START_TIMEOUT_S = 1800.0      # weights load: a server that has not answered /health by then failed
 PROBE_PROMPT = "pd-operator checks the KV path between a prefill and a decoder with this prompt."
 PROBE_TOKENS = 8
@@ -246,9 +247,10 @@ class PairProbe:
                 **body, "max_tokens": PROBE_TOKENS, "kv_transfer_params": {
                     "do_remote_decode": False, "do_remote_prefill": True,
                     "metaserver": f"{self.metaserver}{mooncake.METASERVER_PATH}/{pid}"}})
-            if not status.done():
+            try:   # the prefill's answer may come a moment after the decoder's (the push ended first)
+                code, text = await asyncio.wait_for(asyncio.shield(status), METASERVER_GRACE_S)
+            except asyncio.TimeoutError:
                 return dec, "the decoder's server never asked the metaserver for a prefill"
-            code, text = status.result()
             if code != 200:
                 return dec, f"the prefill's server at {host}:{self.s.engine_port} answered {code}: {text[:200]}"
             return dec, ""
