@@ -207,7 +207,7 @@ class PairProbe:
                 dec, refused = await self._decoder_first(host, body)
             else:
                 dec, refused = await self._prefill_first(host, body)
-            if refused:
+            if refused or dec is None:
                 return result(ok=False, code="PEER_AGENT_ERROR", message=refused)
             ms = (self.clock() - t0) * 1000
             alone = await self.http.post(f"{self.engine_url()}/v1/completions",
@@ -223,7 +223,7 @@ class PairProbe:
         except (httpx.HTTPError, ValueError, KeyError, IndexError, asyncio.TimeoutError) as e:
             return result(ok=False, code="PEER_AGENT_UNREACHABLE", message=f"probing through {host}: {e!r}")
 
-    async def _prefill_first(self, host: str, body: dict) -> tuple[httpx.Response, str]:
+    async def _prefill_first(self, host: str, body: dict) -> tuple[httpx.Response | None, str]:
         rid = {"X-Request-Id": uuid.uuid4().hex}     # one id on both engines, as pd-gateway sends
         pre = await self.http.post(f"http://{host}:{self.s.engine_port}/v1/completions", headers=rid, json={
             **body, "max_tokens": 1, "kv_transfer_params": {
@@ -237,16 +237,25 @@ class PairProbe:
                                    json={**body, "max_tokens": PROBE_TOKENS, "kv_transfer_params": params})
         return dec, ""
 
-    async def _decoder_first(self, host: str, body: dict) -> tuple[httpx.Response, str]:
+    async def _decoder_first(self, host: str, body: dict) -> tuple[httpx.Response | None, str]:
         pid = uuid.uuid4().hex
         status: asyncio.Future = asyncio.get_running_loop().create_future()
         self.pending[pid] = (host, body, status)
         try:
             # the decoder and the prefill must see one request id: the prefill's push names it
-            dec = await self.http.post(f"{self.engine_url()}/v1/completions", headers={"X-Request-Id": pid}, json={
-                **body, "max_tokens": PROBE_TOKENS, "kv_transfer_params": {
-                    "do_remote_decode": False, "do_remote_prefill": True,
-                    "metaserver": f"{self.metaserver}{mooncake.METASERVER_PATH}/{pid}"}})
+            post = asyncio.ensure_future(self.http.post(
+                f"{self.engine_url()}/v1/completions", headers={"X-Request-Id": pid}, json={
+                    **body, "max_tokens": PROBE_TOKENS, "kv_transfer_params": {
+                        "do_remote_decode": False, "do_remote_prefill": True,
+                        "metaserver": f"{self.metaserver}{mooncake.METASERVER_PATH}/{pid}"}}))
+            try:
+                await asyncio.wait({post, status}, return_when=asyncio.FIRST_COMPLETED)
+                if not post.done() and status.result()[0] != 200:   # no push will come: the prefill's answer
+                    code, text = status.result()
+                    return None, f"the prefill's server at {host}:{self.s.engine_port} answered {code}: {text[:200]}"
+                dec = await post
+            finally:
+                post.cancel()
             try:   # the prefill's answer may come a moment after the decoder's (the push ended first)
                 code, text = await asyncio.wait_for(asyncio.shield(status), METASERVER_GRACE_S)
             except asyncio.TimeoutError:
@@ -288,6 +297,7 @@ class Launcher:
         self.restarting: asyncio.Task | None = None
         self.restart_role: str | None = None
         self.restart_at = 0.0
+        self.window_end = 0.0
         self.stopping = False
         self.draining = False
         self.exited = asyncio.Event()
@@ -321,7 +331,10 @@ class Launcher:
 
     async def stop(self, grace: float) -> None:
         proc, self.healthy = self.proc, False
-        if proc is None or proc.returncode is not None:
+        if proc is None:
+            return
+        if proc.returncode is not None:
+            _signal_group(proc, signal.SIGKILL)     # the server is gone; workers it left behind go too
             return
         _signal_group(proc, signal.SIGTERM)
         try:
@@ -437,8 +450,10 @@ class Launcher:
             self.restarting = asyncio.get_running_loop().create_task(self._restart(req.role))
         elif self.restart_role != req.role:
             raise LaunchError("SWITCH_IN_PROGRESS", f"{self.s.pod} is restarting as {self.restart_role}", 409)
-        task = self.restarting
-        done, _ = await asyncio.wait({task}, timeout=SWITCH_WAIT_S)
+        task, now = self.restarting, self.clock()
+        if now >= self.window_end:     # the pod's ranks ask at once: one window for the lot, one answer
+            self.window_end = now + SWITCH_WAIT_S
+        done, _ = await asyncio.wait({task}, timeout=max(0.0, self.window_end - now))
         if not done:
             raise LaunchError("SWITCH_IN_PROGRESS", f"{self.s.pod}: the server restarts as {req.role} "
                               f"({self.clock() - self.restart_at:.0f}s so far); it serves once it answers /health",
@@ -544,6 +559,7 @@ def build_app(launcher: Launcher) -> Any:
         web.post(p + AgentPath.DRAIN, route(drain, DrainRequest)),
         web.post(p + AgentPath.UNDRAIN, route(undrain)),
         web.post(p + AgentPath.SWITCH_ROLE, route(switch, SwitchRoleRequest)),
+        web.post(p + AgentPath.INIT, route(nothing)),         # the server initialises itself
         web.post(p + AgentPath.NOTIFY, route(nothing)),       # Mooncake tells the prefill itself
         web.post(p + AgentPath.FAULTS, route(nothing)),       # the agent's own faults; none here
     ])

@@ -104,7 +104,8 @@ class MooncakeConnector:
         if self.prefill_tp < self.decode_tp:
             raise ValueError(f"prefill_tp_size: {self.prefill_tp} must be greater than or equal to the "
                              f"decode_tp_size: {self.decode_tp}")
-        self.host = self.env.get(PD_LOCAL_POD_IP) or engine_ip(self.env)
+        # vLLM's get_ip(): VLLM_HOST_IP (the operator sets the pod's), else the host's address
+        self.host = self.env.get("VLLM_HOST_IP") or self.env.get(PD_LOCAL_POD_IP) or engine_ip(self.env)
         self.side_channel_port = self.kv_port      # data-parallel rank 0, TP rank 0
         self.role = role
         # scheduler side
@@ -311,7 +312,8 @@ class MooncakeLayerwiseConnector:
         if self.kv_role not in ("kv_producer", "kv_consumer"):
             raise ValueError(f"MooncakeLayerwiseConnector's kv_role is kv_producer or kv_consumer, "
                              f"got {self.kv_role!r}")
-        self.host = self.env.get(PD_LOCAL_POD_IP) or engine_ip(self.env)
+        # vLLM's get_ip(): VLLM_HOST_IP (the operator sets the pod's), else the host's address
+        self.host = self.env.get("VLLM_HOST_IP") or self.env.get(PD_LOCAL_POD_IP) or engine_ip(self.env)
         self.side_channel_port = self.kv_port
         self.block_size = 0
         self._need_recv: dict[str, list[int]] = {}

@@ -126,6 +126,7 @@ class Pairing:
         self.refusals: dict[str, int] = {}
         self.rid = uuid.uuid4().hex
         self.prefilled = ""      # decoder first: the prefill that pushed the KV (the metaserver's pick)
+        self.sent_to: list[dict] = []    # the decoders the request was sent to
 
     def refuse(self, reason: str, url: str | None) -> None:
         if url is None and reason in self.refusals:
@@ -191,6 +192,7 @@ class Pairing:
                 await self.wait()
                 self.avoid.discard(p["url"])
                 continue
+            self.sent_to.append(d)   # as it was when picked (decoder first: the metaserver's post names it)
             # a stream's headers come at once and its chunks each token; a whole reply only at the end
             read = self.fleet.token_gap_timeout if body.get("stream") else WHOLE_REPLY_S
             req = self.fleet.http.build_request(
@@ -370,10 +372,9 @@ class Waiting:
     response: httpx.Response | None = None
 
     def decoder(self, host: str) -> dict | None:
-        """The fleet's decoder at `host` (the blocks' owner the post names), linked to a prefill."""
-        fleet = self.pairing.fleet
-        return next((d for d in fleet.decoders if urlsplit(d["engine_url"]).hostname == host
-                     and any(fleet.linked(p, d) for p in fleet.prefills)), None)
+        """The decoder at `host` (the blocks' owner the post names) among those the request was sent
+        to, as it was then: it may be draining or switching by now, and still needs its blocks filled."""
+        return next((d for d in reversed(self.pairing.sent_to) if urlsplit(d["engine_url"]).hostname == host), None)
 
     async def prefill(self, params: dict, decoder: dict) -> None:
         """The prefill that pushes the KV: the one picked first, else another linked to the decoder."""
@@ -438,16 +439,27 @@ async def decoder_first(pairing: Pairing, app: web.Application, path: str, data:
                                        "metaserver": f"{app[SELF_URL]}{METASERVER_PATH}/{waiting.secret}"})
     send = asyncio.ensure_future(pairing.decoder(p, path, decode))
     stop = asyncio.ensure_future(waiting.aborted.wait())
-    await asyncio.wait({send, stop}, return_when=asyncio.FIRST_COMPLETED)
-    stop.cancel()
-    if not send.done():           # a reply that comes whole: the decoder still waited for the KV
-        send.cancel()
-        raise EngineError(out.decoder or "decoder", "NoPrefill", waiting.why)
+    try:
+        await asyncio.wait({send, stop}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:      # the client went away (the handler is cancelled): nothing left running
+        await _discard(send)
+        raise
+    finally:
+        stop.cancel()
+    if waiting.aborted.is_set():   # a reply that comes whole waited for the KV: it is not read
+        await _discard(send)
+        raise EngineError("decoder", "NoPrefill", waiting.why)
     d, r = send.result()
     waiting.response = r
-    if waiting.aborted.is_set():
-        raise EngineError(d["name"], "NoPrefill", waiting.why)
     return d, r, added
+
+
+async def _discard(send: asyncio.Future) -> None:
+    """A decoder request nobody will read: cancelled, or its response closed (vLLM aborts it)."""
+    send.cancel()
+    got = (await asyncio.gather(send, return_exceptions=True))[0]
+    if isinstance(got, tuple):
+        await got[1].aclose()
 
 
 async def metaserver(request: web.Request) -> web.Response:
@@ -461,10 +473,12 @@ async def metaserver(request: web.Request) -> web.Response:
     waiting = pending.get(m.group(0)) if m else None
     if waiting is None or request.match_info["secret"] != waiting.secret:
         return web.json_response({"error": "no request of this gateway waits for that id here"}, status=404)
-    decoder = waiting.decoder(str(msg.get("remote_host", "")))
-    if decoder is None:
-        return web.json_response({"error": "remote_host is none of the deployment's decoders"}, status=400)
     del pending[m.group(0)]  # type: ignore[union-attr]
+    decoder = waiting.decoder(str(msg.get("remote_host", "")))
+    if decoder is None:        # vLLM does not read the answer: the request is ended here
+        await waiting.abort(f"the metaserver's post named remote_host {msg.get('remote_host')!r}, not the decoder "
+                            "the request was sent to")
+        return web.json_response({"error": "remote_host is not the decoder this request was sent to"}, status=400)
     try:
         await waiting.prefill(msg, decoder)
     except (Unavailable, EngineError) as e:

@@ -639,6 +639,7 @@ def _kv_port_rule(npus: int | None) -> tuple[str, str, str]:
 # each group's TP and cluster id base, as CEL (the defaults of Group.tensorParallel and clusterIdBase)
 _P_TP = "(has(self.prefill.tensorParallel) ? self.prefill.tensorParallel : self.model.kvCache.tensorParallel)"
 _D_TP = "(has(self.decoder.tensorParallel) ? self.decoder.tensorParallel : self.model.kvCache.tensorParallel)"
+_MAX_TP = f"({_P_TP} > {_D_TP} ? {_P_TP} : {_D_TP})"
 _P_BASE = "(has(self.prefill.clusterIdBase) ? self.prefill.clusterIdBase : 0)"
 _D_BASE = "(has(self.decoder.clusterIdBase) ? self.decoder.clusterIdBase : 1000)"
 
@@ -750,7 +751,8 @@ class PDDeploymentSpec(Model):
          "verifies each pair and "
          "pd-gateway routes through the engines' own OpenAI port", ".engine.port"),
         *(_kv_port_rule(n) for n in (8, 16, None)),
-        (f"!{_MOONCAKE} || {_KV_PORT} > 9091 || {_KV_PORT} + ({_P_TP} > {_D_TP} ? {_P_TP} : {_D_TP}) <= 8080",
+        (f"!{_MOONCAKE} || ({_KV_PORT} > 8080 || {_KV_PORT} + {_MAX_TP} <= 8080) && "
+         f"({_KV_PORT} > 9091 || {_KV_PORT} + {_MAX_TP} <= 9091)",
          "spec.engine.kvPort and the ranks' side channels above it must not take the agent's ports (8080, 9091)",
          ".engine.kvPort"),
         (f"!{_MOONCAKE} || {_KV_PORT} + ({_P_TP} > {_D_TP} ? {_P_TP} : {_D_TP}) <= 65536",

@@ -321,6 +321,7 @@ def engine_container(name: str, spec: PDDeploymentSpec, group: str, resource: st
 # spec.engine.kvTransfer mooncake: the server runs under pd_engine's launcher (the image's vllm
 # serve when the group names no command), which renders the role's --kv-transfer-config
 LAUNCHER = ("python3", "-m", "pd_engine.launch", "--")
+VLLM_HOST_IP = "VLLM_HOST_IP"        # vLLM's get_ip() reads it
 VLLM_SERVE = ("vllm", "serve")
 
 
@@ -331,7 +332,9 @@ def mooncake_env(spec: PDDeploymentSpec) -> list[dict]:
     return [{"name": ev.PD_KV_TRANSFER, "value": spec.engine.kv_transfer},
             {"name": ev.PD_KV_PORT, "value": str(spec.engine.kv_port)},
             {"name": ev.PD_KV_PARALLEL, "value": json.dumps(parallel, separators=(",", ":"), sort_keys=True)},
-            {"name": ev.PD_ENGINE_PORT, "value": str(spec.engine.port or "")}]
+            {"name": ev.PD_ENGINE_PORT, "value": str(spec.engine.port or "")},
+            # the address vLLM names as the side channel's host (remote_host): the pod's, not a guess
+            {"name": VLLM_HOST_IP, "value": f"$({ev.LLM_DATADIST_IP})"}]
 
 
 def unique_by_name(items: list[dict]) -> list[dict]:

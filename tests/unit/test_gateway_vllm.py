@@ -53,3 +53,48 @@ def test_usage_and_sse_lines_are_read_defensively():
         assert vr.sse_json(line) is None
     deep = b"data: " + json.dumps({"a": 1}).encode()
     assert vr.sse_json(deep) == {"a": 1}
+
+
+# ---- decoder first (spec.engine.kvTransfer mooncake-layerwise): the metaserver's refusals ----------
+
+async def _metaserver_app():
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+    app = web.Application()
+    vr.attach(app, "http://10.0.0.9:8000", decoder_first=True)
+    client = TestClient(TestServer(app))
+    await client.start_server()
+    return app, client
+
+
+async def test_the_metaserver_answers_only_its_requests_at_their_secret_from_their_decoder():
+    from types import SimpleNamespace
+    app, client = await _metaserver_app()
+    try:
+        pairing = vr.Pairing(SimpleNamespace(drop=lambda url: None), 10.0)
+        pairing.sent_to.append({"name": "d-0", "url": "http://10.1.0.4:8080", "engine_url": "http://10.1.0.4:8001",
+                                "links": []})
+        w = app[vr.PENDING][pairing.rid] = vr.Waiting(pairing, "/v1/completions", {"prompt": "x"}, {}, "s3cret",
+                                                      vr.Relayed())
+        msg = {"request_id": f"cmpl-{pairing.rid}-0", "remote_host": "10.1.0.4", "remote_block_ids": [[1]]}
+        # an id this gateway did not send, or its id at another path: nothing happens
+        r = await client.post("/v1/metaserver/s3cret", json={**msg, "request_id": "cmpl-" + "0" * 32 + "-0"})
+        assert r.status == 404
+        r = await client.post("/v1/metaserver/guess", json=msg)
+        assert r.status == 404 and pairing.rid in app[vr.PENDING] and not w.aborted.is_set()
+        # blocks of another host than the decoder it was sent to: refused, and the request ends
+        r = await client.post("/v1/metaserver/s3cret", json={**msg, "remote_host": "10.66.0.1"})
+        assert r.status == 400 and w.aborted.is_set() and "10.66.0.1" in w.why
+        assert pairing.rid not in app[vr.PENDING]
+        assert (await client.post("/v1/metaserver/s3cret", json=msg)).status == 404    # once only
+    finally:
+        await client.close()
+
+
+async def test_decoder_first_refuses_what_one_post_cannot_name():
+    from types import SimpleNamespace
+    pairing = vr.Pairing(SimpleNamespace(), 10.0)
+    for data in ({"messages": [], "n": 2}, {"prompt": ["a", "b"]}):
+        out = vr.Relayed()
+        d, r, _ = await vr.decoder_first(pairing, {}, "/v1/completions", data, 10, out)  # type: ignore[arg-type]
+        assert r is None and out.status == 400 and b"mooncake-layerwise" in out.body
