@@ -166,6 +166,14 @@ async def reach(host: str, port: int, timeout: float) -> str:
         return "LLM_LINK_FAILED"
 
 
+def link_ends(s: Settings, r: int, peers: Sequence[Any]) -> list[tuple[str, int]]:
+    """Where rank r's link to each peer connects: the prefill rank's side channel; layerwise, where
+    the prefill pushes into this decoder, its own (the pair's verification proves the push)."""
+    if mooncake.decoder_first(s.kind):
+        return [(s.host, s.kv_port + r)] * len(peers)
+    return [(host_of(p.agent_url) or p.ip, p.port) for p in peers]
+
+
 def host_of(url: str | None) -> str | None:
     return urlsplit(url).hostname if url else None
 
@@ -393,13 +401,11 @@ class Launcher:
 
     async def link(self, r: int, req: LinkRequest) -> LinkResult:
         t0 = self.clock()
-        if mooncake.decoder_first(self.s.kind):
-            # layerwise: the prefill pushes into this decoder's side channel (the pair's verification
-            # proves the push); the link checks that the side channel listens
-            ends = [(self.s.host, self.s.kv_port + r)] * len(req.peers)
-        else:
-            ends = [(host_of(p.agent_url) or p.ip, p.port) for p in req.peers]
-        rets = await asyncio.gather(*(reach(h, port, req.timeout_ms / 1000) for h, port in ends))
+        ends = link_ends(self.s, r, req.peers)
+        distinct = list(dict.fromkeys(ends))      # each endpoint once (layerwise: one, this pod's own)
+        codes = dict(zip(distinct, await asyncio.gather(*(reach(h, port, req.timeout_ms / 1000)
+                                                          for h, port in distinct))))
+        rets = [codes[e] for e in ends]
         now = self.wall()
         for p, code in zip(req.peers, rets):
             self.links[r][p.name] = LinkState(name=p.name, cluster_id=p.cluster_id, ip=p.ip, port=p.port, code=code,
