@@ -44,6 +44,7 @@ from pd_contract.agent_api import (
     DrainRequest,
     DrainResult,
     FaultsRequest,
+    GangRequest,
     LinkRequest,
     LinkResult,
     LinkState,
@@ -68,6 +69,7 @@ from pd_contract.names import BROKEN_CODES, LINKED_CODES
 
 from .core import AgentError
 from .devices import DeviceError, Devices, resolve_env
+from .gang import Groups, Members
 from .http import (
     METRICS,
     api_app,
@@ -99,14 +101,17 @@ PULL_TRIES = 3
 DEVICE_RETRY_S = 2.0
 
 
-def rank_env(env: dict[str, str], devices: Devices, rank: int, register_url: str) -> dict[str, str]:
-    """The environment of rank `rank`'s process, from the pod's (the rank contract)."""
+def rank_env(env: dict[str, str], devices: Devices, rank: int, register_url: str,
+             gang: ev.Gang | None = None) -> dict[str, str]:
+    """The environment of the process of the pod's rank `rank`, from the pod's (the rank contract);
+    in an instance of several pods or groups, with its place in the instance (`Gang.rank_env`)."""
     d = devices.ranks[rank]
     tp = len(devices.ranks)
     # the pod's identity is rank 0's; the rank's device index among the visible ones is its rank
     pod = ev.EngineIdentity.from_env({**env, ev.PD_TENSOR_PARALLEL: str(tp), ev.PD_RANK: "0"})
     me = replace(pod.for_rank(rank), ip=d.ip or "", port=d.port, device_id=rank, npu=d.device_id)
-    return {**env, **me.to_env(), ev.PD_RANK_REGISTER_URL: register_url}
+    placed = gang.rank_env(rank) if gang is not None and gang.spans else {}
+    return {**env, **me.to_env(), **placed, ev.PD_RANK_REGISTER_URL: register_url}
 
 
 def rank_map(local_tp: int, peer_tp: int, r: int) -> int:
@@ -131,16 +136,71 @@ class Rank:
     seen: float = 0.0      # when its status last answered
 
 
+def links_of(front: Front) -> list[LinkState]:
+    """A front's links: one per peer pod, with its rank links and the worst rank's code."""
+    ranks, tp, peer_tps = front.ranks, front.tp, front.peer_tps
+    by_peer: dict[str, dict[int, LinkState]] = {}
+    for r, rk in ranks.items():
+        for link in (rk.status.links if rk.status else []):
+            by_peer.setdefault(link.name, {})[r] = link
+    out = []
+    for name, per in sorted(by_peer.items()):
+        any_link = per.get(0) or next(iter(per.values()))
+        anchor_rank = 0 if 0 in per else min(per)
+        peer_tp = peer_tps.get(name, tp)
+        pair = lambda r, t=peer_tp: rank_map(tp, t, r)  # noqa: E731 - the peer rank rank r pairs with
+        base_cid = any_link.cluster_id - pair(anchor_rank)   # the peer's rank 0 names the peer pod
+        rank_links: list[RankLinkState] = []
+        for r in range(tp):
+            rl = per.get(r)
+            if rl is None:
+                rank_links.append(RankLinkState(rank=r, cluster_id=base_cid + pair(r), code="LLM_NOT_YET_LINK",
+                                           healthy=False))
+            else:
+                rank_links.append(RankLinkState(rank=r, cluster_id=rl.cluster_id, ip=rl.ip, port=rl.port,
+                                           code=rl.code, healthy=rl.healthy))
+        worst = next((x for x in rank_links if not x.healthy or x.code in BROKEN_CODES), None) \
+            or next((x for x in rank_links if x.code != "LLM_SUCCESS"), rank_links[0])
+        r0 = per.get(0)
+        out.append(LinkState(name=name, cluster_id=base_cid, ip=r0.ip if r0 else "", port=r0.port if r0 else 0,
+                             code=worst.code, healthy=all(x.healthy for x in rank_links),
+                             since=max(x.since for x in per.values()),
+                             peer_boot_id=(r0 or any_link).peer_boot_id, ranks=rank_links))
+    return out
+
+
+def combine(tp: int, peers: list[Peer], results: list[dict], ranks: list[int] | None = None,
+            missing: str = "LLM_FAILED") -> LinkResult:
+    """The ranks' link (or unlink) results as the pod's: per peer, the worst rank's code."""
+    ranks = ranks if ranks is not None else list(range(tp))
+    rank_rets: dict[str, list[str]] = {p.name: [missing] * tp for p in peers}
+    for r, res in zip(ranks, results):
+        for name, code in res.get("rets", {}).items():
+            if name in rank_rets:
+                rank_rets[name][r] = code
+    ok = LINKED_CODES | {"LLM_NOT_YET_LINK"} if missing == "LLM_NOT_YET_LINK" else LINKED_CODES
+    rets = {n: next((c for c in codes if c not in ok), codes[0]) for n, codes in rank_rets.items()}
+    failed = next((c for c in rets.values() if c not in ok), None)
+    return LinkResult(ret=failed or "LLM_SUCCESS", rets=rets, rank_rets=rank_rets,
+                      duration_ms=max((r.get("duration_ms", 0) for r in results), default=0))
+
+
 class Front(AgentService):
     """The pod's agent over its ranks; as an AgentService it answers the agent API (routes.py)."""
 
     where = "front"
 
     def __init__(self, identity: Identity, tp: int, http: httpx.AsyncClient, env: dict[str, str] | None = None):
-        self.id, self.tp, self.http = identity, tp, http
+        self.id, self.http = identity, http
         self.env = dict(os.environ if env is None else env)
+        g = ev.Gang.from_env(self.env)
+        # an instance of several pods: its leading pod fronts every rank, the others their own
+        self.layout = g if g.spans else ev.Gang(tp=tp)
+        self.tp = self.layout.ranks if self.layout.leader else tp
+        self.members = Members(self.layout, http, self._headers, self.register, time.monotonic)
+        self.groups = Groups(self.layout)
         self.boot_id = uuid.uuid4().hex
-        self.ranks = {r: Rank(r) for r in range(tp)}
+        self.ranks = {r: Rank(r) for r in range(self.layout.first_rank, self.layout.first_rank + self.tp)}
         self.devices: Devices | None = None
         self.device_error = ""
         self.preflight: Preflight | None = None   # the network preflight, once the devices are known
@@ -191,7 +251,7 @@ class Front(AgentService):
     async def each(self, method: str, path: str, bodies: dict[int, BaseModel | dict | None] | None = None,
                    timeout: float = RANK_CALL_S) -> list[dict]:
         """The same call on every rank, at once; the first failure (lowest rank) is raised."""
-        ranks = sorted(bodies) if bodies is not None else list(range(self.tp))
+        ranks = sorted(bodies) if bodies is not None else sorted(self.ranks)
         res = await asyncio.gather(*(self.call(r, method, path, bodies[r] if bodies else None, timeout)
                                      for r in ranks), return_exceptions=True)
         for x in res:
@@ -202,9 +262,9 @@ class Front(AgentService):
     def register(self, req: RegisterRank) -> None:
         if held(self.preflight):   # an engine beside the agent: its ranks start serving once the checks pass
             raise AgentError("PREFLIGHT_FAILED", "the pod's network preflight has not passed: its ranks wait", 503)
-        if req.rank >= self.tp:
+        if req.rank not in self.ranks:
             raise AgentError("LLM_PARAM_INVALID", f"rank {req.rank} registered, but this pod has ranks "
-                                                  f"0-{self.tp - 1} (PD_TENSOR_PARALLEL={self.tp})", 400)
+                                                  f"{min(self.ranks)}-{max(self.ranks)}", 400)
         rk = self.ranks[req.rank]
         if rk.boot_id and rk.boot_id != req.boot_id:
             # a rank restarted (its engine and links are new): the pod is a new peer for the decoders
@@ -231,8 +291,8 @@ class Front(AgentService):
 
     async def spawn(self, register_url: str) -> None:
         assert self.devices is not None
-        for r in range(self.tp):
-            env = rank_env(self.env, self.devices, r, register_url)
+        for i in range(self.layout.per_pod):   # its own ranks (a leading pod takes the others' on)
+            env, r = rank_env(self.env, self.devices, i, register_url, self.layout), self.layout.first_rank + i
             self.procs[r] = await asyncio.create_subprocess_exec(sys.executable, "-m", "pd_agent", env=env)
             asyncio.create_task(self._watch(r, self.procs[r]))
 
@@ -261,6 +321,7 @@ class Front(AgentService):
         that answers late on a busy host keeps its last status for a while: it is slow, not gone."""
         if time.monotonic() - self.refreshed_at <= max_age:
             return
+        await self.members.adopt(missing=any(not rk.url or rk.error for rk in self.ranks.values()))
         async with self._refreshing:
             if time.monotonic() - self.refreshed_at <= max_age:
                 return
@@ -284,12 +345,12 @@ class Front(AgentService):
 
     def status(self) -> AgentStatus:
         sts = {r: rk.status for r, rk in self.ranks.items()}
-        first = sts.get(0)
+        first = sts.get(min(sts))
         dev = {d.rank: d for d in self.devices.ranks} if self.devices else {}
         infos = []
         for r, rk in sorted(self.ranks.items()):
-            s, d = sts[r], dev.get(r)
-            infos.append(RankInfo(rank=r, cluster_id=s.cluster_id if s else ev.cluster_id(self.id.cluster_id, 0, 1, r),
+            s, d, base = sts[r], dev.get(r), self.id.cluster_id - self.layout.first_rank
+            infos.append(RankInfo(rank=r, cluster_id=s.cluster_id if s else base + r,
                                   device_id=d.device_id if d else None, ip=(s.ip if s else (d.ip if d else "")) or "",
                                   port=s.port if s else (d.port if d else 0), initialized=bool(s and s.initialized),
                                   registered=rk.url is not None, last_error=rk.error))
@@ -302,7 +363,7 @@ class Front(AgentService):
         load.kv_used_bytes = sum(s.load.kv_used_bytes for s in live)
         load.kv_capacity_bytes = sum(s.load.kv_capacity_bytes for s in live)
         last_error = self.device_error or next((f"rank {r}: {rk.error}" for r, rk in sorted(self.ranks.items())
-                                                if rk.error), "")
+                                                if rk.error), self.members.error)
         roles = {s.role for s in live}
         # ranks in different roles (a switch cut short): not the switch's target, so the operator
         # repeats the (idempotent) switch_role; after a restart, the role the pod started in
@@ -315,7 +376,7 @@ class Front(AgentService):
         return AgentStatus(
             pod=self.id.pod, role=role, cluster_id=self.id.cluster_id,
             boot_id=self.boot_id, backend=self.id.backend, initialized=self.initialized,
-            ip=infos[0].ip, port=infos[0].port, model_id=self.id.model_id, links=self._links(),
+            ip=infos[0].ip, port=infos[0].port, model_id=self.id.model_id, links=links_of(self),
             incoming=first.incoming if first else [], load=load,
             draining=self.draining or any(s.draining for s in live),
             terminating=self.terminating or any(s.terminating for s in live),
@@ -324,38 +385,8 @@ class Front(AgentService):
             cache_desc=first.cache_desc if first else self.id.cache_desc,
             engine=first.engine if first else self.id.engine, last_error=last_error,
             tensor_parallel=self.tp, ranks=infos, device_ips=self.devices.source if self.devices else "",
-            device_error=self.device_error, preflight=self.preflight.report if self.preflight else None)
-
-    def _links(self) -> list[LinkState]:
-        """One link per peer pod: its rank links, the worst rank's code."""
-        by_peer: dict[str, dict[int, LinkState]] = {}
-        for r, rk in self.ranks.items():
-            for link in (rk.status.links if rk.status else []):
-                by_peer.setdefault(link.name, {})[r] = link
-        out = []
-        for name, per in sorted(by_peer.items()):
-            any_link = per.get(0) or next(iter(per.values()))
-            anchor_rank = 0 if 0 in per else min(per)
-            peer_tp = self.peer_tps.get(name, self.tp)
-            pair = lambda r, t=peer_tp: rank_map(self.tp, t, r)  # noqa: E731 - the peer rank rank r pairs with
-            base_cid = any_link.cluster_id - pair(anchor_rank)   # the peer's rank 0 names the peer pod
-            ranks = []
-            for r in range(self.tp):
-                rl = per.get(r)
-                if rl is None:
-                    ranks.append(RankLinkState(rank=r, cluster_id=base_cid + pair(r), code="LLM_NOT_YET_LINK",
-                                               healthy=False))
-                else:
-                    ranks.append(RankLinkState(rank=r, cluster_id=rl.cluster_id, ip=rl.ip, port=rl.port,
-                                               code=rl.code, healthy=rl.healthy))
-            worst = next((x for x in ranks if not x.healthy or x.code in BROKEN_CODES), None) \
-                or next((x for x in ranks if x.code != "LLM_SUCCESS"), ranks[0])
-            r0 = per.get(0)
-            out.append(LinkState(name=name, cluster_id=base_cid, ip=r0.ip if r0 else "", port=r0.port if r0 else 0,
-                                 code=worst.code, healthy=all(x.healthy for x in ranks),
-                                 since=max(x.since for x in per.values()),
-                                 peer_boot_id=(r0 or any_link).peer_boot_id, ranks=ranks))
-        return out
+            device_error=self.device_error, preflight=self.preflight.report if self.preflight else None,
+            gang=self.members.state(lambda r: self.ranks[r].url is not None) if self.layout.spans else None)
 
     # ---- operations -------------------------------------------------------------------------------
     def _rank_peer(self, p: Peer, r: int) -> Peer:
@@ -376,7 +407,7 @@ class Front(AgentService):
             self.peer_tps[p.name] = len(p.ranks) if p.ranks else 1
             if p.agent_url:
                 self.peer_urls[p.name] = p.agent_url.rstrip("/")
-        return self._combine(req.peers, await self.each("POST", AgentPath.LINK, bodies,  # type: ignore[arg-type]
+        return combine(self.tp, req.peers, await self.each("POST", AgentPath.LINK, bodies,  # type: ignore[arg-type]
                                                         timeout=req.timeout_ms / 1000 + RANK_CALL_S))
 
     async def unlink(self, req: UnlinkRequest) -> LinkResult:
@@ -398,21 +429,7 @@ class Front(AgentService):
         if not bodies:
             return LinkResult(ret="LLM_SUCCESS", rets={p.name: "LLM_NOT_YET_LINK" for p in req.peers})
         res = await self.each("POST", AgentPath.UNLINK, bodies, timeout=req.timeout_ms / 1000 + RANK_CALL_S)
-        return self._combine(req.peers, res, ranks=sorted(bodies), missing="LLM_NOT_YET_LINK")
-
-    def _combine(self, peers: list[Peer], results: list[dict], ranks: list[int] | None = None,
-                 missing: str = "LLM_FAILED") -> LinkResult:
-        ranks = ranks if ranks is not None else list(range(self.tp))
-        rank_rets: dict[str, list[str]] = {p.name: [missing] * self.tp for p in peers}
-        for r, res in zip(ranks, results):
-            for name, code in res.get("rets", {}).items():
-                if name in rank_rets:
-                    rank_rets[name][r] = code
-        ok = LINKED_CODES | {"LLM_NOT_YET_LINK"} if missing == "LLM_NOT_YET_LINK" else LINKED_CODES
-        rets = {n: next((c for c in codes if c not in ok), codes[0]) for n, codes in rank_rets.items()}
-        failed = next((c for c in rets.values() if c not in ok), None)
-        return LinkResult(ret=failed or "LLM_SUCCESS", rets=rets, rank_rets=rank_rets,
-                          duration_ms=max((r.get("duration_ms", 0) for r in results), default=0))
+        return combine(self.tp, req.peers, res, ranks=sorted(bodies), missing="LLM_NOT_YET_LINK")
 
     async def verify(self, req: VerifyRequest) -> VerifyResult:
         ranks = req.ranks if req.ranks is not None else list(range(self.tp))
@@ -510,7 +527,7 @@ class Front(AgentService):
 
     async def _peer_link(self, prompt_cluster_id: int) -> LinkState:
         for attempt in (0, 1):
-            link = next((x for x in self._links() if x.cluster_id == prompt_cluster_id), None)
+            link = next((x for x in links_of(self) if x.cluster_id == prompt_cluster_id), None)
             if link is not None and link.healthy:
                 return link
             if attempt == 0:
@@ -518,7 +535,7 @@ class Front(AgentService):
         raise AgentError("NOT_LINKED", f"{self.id.pod} has no healthy link to the prefill with cluster id "
                                        f"{prompt_cluster_id} at every rank; nothing was pulled", 503)
 
-    async def pull_all(self, req: DecodeRequest) -> float:
+    async def pull_all(self, req: DecodeRequest, group: list[int]) -> float:
         """Every rank pulls its shard from the prefill rank it pairs with, at once; a failed rank
         pull is retried, then the request is refused before its first token (never half-served).
         Returns the slowest pull's milliseconds."""
@@ -543,18 +560,18 @@ class Front(AgentService):
                     await asyncio.sleep(0.05 * (attempt + 1))
             raise AssertionError("unreachable")
         t0 = time.monotonic()
-        res = await asyncio.gather(*(one(r) for r in range(self.tp)), return_exceptions=True)
+        res = await asyncio.gather(*(one(r) for r in group), return_exceptions=True)
         failed = [x for x in res if isinstance(x, BaseException)]
         if failed:
             pulled = len(res) - len(failed)
             if pulled and all(isinstance(x, AgentError) and x.code == "NOT_LINKED" for x in failed):
                 # some shards moved (a pull consumes them): the request cannot go to another decoder
-                raise AgentError("LLM_NOT_YET_LINK", f"{failed[0]}; {pulled} of {self.tp} ranks pulled already, "
+                raise AgentError("LLM_NOT_YET_LINK", f"{failed[0]}; {pulled} of {len(group)} ranks pulled already, "
                                                      "so the request cannot move", 502)
             raise failed[0]
         ms = [x for x in res if not isinstance(x, BaseException)]
-        if peer_tp > self.tp and base_url:   # prefill ranks no rank of ours reads: their copies go now
-            read = {rank_map(self.tp, peer_tp, r) for r in range(self.tp)}
+        read = {rank_map(self.tp, peer_tp, r) for r in group}
+        if len(read) < peer_tp and base_url:   # prefill ranks no rank of ours reads: their copies go now
             await asyncio.gather(*(self._release(j, req.req_id, f"{base_url}{AgentPath.rank_prefix(j)}")
                                    for j in range(peer_tp) if j not in read), return_exceptions=True)
         return max(max(ms), (time.monotonic() - t0) * 1000)
@@ -588,14 +605,19 @@ class Front(AgentService):
             self.serving -= 1
 
     async def _decode(self, request: web.Request, body: DecodeRequest) -> web.StreamResponse:
-        pulled_ms = await self.pull_all(body)
-        rank0 = body.model_copy(update={"kv_pulled_ms": pulled_ms, "admitted": True})
-        if not self.ranks[0].url:
-            raise AgentError("RANK_NOT_REGISTERED", "rank 0 has not registered with the pod's agent", 503)
-        url = f"{self.ranks[0].url}{AgentPath.DECODE}"
+        with self.groups.take() as g:   # one data-parallel group pulls and decodes (without DP: every rank)
+            group = self.groups.ranks(g)
+            pulled_ms = await self.pull_all(body, group)
+            return await self._decode_on(request, body.model_copy(update={"kv_pulled_ms": pulled_ms,
+                                                                          "admitted": True}), group[0])
+
+    async def _decode_on(self, request: web.Request, rank0: DecodeRequest, r0: int) -> web.StreamResponse:
+        if not self.ranks[r0].url:
+            raise AgentError("RANK_NOT_REGISTERED", f"rank {r0} has not registered with the pod's agent", 503)
+        url = f"{self.ranks[r0].url}{AgentPath.DECODE}"
         data = rank0.model_dump(mode="json", exclude_none=True)
-        if not body.stream:
-            return model_reply(DecodeResponse.model_validate(await self.call(0, "POST", AgentPath.DECODE, rank0,
+        if not rank0.stream:
+            return model_reply(DecodeResponse.model_validate(await self.call(r0, "POST", AgentPath.DECODE, rank0,
                                                                              timeout=SERVE_S)))
         resp = None
         try:
@@ -612,8 +634,8 @@ class Front(AgentService):
                 return resp
         except httpx.HTTPError as e:
             if resp is None:   # nothing sent yet: a plain error (the shards were pulled: not retryable)
-                raise AgentError("RANK_UNREACHABLE", f"rank 0 ({self.ranks[0].url}): {e!r}", 502) from None
-            await resp.write((json.dumps({"error": {"code": "RANK_UNREACHABLE", "message": f"rank 0: {e!r}"}})
+                raise AgentError("RANK_UNREACHABLE", f"rank {r0} ({self.ranks[r0].url}): {e!r}", 502) from None
+            await resp.write((json.dumps({"error": {"code": "RANK_UNREACHABLE", "message": f"rank {r0}: {e!r}"}})
                               + "\n").encode())
             await resp.write_eof()
             return resp
@@ -706,6 +728,15 @@ class Front(AgentService):
         self.register(req)
         return {"ok": True}
 
+    async def get_ranks(self) -> dict:
+        return {"ranks": [RegisterRank(rank=r, url=rk.url, boot_id=rk.boot_id or "-").model_dump()
+                          for r, rk in sorted(self.ranks.items()) if rk.url]}
+
+    async def gang(self, req: GangRequest) -> None:
+        self.members.tell(req)
+        self.refreshed_at = 0.0
+        await self.members.adopt(missing=True)
+
     async def init(self) -> None:
         await self.each("POST", AgentPath.INIT)
 
@@ -719,7 +750,7 @@ class Front(AgentService):
         if self.preflight:
             self.preflight.set_faults(req)
         if rest and rest != {"crash": False}:
-            await self.each("POST", AgentPath.FAULTS, {r: FaultsRequest(**rest) for r in range(self.tp)})
+            await self.each("POST", AgentPath.FAULTS, {r: FaultsRequest(**rest) for r in self.ranks})
 
     async def get_faults(self) -> dict:
         return await self.call(0, "GET", AgentPath.FAULTS)

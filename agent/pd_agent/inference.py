@@ -30,7 +30,7 @@ from pd_contract.agent_api import (
     PullRequest,
     PullResponse,
 )
-from pd_contract.engine_env import PD_RANK_REGISTER_URL
+from pd_contract.engine_env import PD_INSTANCE_RANK, PD_RANK_REGISTER_URL
 from pd_contract.names import BROKEN_CODES
 
 from .core import AgentCore, AgentError, _code_name
@@ -360,14 +360,14 @@ class Inference:
             front = os.environ.get(PD_RANK_REGISTER_URL, "").removesuffix(AgentPath.RANKS)
             if not front:
                 raise AgentError("KV_NOT_HELD", "rank 0 does not know its pod's agent (PD_RANK_REGISTER_URL)", 502)
-            if self._http is None:
-                self._http = httpx.AsyncClient(trust_env=False, timeout=30)
-            http = self._http
-            token = self.core.id.token
+            http = self._http = self._http or httpx.AsyncClient(trust_env=False, timeout=30)
+            token, rank = self.core.id.token, self.core.id.rank
             headers = {"Authorization": f"Bearer {token}"} if token else {}
+            first = int(os.environ.get(PD_INSTANCE_RANK) or rank) - rank   # the group's rank 0, as the pod numbers it
 
             async def one(r: int) -> bytes:
-                resp = await http.get(f"{front}{AgentPath.rank_prefix(r)}{AgentPath.kv(req.req_id)}", headers=headers)
+                resp = await http.get(f"{front}{AgentPath.rank_prefix(first + r)}{AgentPath.kv(req.req_id)}",
+                                      headers=headers)
                 if resp.status_code != 200:
                     raise AgentError("KV_NOT_HELD", f"rank {r}'s shard: HTTP {resp.status_code} "
                                      f"{resp.text[:200]}", 502)

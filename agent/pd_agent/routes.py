@@ -24,6 +24,7 @@ from pd_contract.agent_api import (
     DecodeRequest,
     DrainRequest,
     FaultsRequest,
+    GangRequest,
     LinkRequest,
     NotifyRequest,
     PrefillRequest,
@@ -66,6 +67,9 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", AgentPath.STATUS, "get_status", scope="data"),
     # a rank process registers its local API with the pod's agent
     Route("POST", AgentPath.RANKS, "register_rank", RegisterRank, on=ONLY_FRONT),
+    # the ranks registered here (an instance's leading pod takes its other pods' on)
+    Route("GET", AgentPath.RANKS, "get_ranks", on=ONLY_FRONT),
+    Route("POST", AgentPath.GANG, "gang", GangRequest, changes=True, on=ONLY_FRONT),
     Route("POST", AgentPath.INIT, "init", changes=True),
     Route("POST", AgentPath.LINK, "link", LinkRequest, changes=True),
     Route("POST", AgentPath.UNLINK, "unlink", UnlinkRequest, changes=True),
@@ -177,6 +181,12 @@ class AgentService(abc.ABC):
         raise web.HTTPNotFound()
 
     async def proxy(self, request: web.Request) -> web.Response:
+        raise web.HTTPNotFound()
+
+    async def get_ranks(self) -> Reply:
+        raise web.HTTPNotFound()
+
+    async def gang(self, req: GangRequest) -> Reply:
         raise web.HTTPNotFound()
 
 

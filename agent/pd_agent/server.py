@@ -38,11 +38,13 @@ from pd_contract.agent_api import (
     VerifyResult,
 )
 from pd_contract.engine_env import (
+    PD_INSTANCE_RANK,
     PD_LOCAL_POD_IP,
     PD_RANK,
     PD_RANK_REGISTER_URL,
     PD_RANKS_EXTERNAL,
     PD_TENSOR_PARALLEL,
+    Gang,
     flag,
 )
 
@@ -376,14 +378,17 @@ def main(argv: list[str] | None = None) -> None:
     try:
         identity = Identity.from_env()
         tp = identity.tensor_parallel
-        rank = int(os.environ[PD_RANK]) if os.environ.get(PD_RANK) else None
+        # a rank process registers under its rank in the instance (a gang's), else its rank
+        slot = os.environ.get(PD_INSTANCE_RANK) or os.environ.get(PD_RANK)
+        rank = int(slot) if slot else None
+        spans = Gang.from_env(os.environ).spans
     except (ConfigError, ValueError) as e:
         raise SystemExit(f"pd_agent: bad configuration: {e}") from None
     if rank is not None:
         # a rank process: its API on a local port, registered with the pod's agent
         _die_with_parent()
         asyncio.run(_serve(identity, os.environ.get(PD_LOCAL_POD_IP) or "127.0.0.1", 0, rank=rank))
-    elif tp > 1 or flag(os.environ, PD_RANKS_EXTERNAL):
+    elif tp > 1 or spans or flag(os.environ, PD_RANKS_EXTERNAL):
         # several ranks, or an inference server beside this agent starts its own: the pod's agent
         asyncio.run(serve_front(identity, tp, args.host, args.port or identity.agent_port))
     else:

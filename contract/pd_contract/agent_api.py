@@ -33,6 +33,7 @@ class AgentPath:
     PULL = "/v1/pull"
     KV = "/v1/kv/{req_id}"     # a multi-rank decoder's rank: the shard it pulled, once
     RANK_PROXY = "/r/{rank}/{tail:.*}"   # the pod's agent: that rank's own API
+    GANG = "/v1/gang"          # an instance's leading pod: the pods holding the rest of its ranks
 
     @staticmethod
     def kv(req_id: int) -> str:
@@ -343,6 +344,30 @@ class RegisterRank(_Body):
     boot_id: str = Field(min_length=1)
 
 
+class GangMember(_Body):
+    """A pod of an instance that holds some of its ranks: where its agent answers."""
+    pod: str = Field(min_length=1, max_length=253)
+    agent_url: str = Field(min_length=1, max_length=1024)
+    first_rank: int = Field(ge=0, lt=512)
+
+
+class GangRequest(_Body):
+    """The operator -> an instance's leading pod: its other pods. The leading pod's agent takes
+    their ranks on as its own (each listed at the pod's GET /v1/ranks), so it fronts the whole
+    instance: links, verification, drain and switch_role reach every rank of every pod."""
+    members: list[GangMember] = Field(default=[], max_length=64)
+
+
+class GangState(_Reply):
+    """A pod's place in an instance of several pods or data-parallel groups."""
+    index: int = 0          # 0: it leads (its agent fronts every rank); others hold ranks only
+    pods: int = 1
+    tp: int = 1             # a tensor-parallel group's ranks
+    dp: int = 1
+    members: dict[str, str] = {}   # leading pod: the other pods and their agents, as told
+    missing: list[int] = []        # leading pod: instance ranks not registered (yet)
+
+
 MAX_STATUS_LINKS = 16384
 
 
@@ -396,3 +421,4 @@ class AgentStatus(_Reply):
     device_ips: str = ""             # where the device IPs came from: annotation, hccn.conf, list, pod-ip
     device_error: str = ""           # DeviceIPUnknown: which rank has no device IP, and why
     preflight: PreflightReport | None = None   # the network preflight (pods the operator runs)
+    gang: GangState | None = None   # an instance of several pods or data-parallel groups

@@ -37,6 +37,12 @@ LLM_DATADIST_SYNC_KV_TIMEOUT_MS = "LLM_DATADIST_SYNC_KV_TIMEOUT_MS"
 PD_TENSOR_PARALLEL = "PD_TENSOR_PARALLEL"
 PD_RANK = "PD_RANK"
 PD_DEVICE_ID = "PD_DEVICE_ID"                            # the physical NPU of a rank
+# an instance beyond one TP group in one pod (spec.<group>.podsPerInstance, dataParallel): a gang
+PD_PODS_PER_INSTANCE = "PD_PODS_PER_INSTANCE"            # pods one instance spans
+PD_DATA_PARALLEL = "PD_DATA_PARALLEL"                    # its data-parallel groups
+PD_TP_SIZE = "PD_TP_SIZE"                                # one group's ranks (a rank process: its TP)
+PD_INSTANCE_RANK = "PD_INSTANCE_RANK"                    # a rank process: its rank in the instance
+PD_DP_RANK = "PD_DP_RANK"                                # a rank process: its data-parallel group
 
 # a pod of several ranks: where a rank registers, and whether the agent starts the ranks itself
 PD_RANK_REGISTER_URL = "PD_RANK_REGISTER_URL"
@@ -204,3 +210,55 @@ def _positive_int(env: Mapping[str, str], name: str, default: int) -> int:
     if v < 1:
         raise ValueError(f"{name} must be at least 1, got {v}")
     return v
+
+
+@dataclass(frozen=True)
+class Gang:
+    """Where a pod stands in its instance: `pods` pods hold the instance's `tp` x `dp` ranks in
+    equal consecutive shares (pod `index` holds ranks index x per_pod ...), the pod of index 0
+    leads it (its agent fronts every rank of the instance). Rank g of the instance is rank g % tp of
+    data-parallel group g // tp; its cluster id is the instance's first plus g."""
+    pods: int = 1
+    tp: int = 1
+    dp: int = 1
+    index: int = 0
+
+    @property
+    def ranks(self) -> int:
+        return self.tp * self.dp
+
+    @property
+    def per_pod(self) -> int:
+        return self.ranks // self.pods
+
+    @property
+    def first_rank(self) -> int:
+        return self.index * self.per_pod
+
+    @property
+    def leader(self) -> bool:
+        return self.index == 0
+
+    @property
+    def spans(self) -> bool:
+        return self.pods > 1 or self.dp > 1
+
+    def rank_env(self, local: int) -> dict[str, str]:
+        """A rank process's place: its TP rank and size, its instance rank and its DP group."""
+        g = self.first_rank + local
+        return {PD_RANK: str(g % self.tp), PD_TENSOR_PARALLEL: str(self.tp), PD_INSTANCE_RANK: str(g),
+                PD_DP_RANK: str(g // self.tp)}
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> Gang:
+        """The pod's gang (a single-pod, single-group instance without the variables)."""
+        if not env.get(PD_PODS_PER_INSTANCE) and not env.get(PD_DATA_PARALLEL):
+            return cls(tp=_positive_int(env, PD_TENSOR_PARALLEL, 1))
+        pods = _positive_int(env, PD_PODS_PER_INSTANCE, 1)
+        dp = _positive_int(env, PD_DATA_PARALLEL, 1)
+        tp = _positive_int(env, PD_TP_SIZE, 1)
+        if (tp * dp) % pods:
+            raise ValueError(f"{PD_PODS_PER_INSTANCE}={pods} does not divide {PD_TP_SIZE} x {PD_DATA_PARALLEL} "
+                             f"= {tp * dp}")
+        index = _int(env, LLM_DATADIST_POD_INDEX, 0) % pods
+        return cls(pods=pods, tp=tp, dp=dp, index=index)

@@ -7,11 +7,13 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from pd_contract.agent_api import Peer, RankEndpoint
 from pd_contract.names import LINKED_CODES, llmd_labels
 
 from . import children as ch
+from . import gangs as gangs_
 from . import links as lk
 from . import pools
 from . import tokens as tk
@@ -194,11 +196,22 @@ async def _label(c: _Switching, it: Intent, e: lk.Engine | None) -> None:
     and every InferencePool that selects llm-d's labels at the same moment."""
     assert it.role is not None
     labels: dict[str, str | None] = {LABEL_ROLE: it.role, **llmd_labels(it.role)}
-    await c.kube.patch("v1", "Pod", c.namespace, it.pod, {"metadata": {"labels": labels}})
+    await _instance_patch(c, it, e, {"metadata": {"labels": labels}})
 
 
 async def _annotate(c: _Switching, it: Intent, e: lk.Engine | None) -> None:
-    await c.kube.patch("v1", "Pod", c.namespace, it.pod, {"metadata": {"annotations": {ANNOTATION_ROLE: it.role}}})
+    await _instance_patch(c, it, e, {"metadata": {"annotations": {ANNOTATION_ROLE: it.role}}})
+
+
+async def _instance_patch(c: _Switching, it: Intent, e: lk.Engine | None, patch: dict) -> None:
+    """The pod's patch, and its instance's other pods' (one gone is left to the gang's restart)."""
+    for pod in (e.followers if e is not None else ()):
+        try:
+            await c.kube.patch("v1", "Pod", c.namespace, pod, patch)
+        except KubeError as err:
+            if err.status != 404:
+                raise
+    await c.kube.patch("v1", "Pod", c.namespace, it.pod, patch)
 
 
 async def _drain(c: _Switching, it: Intent, e: lk.Engine | None) -> None:
@@ -283,6 +296,39 @@ async def _switch_verify(c: _Switching, e: lk.Engine, pairs: list[tuple[lk.Engin
             failed = failed or AgentCallError("AgentError", f"{d.pod} <- {p.pod}: {r.message}", r.code)
     if failed is not None:
         raise failed
+
+
+async def gangs(kube: Kube, agents: AgentClient, ns: str, plan: gangs_.Plan, token: str | None,
+                limiter: asyncio.Semaphore) -> bool:
+    """An instance's pods: gates lifted together, an incarnation's pods deleted together, its leading
+    pod told its members. A pod that changed meanwhile (another uid) is left to the next pass."""
+    for pod, uid, keep in plan.ungate:
+        try:
+            await kube.patch("v1", "Pod", ns, pod, [{"op": "test", "path": "/metadata/uid", "value": uid},
+                                                    {"op": "replace", "path": "/spec/schedulingGates", "value": keep}],
+                             json_patch=True)
+        except KubeError as e:
+            log.info("%s/%s: its scheduling gate not lifted: %s", ns, pod, e)
+    for pod, uid, why in plan.delete:
+        log.warning("%s/%s: deleted: %s", ns, pod, why)
+        try:
+            await kube.delete("v1", "Pod", ns, pod, uid=uid)
+        except KubeError as e:
+            if e.status != 409:
+                raise
+    for pod, url, req in plan.tell if token else []:
+        try:
+            await agents.gang(url, token, req, limiter=limiter)   # type: ignore[arg-type]
+        except AgentCallError as e:
+            log.info("%s/%s: not told its instance's pods: %s", ns, pod, e)
+    return bool(plan.ungate or plan.delete or plan.tell)
+
+
+async def pools_and_gangs(kube: Kube, agents: AgentClient, ns: str, plan: Any, token: str | None,
+                          limiter: asyncio.Semaphore, res: Results) -> bool:
+    """The plan's InferencePools and its instances of several pods (decide.Plan's `pools`, `gangs`)."""
+    kept = await keep_pools(kube, ns, plan.pools, res)
+    return await gangs(kube, agents, ns, plan.gangs, token, limiter) or kept
 
 
 async def keep_pools(kube: Kube, ns: str, plan: pools.PoolPlan, res: Results) -> bool:

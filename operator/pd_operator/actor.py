@@ -117,7 +117,7 @@ class Actor:
                               everything=len(plan.to_apply) == len(plan.desired),
                               keys_ok=snap.keys is None or bool(snap.keys[0]), observed=frozenset(snap.children))
             acted = True
-        acted = await act.keep_pools(self.kube, ns, plan.pools, res) or acted
+        acted = await act.pools_and_gangs(self.kube, self.agents, ns, plan, token, limiter, res) or acted
         pairs = plan.verify
         if plan.links and token:
             dirty.update(p.decoder.pod for p in plan.links)  # ask them again next pass

@@ -25,6 +25,7 @@ from pd_contract.agent_api import (
     AgentStatus,
     DrainRequest,
     DrainResult,
+    GangRequest,
     LinkRequest,
     LinkResult,
     Peer,
@@ -214,6 +215,9 @@ class AgentClient:
     async def switch_role(self, base: str, token: str, role: str, limiter=None) -> AgentStatus:
         return await self._call("switch_role", "POST", f"{base}{AgentPath.SWITCH_ROLE}", token, AgentStatus,
                                 SwitchRoleRequest.model_validate({"role": role}), limiter=limiter)
+
+    async def gang(self, base: str, token: str, req: GangRequest, limiter=None) -> AgentStatus:
+        return await self._call("gang", "POST", f"{base}{AgentPath.GANG}", token, AgentStatus, req, limiter=limiter)
 
     async def gateway_stats(self, base: str) -> dict | None:
         """pd-gateway's /stats: recent client-side TTFT/TBT percentiles. `base` is its metrics

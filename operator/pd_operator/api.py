@@ -321,8 +321,19 @@ class Group(Model):
                                         description="cluster_id of pod 0's rank 0 (default prefill 0, decoder "
                                                     "1000); pod i's rank r is base + i x tensorParallel + r")
     tensor_parallel: int | None = Field(default=None, ge=1, le=64,
-                                        description="ranks per pod, one engine and one NPU each (default "
-                                                    "spec.model.kvCache.tensorParallel)")
+                                        description="ranks of one tensor-parallel group, one engine and one NPU "
+                                                    "each (default spec.model.kvCache.tensorParallel); with "
+                                                    "podsPerInstance and dataParallel 1, the ranks of a pod")
+    pods_per_instance: int = Field(default=1, ge=1, le=32, description=(
+        "pods one instance spans, across nodes: a gang, placed all or none, serving only when every rank of "
+        "every pod is up, linked and verified, restarted as one when a pod is lost and switched as one; each "
+        "pod holds tensorParallel x dataParallel / podsPerInstance ranks (and as many NPUs)"))
+    data_parallel: int = Field(default=1, ge=1, le=256, description=(
+        "attention data-parallel groups of an instance, each of tensorParallel ranks and serving requests of "
+        "its own (above 1: attention MLA, a decoder group reads the whole latent from one prefill rank)"))
+    gang_schedule_seconds: int = Field(default=120, ge=5, le=3600, description=(
+        "podsPerInstance above 1: how long an instance's pods may wait to be placed; then they all give their "
+        "NPUs back and are placed together again only once the nodes have room for every one of them"))
     env: list[EnvVar] | None = Field(default=None, max_length=128, json_schema_extra=_map_list("name"),
                                      description="extra environment for the engine (one entry per name)")
     topology_spread_constraints: list[dict[str, Any]] | None = Field(
@@ -640,8 +651,34 @@ def _kv_port_rule(npus: int | None) -> tuple[str, str, str]:
 _P_TP = "(has(self.prefill.tensorParallel) ? self.prefill.tensorParallel : self.model.kvCache.tensorParallel)"
 _D_TP = "(has(self.decoder.tensorParallel) ? self.decoder.tensorParallel : self.model.kvCache.tensorParallel)"
 _MAX_TP = f"({_P_TP} > {_D_TP} ? {_P_TP} : {_D_TP})"
+_P_DP = "(has(self.prefill.dataParallel) ? self.prefill.dataParallel : 1)"
+_D_DP = "(has(self.decoder.dataParallel) ? self.decoder.dataParallel : 1)"
+_P_PODS = "(has(self.prefill.podsPerInstance) ? self.prefill.podsPerInstance : 1)"
+_D_PODS = "(has(self.decoder.podsPerInstance) ? self.decoder.podsPerInstance : 1)"
+_P_RANKS = f"({_P_TP} * {_P_DP})"     # ranks of an instance
+_D_RANKS = f"({_D_TP} * {_D_DP})"
 _P_BASE = "(has(self.prefill.clusterIdBase) ? self.prefill.clusterIdBase : 0)"
 _D_BASE = "(has(self.decoder.clusterIdBase) ? self.decoder.clusterIdBase : 1000)"
+
+
+def _gang_rules(group: str, tp: str, dp: str, pods: str) -> tuple[tuple[str, str, str], ...]:
+    """An instance's layout: its ranks divide evenly over its pods, each pod's NPUs fit a node, and
+    data-parallel groups read whole latents (MLA)."""
+    f = f"spec.{group}"
+    return (
+        (f"({tp} * {dp}) % {pods} == 0",
+         f"{f}.podsPerInstance must divide {f}.tensorParallel x {f}.dataParallel (every pod of an instance holds "
+         "as many ranks)", f".{group}.podsPerInstance"),
+        (f"{pods} == 1 || ({tp} * {dp}) / {pods} <= {_NPN}",
+         f"{f}: tensorParallel x dataParallel / podsPerInstance is the NPUs of one pod and must not exceed "
+         "spec.ascend.npusPerNode", f".{group}.podsPerInstance"),
+        (f"{dp} == 1 || self.model.kvCache.attention == 'MLA'",
+         f"{f}.dataParallel above 1 needs spec.model.kvCache.attention MLA (a data-parallel group reads the whole "
+         "latent of a request from one prefill rank)", f".{group}.dataParallel"),
+        (f"{pods} == 1 || !has(self.engine)",
+         f"{f}.podsPerInstance above 1 runs on the agent's own rank processes (the simulator or LLM-DataDist "
+         "ranks it starts), not with spec.engine", f".{group}.podsPerInstance"),
+    )
 
 
 class Rollout(Model):
@@ -706,21 +743,28 @@ class PDDeploymentSpec(Model):
          "e.prefill <= (has(self.replicas) ? self.replicas : self.prefill.replicas + self.decoder.replicas)"
          " - self.rebalance.minDecoder)",
          "every spec.rebalance.schedule[].prefill must leave spec.rebalance.minDecoder decoders", ".rebalance"),
-        (_P_BASE + " + (has(self.replicas) ? self.replicas : self.prefill.replicas) * " + _P_TP + " <= " + _D_BASE
-         + " || " + _D_BASE + " + (has(self.replicas) ? self.replicas : self.decoder.replicas) * " + _D_TP
-         + " <= " + _P_BASE,
+        (_P_BASE + " + (has(self.replicas) ? self.replicas : self.prefill.replicas) * " + _P_RANKS + " <= "
+         + _D_BASE + " || " + _D_BASE + " + (has(self.replicas) ? self.replicas : self.decoder.replicas) * "
+         + _D_RANKS + " <= " + _P_BASE,
          "spec.prefill.clusterIdBase and spec.decoder.clusterIdBase ranges overlap (defaults 0 and 1000; each group "
-         "takes pods x tensorParallel ids from its base, pods counted as spec.replicas if set): cluster_ids must be "
-         "unique", ".decoder"),
+         "takes instances x tensorParallel x dataParallel ids from its base, instances counted as spec.replicas if "
+         "set): cluster_ids must be unique", ".decoder"),
+        *_gang_rules("prefill", _P_TP, _P_DP, _P_PODS),
+        *_gang_rules("decoder", _D_TP, _D_DP, _D_PODS),
+        ("self.model.kvCache.attention != 'MLA' || " + _P_RANKS + " % " + _D_RANKS + " == 0 || " + _D_RANKS
+         + " % " + _P_RANKS + " == 0",
+         "spec.prefill and spec.decoder: one instance's ranks (tensorParallel x dataParallel) must divide the "
+         "other's, so that every decoder rank is paired with a prefill rank", ".decoder"),
         (_P_TP + " == " + _D_TP + " || (self.model.kvCache.attention == 'MLA' && " + _P_TP + " % " + _D_TP
          + " == 0)",
          "spec.prefill.tensorParallel and spec.decoder.tensorParallel must be equal, or with attention MLA the "
          "decoder's must divide the prefill's (GQA head shards are paired rank to rank; an MLA rank holds the whole "
          "latent, and each decoder rank reads one prefill rank's copy)", ".decoder"),
         ("!has(self.rebalance) || !has(self.rebalance.method) || self.rebalance.method != 'Switch' || "
-         + _P_TP + " == " + _D_TP,
+         + _P_TP + " == " + _D_TP + " || self.model.kvCache.attention == 'MLA'",
          "spec.rebalance.method Switch needs equal spec.prefill.tensorParallel and spec.decoder.tensorParallel "
-         "(a switched pod keeps its ranks); use method Replace", ".rebalance"),
+         "(a switched pod keeps its ranks, and GQA head shards pair rank to rank), or attention MLA; use method "
+         "Replace", ".rebalance"),
         ("self.model.kvCache.attention != 'GQA' || [" + _P_TP + ", " + _D_TP + "].all(t, "
          "self.model.kvCache.numKvHeads % t == 0 || t % self.model.kvCache.numKvHeads == 0)",
          "spec.prefill.tensorParallel and spec.decoder.tensorParallel must divide "
@@ -836,14 +880,32 @@ class PDDeploymentSpec(Model):
         pp = min(max(1, share), self.replicas - 1)
         return {"prefill": pp, "decoder": self.replicas - pp}
 
+    def group(self, group: str) -> "Group":
+        return self.prefill if group == "prefill" else self.decoder
+
+    def tp_size(self, group: str) -> int:
+        """The size of a tensor-parallel group: its own tensorParallel, else the model profile's."""
+        return self.group(group).tensor_parallel or self.model.kv_cache.tensor_parallel
+
+    def instance_ranks(self, group: str) -> int:
+        """The ranks of one instance: tensorParallel x dataParallel."""
+        return self.tp_size(group) * self.group(group).data_parallel
+
+    def pods_per_instance(self, group: str) -> int:
+        return self.group(group).pods_per_instance
+
+    def gang(self, group: str) -> bool:
+        """The group's instances are laid out beyond one TP group in one pod (the gang env is given)."""
+        g = self.group(group)
+        return g.pods_per_instance > 1 or g.data_parallel > 1
+
     def tp(self, group: str) -> int:
-        """Ranks per pod of a group: its own tensorParallel, else the model profile's."""
-        g = self.prefill if group == "prefill" else self.decoder
-        return g.tensor_parallel or self.model.kv_cache.tensor_parallel
+        """Ranks per pod of a group (one NPU each): an instance's ranks over its pods."""
+        return self.instance_ranks(group) // self.pods_per_instance(group)
 
     def kv_cache_for(self, group: str) -> "KvCache":
         """The model profile as one rank of `group` holds it (its CacheDesc follows the group's TP)."""
-        return self.model.kv_cache.model_copy(update={"tensor_parallel": self.tp(group)})
+        return self.model.kv_cache.model_copy(update={"tensor_parallel": self.tp_size(group)})
 
     @property
     def total(self) -> int:
@@ -911,6 +973,9 @@ class Member(Model):
         default=None, description="when more links are down than failingLinks names: how many, per code")
     ranks: RankSummary | None = None
     last_error: str | None = Field(default=None, description="what is wrong with this member, if anything")
+    instance: str | None = Field(default=None, description="an instance of several pods: its name (<group>-<n>)")
+    leader: str | None = Field(default=None, description="a pod of an instance that another pod leads: that pod "
+                                                         "(the member; this one holds ranks only)")
 
 
 class CacheDescStatus(Model):

@@ -19,6 +19,7 @@ from pd_contract.names import (  # noqa: F401 (re-exported: the operator's modul
     ANNOTATION_ROLE,
     ASCEND_ANNOTATION,
     ENGINE_ROLE,
+    GANG_GATE,
     LABEL_DEPLOYMENT,
     LABEL_GROUP,
     LABEL_ROLE,
@@ -174,6 +175,10 @@ def _env(name: str, spec: PDDeploymentSpec, group: str, resource: str = NPU_RESO
     if ranked(spec, group, resource):
         env += [{"name": ev.PD_TENSOR_PARALLEL, "value": str(spec.tp(group))},
                 {"name": ev.PD_DEVICE_ANNOTATION_FILE, "value": f"{PODINFO_DIR}/{PODINFO_ASCEND}"}]
+        if spec.gang(group):   # only then: a spec without the layout fields renders as before
+            env += [{"name": ev.PD_PODS_PER_INSTANCE, "value": str(spec.pods_per_instance(group))},
+                    {"name": ev.PD_DATA_PARALLEL, "value": str(spec.group(group).data_parallel)},
+                    {"name": ev.PD_TP_SIZE, "value": str(spec.tp_size(group))}]
         if spec.backend == "llm-datadist":
             env.append({"name": ev.PD_HCCN_CONF, "value": (spec.ascend or Ascend()).hccn_conf})
         if spec.datadist.preflight != "Enforce":   # the agent's default: no env, no roll for the default
@@ -401,7 +406,7 @@ def statefulset(name: str, namespace: str, spec: PDDeploymentSpec, group: str, o
         "apiVersion": "apps/v1", "kind": "StatefulSet",
         "metadata": object_meta(sts_name(name, group), namespace, owner, labels),
         "spec": {
-            "replicas": spec.group_sizes(decided)[group],
+            "replicas": spec.group_sizes(decided)[group] * spec.pods_per_instance(group),
             "serviceName": sts_name(name, group),
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": selector_labels(name, group)},
@@ -482,6 +487,8 @@ def engine_pod_spec(name: str, spec: PDDeploymentSpec, group: str, resource: str
     pod_spec["topologySpreadConstraints"] = g.topology_spread_constraints or [
         {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway",
          "labelSelector": {"matchLabels": selector_labels(name, group)}}]
+    if g.pods_per_instance > 1:   # placed all or none: the operator lifts the gate from an instance's pods at once
+        pod_spec["schedulingGates"] = [{"name": GANG_GATE}]
     if g.node_selector:
         pod_spec["nodeSelector"] = g.node_selector
     if g.tolerations:

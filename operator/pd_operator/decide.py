@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from pd_contract.names import FIELD_MANAGER, LABEL_DEPLOYMENT, NPU_RESOURCE
 
 from . import children as ch
+from . import gangs as gangs_
 from . import links as lk
 from . import policies, ranktable
 from . import pools as pools_
@@ -64,6 +65,7 @@ class Snapshot:
     pool_api: bool | None = None        # the API server serves InferencePools (None: not asked)
     pools: tuple[dict, ...] | None = ()  # this deployment's InferencePools, as read (None: they could not be)
     pool_error: str = ""                 # why not, or why the last write of one was refused
+    free_npus: dict[str, int] | None = None   # the nodes' free NPUs, read while an instance waits for room
 
     @property
     def generation(self) -> int:
@@ -98,6 +100,7 @@ class Plan:
     decisions: list[tuple[str, str]] = field(default_factory=list)   # (policy, reason) evaluated
     clear_abort: bool = False   # the switch-abort annotation was dealt with: remove it
     pools: pools_.PoolPlan = pools_.PoolPlan()
+    gangs: gangs_.Plan = field(default_factory=gangs_.Plan)
 
     @property
     def book(self) -> sw_.Book:
@@ -120,12 +123,15 @@ def decide(snap: Snapshot) -> Plan:
     obs.preflight, held = preflight_.verdict(live, mem.reports, snap.spec.datadist.preflight)
     engines = [replace(e, unfit=True) if e.pod in held else e for e in engines]
     alive = {e.pod for e in engines}
+    gang = gangs_.plan(snap.spec, list(snap.pods), mem.reports, mem.gangs, snap.free_npus, snap.now)
+    mem.gangs, obs.unplaced, obs.instance_of = gang.memos, gang.unplaced, gang.instance_of
+    events += [Event(t, reason, msg, key=msg) for t, reason, msg in gang.events]
     sw = _rebalance(snap, mem, engines, obs, events)
     engines, book = sw.mesh, mem.book
     assert book is not None
     blocked, retry = _blocked(snap, mem)
     desired, to_apply = _children(snap, mem, book, engines, live, blocked, retry)
-    obs.desired_pods = sum(snap.spec.group_sizes(book.sizes).values())
+    obs.desired_pods = sum(n * snap.spec.pods_per_instance(g) for g, n in snap.spec.group_sizes(book.sizes).items())
     plans, pairs, complete_after = _links(snap, mem, engines, obs, sw, alive)
     obs.blocked = blocked
     obs.gateway_keys = snap.keys
@@ -151,7 +157,7 @@ def decide(snap: Snapshot) -> Plan:
                 to_apply=to_apply, links=plans, verify=pairs, verify_after_links=complete_after,
                 switch_intents=sw.intents if snap.token else [], switch_probes=probes, started=sw.started,
                 outcomes=sw.outcomes, events=events, decisions=sw.decisions, clear_abort=sw.clear_abort,
-                pools=pool_plan)
+                pools=pool_plan, gangs=gang)
 
 
 def _take(snap: Snapshot, mem: Memory, obs: Observed, events: list[Event]) -> list[lk.Engine]:

@@ -127,8 +127,11 @@ class Kube:
                 return None
             raise
 
-    async def list(self, api_version: str, kind: str, namespace: str | None, selector: str = "") -> list[dict]:
+    async def list(self, api_version: str, kind: str, namespace: str | None, selector: str = "",
+                   fields: str = "") -> list[dict]:
         params = {"labelSelector": selector} if selector else {}
+        if fields:
+            params["fieldSelector"] = fields
         out = await self._req("GET", object_path(api_version, kind, namespace), f"list {kind}", params=params)
         return out.get("items", [])
 
@@ -144,10 +147,11 @@ class Kube:
                 return None
             raise
 
-    async def delete(self, api_version: str, kind: str, namespace: str | None, name: str) -> None:
-        """Delete; one already gone is not an error."""
+    async def delete(self, api_version: str, kind: str, namespace: str | None, name: str, uid: str = "") -> None:
+        """Delete (only that object, given its uid); one already gone is not an error."""
+        kw = {"json": {"preconditions": {"uid": uid}}} if uid else {}
         try:
-            await self._req("DELETE", object_path(api_version, kind, namespace, name), f"delete {kind} {name}")
+            await self._req("DELETE", object_path(api_version, kind, namespace, name), f"delete {kind} {name}", **kw)
         except KubeError as e:
             if e.status != 404:
                 raise

@@ -50,6 +50,7 @@ class Engine:
     unfit: bool = False             # its network preflight failed (or its TLS differs): linked to nothing
     superpod: str = ""              # its node's A3 superpod, as its agent reports it ("" unknown)
     revision: str = ""              # its images' digest (pd_contract.revisions): never linked across one
+    followers: tuple[str, ...] = ()  # an instance of several pods: its other pods (this one leads)
 
     @property
     def linkable(self) -> bool:

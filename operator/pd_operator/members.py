@@ -95,7 +95,8 @@ def listed_strays(pods: list[dict], own: set[str]) -> tuple[tuple[dict, ...], li
     return shown, problems
 
 
-def member_of(pod: dict, spec: PDDeploymentSpec) -> Engine | Problem:
+def member_of(pod: dict, spec: PDDeploymentSpec) -> Engine | Problem | None:
+    """The member a pod is; None for a pod of an instance that another pod leads (it holds ranks only)."""
     meta = pod["metadata"]
     labels = meta.get("labels", {})
     group = labels.get(LABEL_GROUP, "")
@@ -106,6 +107,10 @@ def member_of(pod: dict, spec: PDDeploymentSpec) -> Engine | Problem:
     if index is None:
         return Problem(meta["name"], group, f"no {POD_INDEX_LABEL} label and no ordinal in the name: not a pod of "
                                             f"the {group} StatefulSet; it is not linked")
+    k = spec.pods_per_instance(group)
+    if index % k:
+        return None
+    followers = tuple(f"{meta['name'].rsplit('-', 1)[0]}-{index + i}" for i in range(1, k))
     ip = pod.get("status", {}).get("podIP")
     statuses = pod.get("status", {}).get("containerStatuses") or [{}]
     starting = not pod_ready(pod) and "running" in (statuses[0].get("state") or {}) \
@@ -114,10 +119,11 @@ def member_of(pod: dict, spec: PDDeploymentSpec) -> Engine | Problem:
     llmd_ok = all(labels.get(k) == v for k, v in llmd_labels(role).items())
     return Engine(pod=meta["name"], group=group, role=role, label=role, llmd_ok=llmd_ok, uid=meta.get("uid", ""),
                   assigned=(meta.get("annotations") or {}).get(ANNOTATION_ROLE),
-                  cluster_id=cluster_id(spec, group, index), ip=ip, port=spec.datadist.port, tp=spec.tp(group),
+                  cluster_id=cluster_id(spec, group, index), ip=ip, port=spec.datadist.port,
+                  tp=spec.instance_ranks(group),
                   ready=pod_ready(pod), agent_url=f"http://{ip}:{AGENT_PORT}" if ip else None,
                   terminating=bool(meta.get("deletionTimestamp")), starting=starting,
-                  revision=revision_of(pod.get("spec")))
+                  revision=revision_of(pod.get("spec")), followers=followers)
 
 
 def canonical(desc: dict) -> str:

@@ -11,6 +11,7 @@ import os
 
 from pd_contract.names import LABEL_DEPLOYMENT, LABEL_KEYS
 
+from . import gangs as gangs_
 from . import observe
 from . import pools as pools_
 from . import switch as sw_
@@ -35,6 +36,7 @@ STRAY_RELIST_S = 5.0      # a pod claiming a StatefulSet not in the cache makes 
 TOKEN_TTL_S = 20.0
 POOL_API_TTL_S = 30.0     # whether InferencePools are served is asked again this often
 POOL_RELIST_S = 10.0      # a deployment's InferencePools are read again this often (at once after a write)
+FREE_NPUS_TTL_S = 10.0    # the nodes' free NPUs are read at most this often (while an instance waits for room)
 
 
 def relist_s(key: Key) -> float:
@@ -50,6 +52,7 @@ class Observer:
             kube, agents, caches, memory, config, clock
         self.limiters = limiters
         self._pool_api_seen: tuple[bool | None, float | None] = (None, None)
+        self._free_seen: tuple[float, dict[str, int] | None] = (float("-inf"), None)
 
     async def observe(self, key: Key, body: dict) -> Snapshot:
         """The Snapshot decide works from. What it writes to memory is bookkeeping of its own
@@ -76,7 +79,8 @@ class Observer:
             cached = c.cached_pods(key)
         stray_pods, strays = listed_strays(cached, own)
         all_pods = [p for p in cached if claimed_owner(p) in own]
-        members = [member_of(p, spec) for p in all_pods]
+        # an instance of several pods is one member, its leading pod (gangs.py keeps the others)
+        members = [m for m in (member_of(p, spec) for p in all_pods) if m is not None]
         problems = tuple(strays) + tuple(m for m in members if isinstance(m, Problem))
         engines = [m for m in members if not isinstance(m, Problem)]
         token = await self._token(key, mem, seen, uid, body.get("status"))
@@ -107,7 +111,25 @@ class Observer:
                         npu_resource=self.config.npu_resource, config=self.config, token_problem=seen.token_problem,
                         token_digests=tuple(sorted(seen.token_digests.items())),
                         keys=keys, strays=stray_pods, pool_api=pool_api, pools=pools,
-                        pool_error=seen.pool_error)
+                        pool_error=seen.pool_error, free_npus=await self._free_npus(mem))
+
+    async def _free_npus(self, mem: Memory) -> dict[str, int] | None:
+        """The nodes' free NPUs, read only while an instance of several pods waits for room to be
+        placed whole (at most every FREE_NPUS_TTL_S, one read for every deployment)."""
+        if not any(getattr(m, "unplaced", "") for m in mem.gangs.values()):
+            return None
+        at, free = self._free_seen
+        if self.clock.monotonic() - at < FREE_NPUS_TTL_S:
+            return free
+        try:
+            nodes = await self.kube.list("v1", "Node", None)
+            pods = await self.kube.list("v1", "Pod", None, fields="status.phase!=Succeeded,status.phase!=Failed")
+        except (KubeError, OSError) as e:
+            log.warning("cannot read the nodes' free NPUs: %s", e)
+            return None
+        free = gangs_.free_npus(nodes, pods, self.config.npu_resource)
+        self._free_seen = (self.clock.monotonic(), free)
+        return free
 
     async def _pool_api(self) -> bool | None:
         """Whether the API server serves InferencePools, asked again every POOL_API_TTL_S (a CRD

@@ -62,6 +62,7 @@ class Memory:
     switch_verified: dict[tuple[str, str], set] = field(default_factory=dict)  # (pod, boot id) -> pairs ok
     reported_at: dict[str, float] = field(default_factory=dict)   # pod -> when its agent last answered
     gateway_stats: tuple[dict, float] | None = None   # the gateway's /stats and when it was read
+    gangs: dict = field(default_factory=dict)   # instance of several pods -> gangs.Memo
 
     def fork(self) -> "Memory":
         """A copy decide may change without touching this one: containers and backoffs copied."""

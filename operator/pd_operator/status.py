@@ -12,7 +12,7 @@ from pd_contract.names import MAX_LINKS_PER_ENGINE
 from . import conditions as cond
 from . import links as lk
 from .api import PDDeploymentSpec
-from .builders import LABEL_GROUP
+from .builders import LABEL_GROUP, LABEL_ROLE
 from .cachedesc import derive
 from .diagnosis import Diagnosis, proxy_warning, verify_failure
 from .links import Engine
@@ -84,6 +84,8 @@ class Observed:
     rank_reports: dict[str, tuple[int, int, str]] = field(default_factory=dict)  # pod -> (TP, initialised, source)
     abort_refused: str | None = None    # a switch asked to abort that is past switch_role: why not
     stuck: str | None = None            # switches in one step longer than stuckAfterSeconds
+    unplaced: list[str] = field(default_factory=list)   # instances of several pods that cannot be placed whole
+    instance_of: dict[str, tuple[str, str]] = field(default_factory=dict)   # pod -> (instance, its leading pod)
 
 
 def _listed(messages: list[str]) -> str:
@@ -105,7 +107,12 @@ def _members(obs: Observed, per: dict[str, tuple[int, int, list[dict]]],
     for p in sorted(obs.pods + obs.strays, key=lambda p: (p["metadata"].get("labels", {}).get(LABEL_GROUP, ""),
                                              pod_index(p) or 0, p["metadata"]["name"])):
         name = p["metadata"]["name"]
-        m = by_pod.get(name)
+        m, inst = by_pod.get(name), obs.instance_of.get(name)
+        if m is None and inst is not None:   # it holds ranks of an instance its leading pod is the member for
+            out.append({"pod": name, "group": p["metadata"].get("labels", {}).get(LABEL_GROUP, "-"),
+                        "role": p["metadata"].get("labels", {}).get(LABEL_ROLE, "-"), "ready": pod_ready(p),
+                        "instance": inst[0], "leader": inst[1]})
+            continue
         if isinstance(m, Problem) or m is None:
             out.append({"pod": name, "group": m.group if m else "-", "role": "-", "ready": pod_ready(p),
                         "lastError": m.message if m else "not a member"})
@@ -113,7 +120,7 @@ def _members(obs: Observed, per: dict[str, tuple[int, int, list[dict]]],
         e = names[name]
         row = {"pod": e.pod, "group": e.group, "role": e.label or e.role, "clusterId": e.cluster_id, "ip": e.ip,
                "port": e.port, "ready": e.ready, "bootId": obs.boot_ids.get(e.pod),
-               "assignedRole": e.assigned}
+               "assignedRole": e.assigned, "instance": inst[0] if inst else None}
         if e.pod in per:
             expected, up, down = per[e.pod]
             row["links"] = {"expected": expected, "up": up}
@@ -175,6 +182,8 @@ def pods_ready(obs: Observed, desired_pods: int) -> Verdict:
     strays = [p for p in obs.problems if any(x["metadata"]["name"] == p.pod for x in live)]
     if problems:
         return False, problems[0].reason, _listed([d.message for d in problems])
+    if obs.unplaced:
+        return False, "Unschedulable", _listed(obs.unplaced)
     if len(ready) >= desired_pods and len(live) - len(strays) == desired_pods:
         return True, "AllPodsReady", f"{len(ready) - len(strays)}/{desired_pods} pods ready"
     waiting = sorted(p["metadata"]["name"] for p in live if not pod_ready(p))

@@ -31,6 +31,9 @@ log = logging.getLogger("pd_routing")
 # must not hold a client forever)
 TOKEN_GAP_TIMEOUT_S = 120.0
 STATUS_TIMEOUT_S = 2.0
+# a fleet that had a linked pair lately and has none holds a request this long (from its start)
+# for one to come back: an instance of several pods restarts whole in about ten seconds
+HOLD_WINDOW_S = 60.0
 # what a pod may send at most: a status (512 links of 8 ranks is under 1 MiB), a reply, a line
 # of the decode stream (a token or the summary); more is a broken or hostile pod, not memory to spend
 MAX_STATUS_BYTES = 4 << 20
@@ -95,6 +98,12 @@ class Fleet:
         # routes on were asked for: without it every request of a second goes to the engine that
         # was least loaded at the refresh, and a fleet of few prefills queues on one at a time
         self.sent: dict[str, list[int]] = {}
+        self.paired_at: float | None = None   # when a refresh last found a linked pair
+        self.hold_window = HOLD_WINDOW_S
+
+    def paired_lately(self) -> bool:
+        """A linked pair was there within the hold window: one is coming back (an instance restarting)."""
+        return self.paired_at is not None and self.refreshed_at - self.paired_at < self.hold_window
 
     async def status(self, url: str) -> dict:
         """A pod's /v1/status checked against the contract (AgentStatus), so what routing reads
@@ -160,7 +169,8 @@ class Fleet:
                 self._report(p["name"], str(e))
                 return None
             self._report(p["name"], None)
-            if not st["initialized"]:
+            # a pod of an instance that another pod leads holds ranks only: the leading pod is routed to
+            if not st["initialized"] or (st.get("gang") or {}).get("index", 0) != 0:
                 return None
             entry = {**st, "url": url, "name": p["name"], "revision": p.get("revision", "")}
             if self.engine_port:
@@ -177,6 +187,8 @@ class Fleet:
         self.sent = {url: [max(0, n[0] - asked.get(url, [0, 0])[0]), max(0, n[1] - asked.get(url, [0, 0])[1])]
                      for url, n in self.sent.items() if n != asked.get(url)}
         self.refreshed_at = time.monotonic()
+        if any(self.linked(p, d) for p in self.prefills for d in self.decoders):
+            self.paired_at = self.refreshed_at
 
     async def run(self, interval: float = 1.0) -> None:
         while True:
@@ -339,13 +351,13 @@ def _first_token(pod: str, answer: bytes) -> int | None:
 async def generate(fleet: Fleet, req_id: int, prompt_tokens: int, output_tokens: int, attempt: Attempt,
                    retry_window: float = 10.0, token_ids: list[int] | None = None,
                    sampling: dict | None = None) -> AsyncGenerator[dict, None]:
-    """Yield {"token": i, "ms": ..., "id": token id} per token, then {"done": {...}}. Raises
-    Unavailable when no pair took the request (refusals are retried for `retry_window` seconds
-    from the start for the prefill, and from the prefill's end for the decode), EngineError when
-    one failed it. `token_ids` (the prompt) and `sampling` go to the prefill; the first token it
-    chose and `sampling` go to the decoder, which continues from the pulled KV cache."""
+    """Yield {"token": i, "ms": ..., "id": token id} per token, then {"done": {...}}. Raises Unavailable
+    when no pair took the request (refusals retried for `retry_window` seconds from the start for the
+    prefill, from the prefill's end for the decode; no pair at all in a fleet that had one lately, as
+    an instance restarts whole: `Fleet.hold_window`), EngineError when one failed it. `token_ids` and
+    `sampling` go to the prefill; its first token and `sampling` to the decoder, which continues."""
     deadline = time.monotonic() + retry_window
-    avoid: set[str] = set()
+    avoid, held = set[str](), deadline + max(0.0, fleet.hold_window - retry_window)
 
     def refuse(reason: str, url: str | None) -> None:
         if url is None and reason in attempt.refusals:
@@ -355,8 +367,8 @@ async def generate(fleet: Fleet, req_id: int, prompt_tokens: int, output_tokens:
             avoid.add(url)
             fleet.drop(url)
 
-    async def wait() -> None:
-        if time.monotonic() >= deadline:
+    async def wait(until: float | None = None) -> None:
+        if time.monotonic() >= (until or deadline):
             raise Unavailable(next(reversed(attempt.refusals), "NoLinkedPair"), attempt.refusals)
         await asyncio.sleep(0.1)
 
@@ -380,7 +392,7 @@ async def generate(fleet: Fleet, req_id: int, prompt_tokens: int, output_tokens:
         p = fleet.pick_prefill(avoid, prompt_tokens)
         if p is None:
             refuse("NoLinkedPair", None)
-            await wait()
+            await wait(held if not avoid and fleet.paired_lately() else None)   # none refused it
             avoid.clear()
             continue
         t0 = time.monotonic()

@@ -22,7 +22,7 @@ from pd_gateway import wire
 from pd_gateway.keys import Keys
 from pd_gateway.server import Config, Gateway, Route
 from pd_router import routing
-from pd_router.routing import Attempt, EngineError, Fleet, fixed_finder, generate
+from pd_router.routing import Attempt, EngineError, Fleet, Unavailable, fixed_finder, generate
 
 MODEL = "m-1"
 KEY = "sk-test-key-0123456789"
@@ -809,3 +809,44 @@ async def test_while_pods_cannot_be_listed_the_agents_last_listed_are_still_aske
         assert [p["name"] for p in fleet.prefills] == [P_HOST] and "the API server is away" in fleet.error
         msgs = [m async for m in generate(fleet, 8, 10, 3, Attempt())]
         assert [m["token"] for m in msgs if "token" in m] == [0, 1, 2]
+
+
+async def test_a_request_waits_for_a_pair_to_come_back_only_in_a_fleet_that_had_one():
+    """The only prefill instance restarting whole: a request waits for it (Fleet.hold_window), not
+    the refusal window; a fleet that never had a pair answers at once."""
+    agents = FakeAgents()
+    fleet = agents.fleet()
+    async with fleet.http:
+        await fleet.refresh()
+        assert fleet.paired_lately()
+        agents.status[P_HOST] = {**PREFILL, "initialized": False}   # its pods restarting
+        await fleet.refresh()
+        assert fleet.prefills == [] and fleet.paired_lately()
+
+        async def back() -> None:
+            await asyncio.sleep(0.6)
+            agents.status[P_HOST] = PREFILL
+            await fleet.refresh()
+        task = asyncio.create_task(back())
+        attempt = Attempt()
+        msgs = [m async for m in generate(fleet, 7, 10, 3, attempt, retry_window=0.2)]
+        await task
+        assert [m["token"] for m in msgs if "token" in m] == [0, 1, 2] and attempt.refusals == {"NoLinkedPair": 1}
+
+        fleet.hold_window = 0.5      # past it: refused
+        agents.status[P_HOST] = {**PREFILL, "initialized": False}
+        await fleet.refresh()
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(Unavailable):
+            async for _ in generate(fleet, 8, 10, 3, Attempt(), retry_window=0.1):
+                pass
+        assert asyncio.get_running_loop().time() - t0 < 0.6
+    never = FakeAgents()
+    never.status[P_HOST] = {**PREFILL, "initialized": False}
+    fleet = never.fleet()
+    async with fleet.http:
+        await fleet.refresh()
+        assert not fleet.paired_lately()
+        with pytest.raises(Unavailable):
+            async for _ in generate(fleet, 9, 10, 3, Attempt(), retry_window=0.1):
+                pass
