@@ -20,6 +20,7 @@ it starts one `python -m pd_agent` per rank and exits if one dies, so the pod re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -183,6 +184,14 @@ def combine(tp: int, peers: list[Peer], results: list[dict], ranks: list[int] | 
     failed = next((c for c in rets.values() if c not in ok), None)
     return LinkResult(ret=failed or "LLM_SUCCESS", rets=rets, rank_rets=rank_rets,
                       duration_ms=max((r.get("duration_ms", 0) for r in results), default=0))
+
+
+async def release(front: Front, url: str, req_id: int, ranks: list[int]) -> None:
+    """A decoder's notice to a prefill's agent: the copies of `req_id` on `ranks` are nobody's to pull."""
+    rel = NotifyRequest(decoder_cluster_id=front.id.cluster_id, released=[req_id], ranks=ranks)
+    with contextlib.suppress(httpx.HTTPError):
+        await front.http.post(f"{url}{AgentPath.NOTIFY}", json=rel.model_dump(mode="json"),
+                              headers=front._peer_headers(), timeout=RANK_CALL_S)
 
 
 class Front(AgentService):
@@ -509,21 +518,14 @@ class Front(AgentService):
         failed = next((x for x in res if isinstance(x, BaseException)), None)
         if failed is not None:
             made = [r for r, x in enumerate(res) if not isinstance(x, BaseException)]
-            await asyncio.gather(*(self._release(r, req.req_id) for r in made), return_exceptions=True)
+            rel = NotifyRequest(decoder_cluster_id=self.id.cluster_id, released=[req.req_id])
+            await asyncio.gather(*(self.call(r, "POST", AgentPath.NOTIFY, rel) for r in made), return_exceptions=True)
             raise failed
         out = [PrefillResponse.model_validate(x) for x in res]
         # every rank computes the whole (reference) model, so every rank chose the same first token
         return PrefillResponse(prompt_cluster_id=self.id.cluster_id, req_id=req.req_id, model_id=self.id.model_id,
                                queue_ms=max(x.queue_ms for x in out), prefill_ms=max(x.prefill_ms for x in out),
                                first_token=out[0].first_token)
-
-    async def _release(self, r: int, req_id: int, url: str | None = None) -> None:
-        body = NotifyRequest(decoder_cluster_id=self.id.cluster_id, released=[req_id])
-        if url is None:
-            await self.call(r, "POST", AgentPath.NOTIFY, body)
-        else:
-            await self.http.post(f"{url}{AgentPath.NOTIFY}", json=body.model_dump(mode="json"),
-                                 headers=self._peer_headers(), timeout=RANK_CALL_S)
 
     async def _peer_link(self, prompt_cluster_id: int) -> LinkState:
         for attempt in (0, 1):
@@ -571,9 +573,8 @@ class Front(AgentService):
             raise failed[0]
         ms = [x for x in res if not isinstance(x, BaseException)]
         read = {rank_map(self.tp, peer_tp, r) for r in group}
-        if len(read) < peer_tp and base_url:   # prefill ranks no rank of ours reads: their copies go now
-            await asyncio.gather(*(self._release(j, req.req_id, f"{base_url}{AgentPath.rank_prefix(j)}")
-                                   for j in range(peer_tp) if j not in read), return_exceptions=True)
+        if len(read) < peer_tp and base_url:   # prefill ranks no rank of ours reads: one notice frees their copies
+            await release(self, base_url, req.req_id, [j for j in range(peer_tp) if j not in read])
         return max(max(ms), (time.monotonic() - t0) * 1000)
 
     def _peer_tp(self, link: LinkState) -> int:
@@ -685,7 +686,12 @@ class Front(AgentService):
 
     async def notify(self, req: NotifyRequest) -> None:
         """A single-rank decoder's notices (multi-rank ones reach each rank at /r/<rank>): they
-        concern rank 0, the rank it links; the copies on the other ranks are nobody's to pull."""
+        concern rank 0, the rank it links; the copies on the others are nobody's to pull (`ranks`: those)."""
+        if req.ranks is not None:
+            rel = NotifyRequest(decoder_cluster_id=req.decoder_cluster_id, released=req.released)
+            await asyncio.gather(*(self.call(r, "POST", AgentPath.NOTIFY, rel) for r in req.ranks if r in self.ranks),
+                                 return_exceptions=True)
+            return
         await self.call(0, "POST", AgentPath.NOTIFY, req)
         if req.pulled and self.tp > 1:
             rel = NotifyRequest(decoder_cluster_id=req.decoder_cluster_id, released=req.pulled)

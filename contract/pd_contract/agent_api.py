@@ -238,6 +238,9 @@ class NotifyRequest(_Body):
     linked: bool | None = Field(default=None, description="True: linked to you; False: unlinked you")
     released: list[int] = Field(default_factory=list, description="req_ids whose cache no decoder rank will "
                                 "pull from you (a decoder of smaller TP reads another rank's copy): free them")
+    ranks: list[int] | None = Field(default=None, max_length=512, description=(
+        "to a pod's (or an instance's leading) agent: the ranks whose copies of `released` to free, one notice "
+        "for them all"))
 
 
 class FaultsRequest(_Body):

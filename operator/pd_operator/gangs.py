@@ -137,19 +137,22 @@ def _instance(seen: _Seen, name: str, group: str, by_place: dict[int, dict], mem
     spec, now = seen.spec, seen.now
     k = spec.pods_per_instance(group)
     live = {i: p for i, p in by_place.items() if not p["metadata"].get("deletionTimestamp")}
-    if len(live) < len(by_place):
-        return memo             # some of it is going: the rest waits until the StatefulSet made it whole
     sigs = {_sig(p) for p in live.values()}
     if memo.incarnation and not memo.incarnation <= sigs:
+        # a pod of it is going, gone, replaced or restarted: the rest go at once (no request is sent
+        # to a part of it), and it starts again whole
         old = {s.split(":")[0] for s in memo.incarnation}
-        gone = sorted(p["metadata"]["name"] for p in live.values() if _sig(p) not in memo.incarnation)
-        why = (f"instance {name}: pod {', '.join(gone) or 'of it'} was lost (replaced or restarted); its pods "
-               "start again together as a new incarnation")
+        lost = sorted(p["metadata"]["name"] for i, p in by_place.items() if i not in live or _sig(p) not in
+                      memo.incarnation) or [f"{k - len(live)} pod(s)"]
+        why = (f"instance {name}: {', '.join(lost)} lost (deleted, replaced or restarted); its pods start again "
+               "together as a new incarnation")
         for p in live.values():
             if p["metadata"].get("uid") in old:
                 out.delete.append((p["metadata"]["name"], p["metadata"]["uid"], why))
         out.events.append(("Warning", "GangRestarted", why))
         return Memo()
+    if len(live) < len(by_place):
+        return memo             # some of it is going: the rest waits until the StatefulSet made it whole
     if len(live) == k and all(_running(p) for p in live.values()):
         memo = replace(memo, incarnation=frozenset(sigs), unplaced="", ungated_at=None)
         return _tell(spec, group, live, seen.reports, memo, now, out)

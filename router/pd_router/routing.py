@@ -99,6 +99,7 @@ class Fleet:
         # was least loaded at the refresh, and a fleet of few prefills queues on one at a time
         self.sent: dict[str, list[int]] = {}
         self.paired_at: float | None = None   # when a refresh last found a linked pair
+        self.present: set[str] = set()        # every engine the last refresh found serving (draining ones too)
         self.hold_window = HOLD_WINDOW_S
 
     def paired_lately(self) -> bool:
@@ -182,6 +183,7 @@ class Fleet:
         sts = [s for s in await asyncio.gather(*(one(p) for p in pods)) if s]
         names = {p["name"] for p in pods}
         self.bad = {k: v for k, v in self.bad.items() if k in names}
+        self.present = {s["url"] for s in sts}
         self.prefills = [s for s in sts if s["role"] == "prompt" and not s["draining"]]
         self.decoders = [s for s in sts if s["role"] == "decoder" and not s["draining"]]
         self.sent = {url: [max(0, n[0] - asked.get(url, [0, 0])[0]), max(0, n[1] - asked.get(url, [0, 0])[1])]
@@ -207,9 +209,11 @@ class Fleet:
 
     @staticmethod
     def linked(p: dict, d: dict) -> bool:
-        """d has a healthy link to p, and they are of one revision (never a pair across an upgrade)."""
-        return pairable(p.get("revision", ""), d.get("revision", "")) and \
-            any(link["cluster_id"] == p["cluster_id"] and link.get("healthy", True) for link in d["links"])
+        """d has a healthy link to p as it runs now (not to an earlier start of it: same cluster id,
+        another boot id), and they are of one revision (never a pair across an upgrade)."""
+        return pairable(p.get("revision", ""), d.get("revision", "")) and any(
+            link["cluster_id"] == p["cluster_id"] and link.get("healthy", True)
+            and link.get("peer_boot_id") in (None, p.get("boot_id")) for link in d["links"])
 
     def _sent(self, url: str) -> list[int]:
         return self.sent.get(url, [0, 0])
@@ -348,6 +352,111 @@ def _first_token(pod: str, answer: bytes) -> int | None:
     return tok
 
 
+class _CacheLost(Exception):
+    """The prefill that holds a request's cache went away before any decoder took it."""
+
+
+class _Request:
+    """One request's way through the fleet: its refusals, the pods it avoids, its windows."""
+
+    def __init__(self, fleet: Fleet, attempt: Attempt, retry_window: float):
+        self.fleet, self.attempt, self.window = fleet, attempt, retry_window
+        self.deadline = time.monotonic() + retry_window
+        # no pair at all in a fleet that had one lately (an instance restarting whole): Fleet.hold_window
+        self.held = self.deadline + max(0.0, fleet.hold_window - retry_window)
+        self.avoid: set[str] = set()
+
+    def refuse(self, reason: str, url: str | None) -> None:
+        if url is None and reason in self.attempt.refusals:
+            return  # waiting for a pair is counted once per request, however long it waits
+        self.attempt.refusals[reason] = self.attempt.refusals.get(reason, 0) + 1
+        if url:
+            self.avoid.add(url)
+            self.fleet.drop(url)
+
+    async def wait(self, until: float | None = None) -> None:
+        if time.monotonic() >= (until or self.deadline):
+            raise Unavailable(next(reversed(self.attempt.refusals), "NoLinkedPair"), self.attempt.refusals)
+        await asyncio.sleep(0.1)
+
+    async def refused(self, r: httpx.Response, pod: dict) -> None:
+        """A non-200 answer: retried elsewhere if the engine refused before doing anything."""
+        code, msg = await _reason(r)
+        if code not in RETRYABLE:
+            raise EngineError(pod["name"], code, msg)
+        self.refuse(code, pod["url"])
+        await self.wait()
+
+    async def prefill(self, body: dict, timing_body: dict, tokens: int) -> tuple[dict, int | None]:
+        """A prefill that took the request, and the first token it chose (None: a timing engine)."""
+        fleet = self.fleet
+        while True:
+            p = fleet.pick_prefill(self.avoid, tokens)
+            if p is None:
+                self.refuse("NoLinkedPair", None)
+                await self.wait(self.held if not self.avoid and fleet.paired_lately() else None)
+                self.avoid.clear()
+                continue
+            t0 = time.monotonic()
+            try:
+                async with fleet.http.stream("POST", f"{p['url']}{AgentPath.PREFILL}", headers=fleet.headers,
+                                             json=body if p.get("engine") != "timing" else timing_body) as r:
+                    if r.status_code != 200:
+                        await self.refused(r, p)
+                        continue
+                    # read whole, so the connection is reused
+                    answer = await read_capped(r, MAX_REPLY_BYTES, "the prefill's answer")
+            except httpx.HTTPError as e:
+                self.refuse(type(e).__name__, p["url"])
+                await self.wait()
+                continue
+            except BadReport as e:
+                raise EngineError(p["name"], "BAD_REPLY", str(e)) from None
+            self.attempt.prefill, self.attempt.prefill_ms = p["name"], (time.monotonic() - t0) * 1000
+            # the cache now waits on p: a refused decode gets the whole window again, however long the
+            # prefill queued (a busy fleet must not throw away prefills it has computed)
+            self.deadline = max(self.deadline, time.monotonic() + self.window)
+            return p, _first_token(p["name"], answer)
+
+    async def decode(self, p: dict, body: dict) -> AsyncGenerator[dict, None]:
+        """The decode stream from a decoder linked to p. _CacheLost when p went away before any took it."""
+        fleet = self.fleet
+        while True:
+            d = fleet.pick_decoder(p, self.avoid)
+            if d is None:
+                if p["url"] not in fleet.present:
+                    raise _CacheLost()
+                self.refuse("NoDecoderForCache", None)
+                await self.wait()
+                self.avoid.discard(p["url"])
+                continue
+            started = False
+            try:
+                async with fleet.http.stream("POST", f"{d['url']}{AgentPath.DECODE}", headers=fleet.headers,
+                                             json=body, timeout=httpx.Timeout(None, connect=2,
+                                                                              read=fleet.token_gap_timeout)) as r:
+                    if r.status_code != 200:
+                        await self.refused(r, d)
+                        continue
+                    self.attempt.decoder = d["name"]
+                    async for line in lines_capped(r, MAX_LINE_BYTES):
+                        if not line.strip():
+                            continue
+                        msg = _message(d["name"], line)
+                        started = True
+                        yield msg
+                        if "done" in msg:
+                            return
+                    raise EngineError(d["name"], "STREAM_ENDED", "the decoder's stream ended before the last token")
+            except httpx.HTTPError as e:
+                if started:
+                    raise EngineError(d["name"], type(e).__name__, str(e) or type(e).__name__) from e
+                self.refuse(type(e).__name__, d["url"])
+                await self.wait()
+            except BadReport as e:
+                raise EngineError(d["name"], "BAD_STREAM", str(e)) from None
+
+
 async def generate(fleet: Fleet, req_id: int, prompt_tokens: int, output_tokens: int, attempt: Attempt,
                    retry_window: float = 10.0, token_ids: list[int] | None = None,
                    sampling: dict | None = None) -> AsyncGenerator[dict, None]:
@@ -355,31 +464,9 @@ async def generate(fleet: Fleet, req_id: int, prompt_tokens: int, output_tokens:
     when no pair took the request (refusals retried for `retry_window` seconds from the start for the
     prefill, from the prefill's end for the decode; no pair at all in a fleet that had one lately, as
     an instance restarts whole: `Fleet.hold_window`), EngineError when one failed it. `token_ids` and
-    `sampling` go to the prefill; its first token and `sampling` to the decoder, which continues."""
-    deadline = time.monotonic() + retry_window
-    avoid, held = set[str](), deadline + max(0.0, fleet.hold_window - retry_window)
-
-    def refuse(reason: str, url: str | None) -> None:
-        if url is None and reason in attempt.refusals:
-            return  # waiting for a pair is counted once per request, however long it waits
-        attempt.refusals[reason] = attempt.refusals.get(reason, 0) + 1
-        if url:
-            avoid.add(url)
-            fleet.drop(url)
-
-    async def wait(until: float | None = None) -> None:
-        if time.monotonic() >= (until or deadline):
-            raise Unavailable(next(reversed(attempt.refusals), "NoLinkedPair"), attempt.refusals)
-        await asyncio.sleep(0.1)
-
-    async def refused(r: httpx.Response, pod: dict) -> None:
-        """A non-200 answer: retried elsewhere if the engine refused before doing anything."""
-        code, msg = await _reason(r)
-        if code not in RETRYABLE:
-            raise EngineError(pod["name"], code, msg)
-        refuse(code, pod["url"])
-        await wait()
-
+    `sampling` go to the prefill; its first token and `sampling` to the decoder, which continues. A
+    prefill that goes away before any decoder took its cache (its instance restarting) is done again."""
+    req = _Request(fleet, attempt, retry_window)
     prefill_body: dict = {"req_id": req_id, "prompt_tokens": prompt_tokens}
     if token_ids is not None:
         prefill_body["token_ids"] = token_ids
@@ -387,74 +474,22 @@ async def generate(fleet: Fleet, req_id: int, prompt_tokens: int, output_tokens:
         prefill_body["sampling"] = sampling
     # an engine that only models timing takes the count alone: its requests stay as small as they were
     timing_body = {"req_id": req_id, "prompt_tokens": prompt_tokens}
-    first_token = None
     while True:
-        p = fleet.pick_prefill(avoid, prompt_tokens)
-        if p is None:
-            refuse("NoLinkedPair", None)
-            await wait(held if not avoid and fleet.paired_lately() else None)   # none refused it
-            avoid.clear()
-            continue
-        t0 = time.monotonic()
+        p, first_token = await req.prefill(prefill_body, timing_body, prompt_tokens)
+        # decode: the cache waits on p, so only decoders linked to p can take it
+        body = {"req_id": req_id, "prompt_cluster_id": p["cluster_id"], "prompt_agent_url": p["url"],
+                "prompt_tokens": prompt_tokens, "output_tokens": output_tokens, "stream": True,
+                "prefill_ms": round(attempt.prefill_ms, 3)}
+        if first_token is not None:   # an engine that computes: it continues from there, sampling the same way
+            body["first_token"] = first_token
+            if sampling is not None:
+                body["sampling"] = sampling
         try:
-            async with fleet.http.stream("POST", f"{p['url']}{AgentPath.PREFILL}", headers=fleet.headers,
-                                         json=prefill_body if p.get("engine") != "timing" else timing_body) as r:
-                if r.status_code != 200:
-                    await refused(r, p)
-                    continue
-                # read whole, so the connection is reused
-                answer = await read_capped(r, MAX_REPLY_BYTES, "the prefill's answer")
-        except httpx.HTTPError as e:
-            refuse(type(e).__name__, p["url"])
-            await wait()
-            continue
-        except BadReport as e:
-            raise EngineError(p["name"], "BAD_REPLY", str(e)) from None
-        attempt.prefill, attempt.prefill_ms = p["name"], (time.monotonic() - t0) * 1000
-        first_token = _first_token(p["name"], answer)
-        break
-    # the cache now waits on p: a refused decode gets the whole window again, however long the
-    # prefill queued (a busy fleet must not throw away prefills it has computed)
-    deadline = max(deadline, time.monotonic() + retry_window)
-    # decode: the cache waits on p, so only decoders linked to p can take it
-    body = {"req_id": req_id, "prompt_cluster_id": p["cluster_id"], "prompt_agent_url": p["url"],
-            "prompt_tokens": prompt_tokens, "output_tokens": output_tokens, "stream": True,
-            "prefill_ms": round(attempt.prefill_ms, 3)}
-    if first_token is not None:   # an engine that computes: it continues from there, sampling the same way
-        body["first_token"] = first_token
-        if sampling is not None:
-            body["sampling"] = sampling
-    while True:
-        d = fleet.pick_decoder(p, avoid)
-        if d is None:
-            refuse("NoDecoderForCache", None)
-            await wait()
-            avoid.discard(p["url"])
-            continue
-        started = False
-        try:
-            async with fleet.http.stream("POST", f"{d['url']}{AgentPath.DECODE}", headers=fleet.headers, json=body,
-                                         timeout=httpx.Timeout(None, connect=2, read=fleet.token_gap_timeout)) as r:
-                if r.status_code != 200:
-                    await refused(r, d)
-                    continue
-                attempt.decoder = d["name"]
-                async for line in lines_capped(r, MAX_LINE_BYTES):
-                    if not line.strip():
-                        continue
-                    msg = _message(d["name"], line)
-                    started = True
-                    yield msg
-                    if "done" in msg:
-                        return
-                raise EngineError(d["name"], "STREAM_ENDED", "the decoder's stream ended before the last token")
-        except httpx.HTTPError as e:
-            if started:
-                raise EngineError(d["name"], type(e).__name__, str(e) or type(e).__name__) from e
-            refuse(type(e).__name__, d["url"])
-            await wait()
-        except BadReport as e:
-            raise EngineError(d["name"], "BAD_STREAM", str(e)) from None
+            async for msg in req.decode(p, body):
+                yield msg
+            return
+        except _CacheLost:
+            req.refuse("PrefillLost", None)
 
 
 # ---- where the engines are ----------------------------------------------------------------

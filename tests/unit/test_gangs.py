@@ -150,9 +150,12 @@ def test_a_pod_lost_restarts_its_instance_whole():
     restarted = [pod("x-prefill-0"), pod("x-prefill-1", restarts=1)]
     assert [d[0] for d in gangs.plan(SPEC_G, restarted, {}, {"prefill-0": memo}, None, 2).delete] == \
         ["x-prefill-0", "x-prefill-1"]
-    # while some of it is leaving, nothing more is done
+    # a pod being deleted: the rest go at once, before it is gone
+    going = gangs.plan(SPEC_G, [pod("x-prefill-0"), pod("x-prefill-1", leaving=True)], {}, {"prefill-0": memo}, None, 3)
+    assert [d[0] for d in going.delete] == ["x-prefill-0"] and "x-prefill-1 lost" in going.events[0][2]
+    # once restarted, nothing more is done while some of it is still leaving
     leaving = [pod("x-prefill-0", leaving=True), pod("x-prefill-1", uid="new", node=None, gated=True)]
-    assert gangs.plan(SPEC_G, leaving, {}, {"prefill-0": memo}, None, 3).delete == []
+    assert gangs.plan(SPEC_G, leaving, {}, {}, None, 3).delete == []
 
 
 def test_the_leading_pod_is_told_its_members_until_it_reports_them():

@@ -850,3 +850,38 @@ async def test_a_request_waits_for_a_pair_to_come_back_only_in_a_fleet_that_had_
         with pytest.raises(Unavailable):
             async for _ in generate(fleet, 9, 10, 3, Attempt(), retry_window=0.1):
                 pass
+
+
+async def test_a_prefill_gone_before_any_decoder_took_its_cache_is_done_again():
+    """The instance that prefilled a request restarts before a decoder pulled: the request is
+    prefilled again on the instance that serves now (nothing was sent to the client yet)."""
+    agents = FakeAgents()
+    agents.prefill_delay = 0.3
+    fleet = agents.fleet()
+    new_host = "10.0.0.9"
+    async with fleet.http:
+        await fleet.refresh()
+
+        async def restart() -> None:
+            await asyncio.sleep(0.1)   # while the first prefill runs: its pod goes, another comes
+            agents.status[P_HOST] = {**PREFILL, "initialized": False}
+            agents.status[new_host] = {**PREFILL, "pod": "p1", "cluster_id": 2, "boot_id": "b3", "ip": new_host}
+            agents.status[D_HOST] = {**DECODER, "links": [{"name": "p1", "cluster_id": 2, "code": "LLM_SUCCESS",
+                                                           "peer_boot_id": "b3"}]}
+            fleet.discover = fixed_finder([f"http://{h}:8080" for h in agents.status])
+            await fleet.refresh()
+        task = asyncio.create_task(restart())
+        attempt = Attempt()
+        msgs = [m async for m in generate(fleet, 7, 10, 3, attempt, retry_window=1.0)]
+        await task
+    assert [m["token"] for m in msgs if "token" in m] == [0, 1, 2]
+    assert agents.calls["/v1/prefill"] == 2 and attempt.prefill == new_host and "PrefillLost" in attempt.refusals
+
+
+async def test_a_link_to_an_earlier_start_of_a_prefill_is_not_a_pair():
+    p = {**PREFILL, "url": "http://a", "boot_id": "new"}
+    d = {**DECODER, "url": "http://b", "links": [{"name": "p0", "cluster_id": 1, "code": "LLM_SUCCESS",
+                                                  "peer_boot_id": "old"}]}
+    assert not Fleet.linked(p, d)
+    d["links"][0]["peer_boot_id"] = "new"
+    assert Fleet.linked(p, d)
