@@ -117,8 +117,9 @@ bench-links: venv k8s-bins ## pods Ready -> links up + KV path verified (2P2D ..
 bench-scale: venv k8s-bins ## 100 PDDeployments x (4P+4D) x TP 8 on fake agents and a fake Node, on a cluster of its own: pass latency, operator CPU and RSS, idle calls/s, takeover, status sizes (ARGS="--deployments 20 --prefill 1 --decoder 1 --tp 2": smaller)
 	$(PY) bench/bench_scale.py $(ARGS)
 
-bench-switch: venv k8s-bins ## one live role switch per direction under load (one engine, an instance of 8 ranks, then vllm-ascend's Mooncake connector: a drained restart): control-plane cost and drain time
+bench-switch: venv k8s-bins ## one live role switch per direction under load (one engine, an instance of 8 ranks, one of 16 ranks over 2 pods, then vllm-ascend's Mooncake connector: a drained restart): control-plane cost and drain time
 	$(PY) bench/bench_switch.py && $(PY) bench/bench_switch.py --tp 8 --switches 3 --rate 2 \
+	  && $(PY) bench/bench_switch.py --tp 16 --pods-per-instance 2 --switches 3 --rate 2 \
 	  && $(PY) bench/bench_switch.py --kv-transfer mooncake --switches 3 --rate 3 --max-output 16
 
 bench-gateway: venv ## latency pd-gateway adds per request, and requests/s it routes on one core

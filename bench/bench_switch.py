@@ -42,6 +42,7 @@ def main() -> None:
     ap.add_argument("--max-output", type=int, default=32)
     ap.add_argument("--time-scale", type=float, default=0.5, help="the simulator's time scale")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per instance")
+    ap.add_argument("--pods-per-instance", type=int, default=1, help="pods one instance spans (tp / this NPUs each)")
     ap.add_argument("--kv-transfer", choices=("pd-operator", "mooncake", "mooncake-layerwise"),
                     default="pd-operator", help="mooncake(-layerwise): vLLM stand-ins with vllm-ascend's Mooncake "
                     "connector, through pd-gateway")
@@ -64,11 +65,15 @@ def main() -> None:
         if tp > 1:
             doc["spec"]["model"]["kvCache"]["numKvHeads"] = max(tp, doc["spec"]["model"]["kvCache"]["numKvHeads"])
             for g in ("prefill", "decoder"):
-                doc["spec"][g]["resources"] = {"limits": {"huawei.com/Ascend910": tp}}
+                doc["spec"][g]["resources"] = {"limits": {"huawei.com/Ascend910": tp // args.pods_per_instance}}
+                if args.pods_per_instance > 1:
+                    doc["spec"][g]["podsPerInstance"] = args.pods_per_instance
         if mooncake:
             mooncake_engines(bench, ns, doc, args.kv_transfer)
+        applied = time.monotonic()
         bench.custom.create_namespaced_custom_object("pdoperator.io", "v1alpha1", ns, "pddeployments", doc)
         wait(bench, ns, lambda st: st.get("phase") == "Ready" and st.get("linksSummary") == f"{4 * tp}/{4 * tp}", 300)
+        ready_s = time.monotonic() - applied
         if mooncake:
             target_args = ["--gateway", gateway_url(bench, ns), "--api-key", API_KEY]
         else:
@@ -113,7 +118,8 @@ def main() -> None:
         op.wait(20)
         bench.core.delete_namespace(ns)
         bench.close()
-    print(f"\nTP {args.tp}, KV transfer {args.kv_transfer}; load during the switches: {args.rate} req/s "
+    print(f"\nTP {args.tp} over {args.pods_per_instance} pod(s) per instance, KV transfer {args.kv_transfer}; new "
+          f"pods to Ready, linked and verified: {ready_s:.1f} s; load during the switches: {args.rate} req/s "
           f"{args.workload}: "
           f"{summary['requests']} requests, "
           f"{summary['completed']} completed, {summary['failed']} failed {summary['failed_by_reason'] or ''}, "

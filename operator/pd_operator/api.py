@@ -899,6 +899,10 @@ class PDDeploymentSpec(Model):
         g = self.group(group)
         return g.pods_per_instance > 1 or g.data_parallel > 1
 
+    def pod_sizes(self, decided: dict | None = None) -> dict[str, int]:
+        """The StatefulSets' pods: each group's instances x its pods per instance."""
+        return {g: n * self.pods_per_instance(g) for g, n in self.group_sizes(decided).items()}
+
     def tp(self, group: str) -> int:
         """Ranks per pod of a group (one NPU each): an instance's ranks over its pods."""
         return self.instance_ranks(group) // self.pods_per_instance(group)

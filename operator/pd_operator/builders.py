@@ -406,7 +406,7 @@ def statefulset(name: str, namespace: str, spec: PDDeploymentSpec, group: str, o
         "apiVersion": "apps/v1", "kind": "StatefulSet",
         "metadata": object_meta(sts_name(name, group), namespace, owner, labels),
         "spec": {
-            "replicas": spec.group_sizes(decided)[group] * spec.pods_per_instance(group),
+            "replicas": spec.pod_sizes(decided)[group],
             "serviceName": sts_name(name, group),
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": selector_labels(name, group)},

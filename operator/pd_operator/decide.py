@@ -131,7 +131,7 @@ def decide(snap: Snapshot) -> Plan:
     assert book is not None
     blocked, retry = _blocked(snap, mem)
     desired, to_apply = _children(snap, mem, book, engines, live, blocked, retry)
-    obs.desired_pods = sum(n * snap.spec.pods_per_instance(g) for g, n in snap.spec.group_sizes(book.sizes).items())
+    obs.desired_pods = sum(snap.spec.pod_sizes(book.sizes).values())
     plans, pairs, complete_after = _links(snap, mem, engines, obs, sw, alive)
     obs.blocked = blocked
     obs.gateway_keys = snap.keys
@@ -262,7 +262,7 @@ def _children(snap: Snapshot, mem: Memory, book: sw_.Book, engines: list[lk.Engi
                                token_digests=dict(snap.token_digests))
     # MindIE's rank table follows the pods (their roles and devices): rendered from what was observed
     desired += ranktable.desired(name, ns, uid, snap.spec, live)
-    parts = rollout_.partitions(name, snap.spec, snap.children, live, snap.spec.group_sizes(book.sizes))
+    parts = rollout_.partitions(name, snap.spec, snap.children, live, snap.spec.pod_sizes(book.sizes))
     desired = rollout_.with_partitions(desired, name, parts)
     desired = [ch.stamped(o) for o in desired]
     if adopted := ch.adopt(desired, snap.children, mem.applied, FIELD_MANAGER):
@@ -527,7 +527,7 @@ def _replace(spec: PDDeploymentSpec, book: sw_.Book, target: int | None, lim: sw
 def _unsettled(spec: PDDeploymentSpec, engines: list[lk.Engine], obs: Observed, per: dict, mem: Memory,
                decided: dict | None = None) -> str | None:
     """Why the fleet is not steady enough to start a switch (None: it is)."""
-    want = sum(spec.group_sizes(decided).values())
+    want = sum(spec.pod_sizes(decided).values())
     if len(obs.pods) != want:
         return f"{len(obs.pods)}/{want} engine pods exist"
     waiting = sorted(p["metadata"]["name"] for p in obs.pods if not pod_ready(p))
