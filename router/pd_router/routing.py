@@ -99,7 +99,7 @@ class Fleet:
         # was least loaded at the refresh, and a fleet of few prefills queues on one at a time
         self.sent: dict[str, list[int]] = {}
         self.paired_at: float | None = None   # when a refresh last found a linked pair
-        self.present: set[str] = set()        # every engine the last refresh found serving (draining ones too)
+        self.present: set[str] = set()        # the agents of the pods listed, not leaving (a cache there may be pulled)
         self.hold_window = HOLD_WINDOW_S
 
     def paired_lately(self) -> bool:
@@ -156,7 +156,9 @@ class Fleet:
             if self.error:
                 log.info("listing pods works again")
                 self.error = ""
-        pods = [p for p in pods if p.get("ip") and not p.get("leaving") and p.get("label") != SWITCHING]
+        pods = [p for p in pods if p.get("ip") and not p.get("leaving")]
+        self.present = {f"http://{p['ip']}:{AGENT_PORT}" for p in pods}   # switching ones too: they hold caches
+        pods = [p for p in pods if p.get("label") != SWITCHING]
 
         async def one(p: dict) -> dict | None:
             url = f"http://{p['ip']}:{AGENT_PORT}"
@@ -183,7 +185,6 @@ class Fleet:
         sts = [s for s in await asyncio.gather(*(one(p) for p in pods)) if s]
         names = {p["name"] for p in pods}
         self.bad = {k: v for k, v in self.bad.items() if k in names}
-        self.present = {s["url"] for s in sts}
         self.prefills = [s for s in sts if s["role"] == "prompt" and not s["draining"]]
         self.decoders = [s for s in sts if s["role"] == "decoder" and not s["draining"]]
         self.sent = {url: [max(0, n[0] - asked.get(url, [0, 0])[0]), max(0, n[1] - asked.get(url, [0, 0])[1])]

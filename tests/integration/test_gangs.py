@@ -23,6 +23,7 @@ from tests.integration.test_content import (
     prompts,
     reference_doc,
 )
+from tests.integration.test_ha import lease
 from tests.integration.test_switching import set_prefill, switched
 from tests.integration.test_traffic import Load
 
@@ -139,6 +140,7 @@ def test_gang_instances_span_nodes_serve_restart_whole_and_switch_as_one(cluster
     try:
         operator.start(**election, PD_OPERATOR_FAULT_POINT="decoder-to-prefill:Relink",
                        PD_OPERATOR_FAULT_SIGNAL="KILL")
+        first = wait_for("a leader", lambda: lease(cluster, ns).get("holderIdentity"), timeout=30)
         standby.start(**election)
         with check.running(seed=900, batch=2):
             time.sleep(3)
@@ -151,7 +153,7 @@ def test_gang_instances_span_nodes_serve_restart_whole_and_switch_as_one(cluster
                 obj = switched(cluster, ns, "prefill", None, "16/16", timeout=300)
             time.sleep(3)
         assert obj["status"]["lastSwitch"]["pod"] == moving
-        assert "became the leader" in standby.logs()
+        assert "became the leader" in standby.logs() and lease(cluster, ns)["holderIdentity"] != first
     finally:
         standby.stop()
     s, c = load.stop(), check.summary()

@@ -868,7 +868,8 @@ async def test_a_prefill_gone_before_any_decoder_took_its_cache_is_done_again():
             agents.status[new_host] = {**PREFILL, "pod": "p1", "cluster_id": 2, "boot_id": "b3", "ip": new_host}
             agents.status[D_HOST] = {**DECODER, "links": [{"name": "p1", "cluster_id": 2, "code": "LLM_SUCCESS",
                                                            "peer_boot_id": "b3"}]}
-            fleet.discover = fixed_finder([f"http://{h}:8080" for h in agents.status])
+            # its pod is gone from the listing (a pod whose status only went unanswered still holds the cache)
+            fleet.discover = fixed_finder([f"http://{h}:8080" for h in agents.status if h != P_HOST])
             await fleet.refresh()
         task = asyncio.create_task(restart())
         attempt = Attempt()
