@@ -486,8 +486,8 @@ class Front(AgentService):
     def _admit(self, role: str) -> None:
         """The instance takes a request on or refuses it whole, before any rank does any of it:
         a rank refusing half-way would leave shards pulled that another decoder then misses."""
-        if self.draining or self.terminating:
-            raise AgentError("DRAINING", f"{self.id.pod} is draining; send the request elsewhere", 503)
+        if self.draining or self.terminating or not self.layout.leader:   # (an instance's other pods hold ranks only)
+            raise AgentError("DRAINING", f"{self.id.pod} takes no request now; send it to another instance", 503)
         st = {rk.status.role for rk in self.ranks.values() if rk.status}
         if st and st != {role}:
             raise AgentError("ROLE_CHANGED", f"{self.id.pod} now serves as {'/'.join(sorted(st))}; send the "
@@ -787,7 +787,7 @@ class Front(AgentService):
                                                                               "content-type")}
         try:
             resp = await self.http.request(request.method, f"{rk.url}/{request.match_info['tail']}",
-                                           content=await read_body(request), headers=headers, timeout=30)
+                                           content=await read_body(request), headers=headers, timeout=SERVE_S)
         except httpx.HTTPError as e:
             return error_reply(503, "RANK_UNREACHABLE", f"rank {r}: {e!r}")
         return web.Response(body=resp.content, status=resp.status_code,

@@ -2,11 +2,11 @@
 
 The pod of index 0 in the instance leads: its agent fronts every rank of the instance. It starts
 its own ranks and takes the other pods' on (`Members`): the operator tells it which pods hold the
-rest (POST /v1/gang) and it reads each one's registered ranks (GET /v1/ranks), as if they had
-registered with it. So links, verification, drain and switch_role reach every rank of every pod
-through one agent, and the instance is ready (and routed to) only once every rank is. The other
-pods' agents start and supervise their own ranks, and say in their status that they do not lead
-(routers and the operator never send them work).
+rest (POST /v1/gang) and it reads each one's registered ranks (GET /v1/ranks), reaching them
+through that pod's agent (`/r/<rank>/...` on the agent port, the one port engines admit). So
+links, verification, drain and switch_role reach every rank of every pod through one agent, and
+the instance is ready (and routed to) only once every rank is. The other pods' agents start and
+supervise their own ranks, refuse requests, and say in their status that they do not lead.
 
 Data-parallel groups (`Groups`): a decode is pulled and computed by one group, the one with the
 fewest decodes in hand; a prefill is computed by every rank, so that whichever decoder group reads
@@ -80,7 +80,12 @@ class Members:
                 return f"pod {m.pod}: a rank it lists: {e}"
             if not m.first_rank <= reg.rank < m.first_rank + self.gang.per_pod:
                 return f"pod {m.pod} lists rank {reg.rank}, not one of its ranks {m.first_rank}+"
-            self.register(reg)
+            # reached through that pod's agent (its rank API listens on the pod's own ports only)
+            url = f"{m.agent_url.rstrip('/')}{AgentPath.rank_prefix(reg.rank)}"
+            try:
+                self.register(reg.model_copy(update={"url": url}))
+            except AgentError as e:
+                return f"pod {m.pod} rank {reg.rank}: {e}"
         return ""
 
     def state(self, registered: Callable[[int], bool]) -> GangState:

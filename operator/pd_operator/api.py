@@ -761,10 +761,15 @@ class PDDeploymentSpec(Model):
          "decoder's must divide the prefill's (GQA head shards are paired rank to rank; an MLA rank holds the whole "
          "latent, and each decoder rank reads one prefill rank's copy)", ".decoder"),
         ("!has(self.rebalance) || !has(self.rebalance.method) || self.rebalance.method != 'Switch' || "
-         + _P_TP + " == " + _D_TP + " || self.model.kvCache.attention == 'MLA'",
+         + _P_TP + " == " + _D_TP + " || (self.model.kvCache.attention == 'MLA' && " + _P_PODS + " * " + _P_DP
+         + " * " + _D_PODS + " * " + _D_DP + " > 1)",
          "spec.rebalance.method Switch needs equal spec.prefill.tensorParallel and spec.decoder.tensorParallel "
-         "(a switched pod keeps its ranks, and GQA head shards pair rank to rank), or attention MLA; use method "
-         "Replace", ".rebalance"),
+         "(a switched pod keeps its ranks), or attention MLA with instances laid out by podsPerInstance or "
+         "dataParallel; use method Replace", ".rebalance"),
+        ("!has(self.rollout) || " + _P_PODS + " * " + _D_PODS + " == 1",
+         "spec.rollout (prefill and decoder rolled together) does not take instances of several pods yet "
+         "(spec.<group>.podsPerInstance above 1): leave it out, each instance then restarts whole as its pods roll",
+         ".rollout"),
         ("self.model.kvCache.attention != 'GQA' || [" + _P_TP + ", " + _D_TP + "].all(t, "
          "self.model.kvCache.numKvHeads % t == 0 || t % self.model.kvCache.numKvHeads == 0)",
          "spec.prefill.tensorParallel and spec.decoder.tensorParallel must divide "

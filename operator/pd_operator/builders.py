@@ -109,7 +109,8 @@ def ranked(spec: PDDeploymentSpec, group: str, resource: str) -> bool:
     """Pods whose engines run on NPUs (device IPs) or as several ranks: the agent resolves each
     rank's device from the device plugin's annotation. A single-rank simulator pod without NPUs
     keeps the pod IP and today's pod spec."""
-    return spec.backend == "llm-datadist" or spec.tp(group) > 1 or bool(npu_request(spec, group, resource))
+    return spec.backend == "llm-datadist" or spec.tp(group) > 1 or spec.gang(group) \
+        or bool(npu_request(spec, group, resource))
 
 
 def selector_labels(name: str, group: str) -> dict[str, str]:
@@ -527,7 +528,8 @@ def min_available(spec: PDDeploymentSpec, role: str, serving: int) -> int:
     now; a switching pod carries neither role label, so it already counts as unavailable."""
     rb = spec.rebalance
     floor = (rb.min_prefill if role == "prefill" else rb.min_decoder) if rb is not None else 1
-    return max(floor, serving - 1, 0)
+    k = spec.pods_per_instance(role)   # an instance of several pods: evicting one takes all of it
+    return max(floor * k, (serving - 1) * k, 0)
 
 
 def disruption_budget(name: str, namespace: str, spec: PDDeploymentSpec, role: str, owner: dict,

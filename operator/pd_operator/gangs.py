@@ -40,6 +40,7 @@ class Memo:
     unplaced: str = ""                          # why placing it whole timed out (the scheduler's word)
     told: str = ""                              # the members last told to its leading pod
     told_at: float = float("-inf")
+    restarting: frozenset[str] = frozenset()    # uids of its pods still to delete (a restart under way)
 
 
 @dataclass
@@ -137,6 +138,11 @@ def _instance(seen: _Seen, name: str, group: str, by_place: dict[int, dict], mem
     spec, now = seen.spec, seen.now
     k = spec.pods_per_instance(group)
     live = {i: p for i, p in by_place.items() if not p["metadata"].get("deletionTimestamp")}
+    if memo.restarting:   # a restart under way: its pods are deleted until none is left
+        left = [p for p in live.values() if p["metadata"].get("uid") in memo.restarting]
+        out.delete += [(p["metadata"]["name"], p["metadata"]["uid"], f"instance {name}: restarting whole")
+                       for p in left]
+        return Memo(restarting=frozenset(p["metadata"]["uid"] for p in left))
     sigs = {_sig(p) for p in live.values()}
     if memo.incarnation and not memo.incarnation <= sigs:
         # a pod of it is going, gone, replaced or restarted: the rest go at once (no request is sent
@@ -146,11 +152,10 @@ def _instance(seen: _Seen, name: str, group: str, by_place: dict[int, dict], mem
                       memo.incarnation) or [f"{k - len(live)} pod(s)"]
         why = (f"instance {name}: {', '.join(lost)} lost (deleted, replaced or restarted); its pods start again "
                "together as a new incarnation")
-        for p in live.values():
-            if p["metadata"].get("uid") in old:
-                out.delete.append((p["metadata"]["name"], p["metadata"]["uid"], why))
+        victims = [p for p in live.values() if p["metadata"].get("uid") in old]
+        out.delete += [(p["metadata"]["name"], p["metadata"]["uid"], why) for p in victims]
         out.events.append(("Warning", "GangRestarted", why))
-        return Memo()
+        return Memo(restarting=frozenset(p["metadata"]["uid"] for p in victims))
     if len(live) < len(by_place):
         return memo             # some of it is going: the rest waits until the StatefulSet made it whole
     if len(live) == k and all(_running(p) for p in live.values()):

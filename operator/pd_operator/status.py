@@ -375,7 +375,9 @@ def build_status(spec: PDDeploymentSpec, obs: Observed, previous: dict | None, a
         "members": members,
         "conditions": conds,
         "cacheDesc": cache_desc_status(spec),
-        "replicas": len(live),
+        # the scale subresource's: instances (an instance of several pods counts once)
+        "replicas": sum(1 for p in live if obs.instance_of.get(p["metadata"]["name"], ("", p["metadata"]["name"]))[1]
+                        == p["metadata"]["name"]),
     }
     return _with_rounds(out, obs, results)
 

@@ -395,7 +395,7 @@ class _Request:
             p = fleet.pick_prefill(self.avoid, tokens)
             if p is None:
                 self.refuse("NoLinkedPair", None)
-                await self.wait(self.held if not self.avoid and fleet.paired_lately() else None)
+                await self.wait(max(self.held, self.deadline) if not self.avoid and fleet.paired_lately() else None)
                 self.avoid.clear()
                 continue
             t0 = time.monotonic()

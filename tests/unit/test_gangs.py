@@ -145,7 +145,12 @@ def test_a_pod_lost_restarts_its_instance_whole():
     replaced = [pod("x-prefill-0"), pod("x-prefill-1", uid="new", node=None, phase="Pending", gated=True)]
     out = gangs.plan(SPEC_G, replaced, {}, {"prefill-0": memo}, None, 2)
     assert [d[0] for d in out.delete] == ["x-prefill-0"] and out.events[0][1] == "GangRestarted"
-    assert "prefill-0" not in out.memos
+    # until the deletes took, it is deleted again (an API error half way does not leave it half restarted)
+    memo2 = out.memos["prefill-0"]
+    again = gangs.plan(SPEC_G, replaced, {}, {"prefill-0": memo2}, None, 3)
+    assert [d[0] for d in again.delete] == ["x-prefill-0"] and not again.events
+    gone = [pod("x-prefill-0", leaving=True), replaced[1]]
+    assert gangs.plan(SPEC_G, gone, {}, {"prefill-0": memo2}, None, 4).memos == {}
     # a container restart ends the incarnation too: every pod of it goes
     restarted = [pod("x-prefill-0"), pod("x-prefill-1", restarts=1)]
     assert [d[0] for d in gangs.plan(SPEC_G, restarted, {}, {"prefill-0": memo}, None, 2).delete] == \
