@@ -66,7 +66,7 @@ from pd_contract.agent_api import (
     VerifyRequest,
     VerifyResult,
 )
-from pd_contract.names import BROKEN_CODES, LINKED_CODES
+from pd_contract.names import BROKEN_CODES, INSTANCE_INCOMPLETE, LINKED_CODES
 
 from .core import AgentError
 from .devices import DeviceError, Devices, resolve_env
@@ -520,6 +520,8 @@ class Front(AgentService):
             made = [r for r, x in enumerate(res) if not isinstance(x, BaseException)]
             rel = NotifyRequest(decoder_cluster_id=self.id.cluster_id, released=[req.req_id])
             await asyncio.gather(*(self.call(r, "POST", AgentPath.NOTIFY, rel) for r in made), return_exceptions=True)
+            if isinstance(failed, AgentError) and failed.code in ("RANK_UNREACHABLE", "RANK_NOT_REGISTERED"):
+                failed = AgentError(INSTANCE_INCOMPLETE, f"{failed}; nothing of the request was kept", 503)
             raise failed
         out = [PrefillResponse.model_validate(x) for x in res]
         # every rank computes the whole (reference) model, so every rank chose the same first token

@@ -15,7 +15,9 @@ LABEL_KEYS = f"{GROUP}/keys"         # "true" on a Secret that may serve as a ga
 # the role an engine starts in, read at every container start (survives restarts mid-switch)
 ANNOTATION_ROLE = f"{GROUP}/assigned-role"
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
-GANG_GATE = f"{GROUP}/gang"             # the scheduling gate an instance of several pods waits behind
+GANG_GATE = f"{GROUP}/gang"
+# a prefill an instance could not make whole (a rank of it gone): it kept nothing, another instance may take it
+INSTANCE_INCOMPLETE = "INSTANCE_INCOMPLETE"             # the scheduling gate an instance of several pods waits behind
 SWITCHING = "switching"      # the role label while a pod is out of both role Services
 
 # llm-d's labels, kept true through switches for the inference gateways people already run (GIE

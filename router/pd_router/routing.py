@@ -23,7 +23,7 @@ import httpx
 from pydantic import ValidationError
 
 from pd_contract.agent_api import AgentPath, AgentStatus
-from pd_contract.names import AGENT_PORT, LABEL_DEPLOYMENT, LABEL_ROLE, SWITCHING
+from pd_contract.names import AGENT_PORT, INSTANCE_INCOMPLETE, LABEL_DEPLOYMENT, LABEL_ROLE, SWITCHING
 from pd_contract.revisions import pairable, revision
 
 log = logging.getLogger("pd_routing")
@@ -42,7 +42,7 @@ MAX_LINE_BYTES = 64 << 10
 # NOT_LINKED: the decoder has no (healthy) link to that prefill any more and pulled nothing, so
 # another decoder linked to it can take the request; OVERLOADED: that agent's prefill queue is full
 RETRYABLE = frozenset({"DRAINING", "ROLE_CHANGED", "NOT_LINKED", "OVERLOADED", "ConnectError", "ConnectTimeout",
-                       "RemoteProtocolError", "ReadError", "NoLinkedPair"})
+                       "RemoteProtocolError", "ReadError", "NoLinkedPair", INSTANCE_INCOMPLETE})
 
 
 class Unavailable(Exception):
