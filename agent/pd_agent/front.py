@@ -203,9 +203,8 @@ class Front(AgentService):
         self.id, self.http = identity, http
         self.env = dict(os.environ if env is None else env)
         g = ev.Gang.from_env(self.env)
-        # an instance of several pods: its leading pod fronts every rank, the others their own
         self.layout = g if g.spans else ev.Gang(tp=tp)
-        self.tp = self.layout.ranks if self.layout.leader else tp
+        self.tp = self.layout.ranks if self.layout.leader else tp   # a leading pod fronts its instance's ranks
         self.members = Members(self.layout, http, self._headers, self.register, time.monotonic)
         self.groups = Groups(self.layout)
         self.boot_id = uuid.uuid4().hex
@@ -740,10 +739,11 @@ class Front(AgentService):
         return {"ranks": [RegisterRank(rank=r, url=rk.url, boot_id=rk.boot_id or "-").model_dump()
                           for r, rk in sorted(self.ranks.items()) if rk.url]}
 
-    async def gang(self, req: GangRequest) -> None:
-        self.members.tell(req)
-        self.refreshed_at = 0.0
-        await self.members.adopt(missing=True)
+    async def gang(self, req: GangRequest) -> AgentStatus:
+        if self.members.tell(req):   # their ranks read in the background: a busy pod answers late
+            self.background.add(task := asyncio.create_task(self.members.adopt(missing=True)))
+            task.add_done_callback(self.background.discard)
+        return self.status()
 
     async def init(self) -> None:
         await self.each("POST", AgentPath.INIT)

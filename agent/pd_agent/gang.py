@@ -41,8 +41,9 @@ class Members:
         self.error = ""
         self._lock = asyncio.Lock()
 
-    def tell(self, req: GangRequest) -> None:
-        """The operator's word on the instance's other pods (a pod replaced comes with its new address)."""
+    def tell(self, req: GangRequest) -> bool:
+        """The operator's word on the instance's other pods (a pod replaced comes with its new
+        address). True if it changed them (their ranks are then read afresh)."""
         if not self.gang.leader:
             raise AgentError("NOT_LEADING", f"this pod is pod {self.gang.index} of its instance; the instance's "
                                             "pod 0 takes its members", 409)
@@ -51,8 +52,11 @@ class Members:
             if m.first_rank % per or not per <= m.first_rank < self.gang.ranks:
                 raise AgentError("LLM_PARAM_INVALID", f"member {m.pod}: first_rank {m.first_rank} is not the first "
                                  f"rank of another pod ({per} ranks each, {self.gang.ranks} in the instance)", 400)
-        self.members = {m.pod: m for m in req.members}
-        self.asked_at = float("-inf")
+        members = {m.pod: m for m in req.members}
+        if members == self.members:
+            return False
+        self.members, self.asked_at = members, float("-inf")
+        return True
 
     async def adopt(self, missing: bool) -> None:
         """Reads the members' ranks when some are missing (every ADOPT_EVERY_S at most) and

@@ -30,6 +30,7 @@ from .members import pod_index
 from .status import unschedulable
 
 TELL_EVERY_S = 2.0      # a leading pod that still reports other members is told again this often
+RETRY_UNREAD_X = 4      # nodes that cannot be read (watchNamespaces): placing whole is tried again after 4 deadlines
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class Memo:
     told: str = ""                              # the members last told to its leading pod
     told_at: float = float("-inf")
     restarting: frozenset[str] = frozenset()    # uids of its pods still to delete (a restart under way)
+    unplaced_at: float = 0.0                    # when placing it whole timed out
 
 
 @dataclass
@@ -172,7 +174,10 @@ def _place(seen: _Seen, name: str, group: str, live: dict[int, dict], memo: Memo
     if waiting:
         if len(live) < k:
             return memo          # the StatefulSet is still making its pods
-        if len(waiting) == k and memo.unplaced and not (free is not None and fits(free, k, npus)):
+        # room for all of it, or (the nodes cannot be read) a while after it timed out: its gate is lifted again
+        room = fits(free, k, npus) if free is not None else now - memo.unplaced_at > RETRY_UNREAD_X * \
+            spec.group(group).gang_schedule_seconds
+        if len(waiting) == k and memo.unplaced and not room:
             out.unplaced.append(f"instance {name} ({names}) cannot be placed whole: {memo.unplaced}; its {k} pods "
                                 f"of {npus} NPUs wait behind their scheduling gate holding none, until the nodes "
                                 "have room for all of them")
@@ -194,7 +199,7 @@ def _place(seen: _Seen, name: str, group: str, live: dict[int, dict], memo: Memo
     out.delete += [(p["metadata"]["name"], p["metadata"].get("uid", ""), msg) for p in live.values()]
     out.events.append(("Warning", "GangUnplaced", msg))
     out.unplaced.append(f"instance {name} ({names}) cannot be placed whole: {reason}")
-    return Memo(unplaced=reason)
+    return Memo(unplaced=reason, unplaced_at=now)
 
 
 def _tell(spec: PDDeploymentSpec, group: str, live: dict[int, dict], reports: dict, memo: Memo, now: float,

@@ -111,8 +111,8 @@ def test_gang_instances_span_nodes_serve_restart_whole_and_switch_as_one(cluster
     # one pod of the prefill instance killed with traffic running: its instance restarts whole, nothing fails
     before = uids(cluster, ns)
     # every rank of the TP 16 instance computes each prompt whole on this machine's two cores: a light load
-    load = Load(cluster, ns, duration=900, rate=1, gateway=url, api_key=KEY, max_prompt=128, max_output=16)
-    with check.running(seed=500, batch=2):
+    load = Load(cluster, ns, duration=900, rate=0.5, gateway=url, api_key=KEY, max_prompt=128, max_output=16)
+    with check.running(seed=500, batch=1):
         time.sleep(3)
         killed_at = time.monotonic()
         cluster.kubectl("delete", "pod", PREFILL[1], "-n", ns, "--wait=false")
@@ -142,7 +142,7 @@ def test_gang_instances_span_nodes_serve_restart_whole_and_switch_as_one(cluster
                        PD_OPERATOR_FAULT_SIGNAL="KILL")
         first = wait_for("a leader", lambda: lease(cluster, ns).get("holderIdentity"), timeout=30)
         standby.start(**election)
-        with check.running(seed=900, batch=2):
+        with check.running(seed=900, batch=1):
             time.sleep(3)
             with load.change("decoder instance -> prefill"):
                 set_prefill(cluster, ns, 2)
