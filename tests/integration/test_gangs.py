@@ -13,7 +13,7 @@ import time
 import pytest
 
 from tests.conftest import Cluster, wait_for
-from tests.integration.conftest import OperatorProc, agent_status, condition, events, keys_secret, pdd, wait_phase
+from tests.integration.conftest import agent_status, condition, events, keys_secret, pdd, wait_phase
 from tests.integration.test_content import (
     KEY,
     Checker,
@@ -23,7 +23,7 @@ from tests.integration.test_content import (
     prompts,
     reference_doc,
 )
-from tests.integration.test_ha import lease
+from tests.integration.test_ha import leader_to_kill_and_standby, lease
 from tests.integration.test_switching import set_prefill, switched
 from tests.integration.test_traffic import Load
 
@@ -131,17 +131,8 @@ def test_gang_instances_span_nodes_serve_restart_whole_and_switch_as_one(cluster
 
     # a decoder instance switched live to prefill, content checked throughout; the operator is
     # killed once its switch_role is recorded done and a standby finishes the switch
-    election = {"PD_OPERATOR_LEADER_ELECTION": "true", "PD_OPERATOR_LEASE_NAMESPACE": ns,
-                "PD_OPERATOR_LEASE_DURATION_S": "4", "PD_OPERATOR_RENEW_DEADLINE_S": "3",
-                "PD_OPERATOR_RETRY_PERIOD_S": "0.5"}
-    operator.stop()
-    (tmp_path / "standby").mkdir()
-    standby = OperatorProc(cluster, ns, tmp_path / "standby")
+    standby, first = leader_to_kill_and_standby(cluster, ns, operator, tmp_path)
     try:
-        operator.start(**election, PD_OPERATOR_FAULT_POINT="decoder-to-prefill:Relink",
-                       PD_OPERATOR_FAULT_SIGNAL="KILL")
-        first = wait_for("a leader", lambda: lease(cluster, ns).get("holderIdentity"), timeout=30)
-        standby.start(**election)
         with check.running(seed=900, batch=1):
             time.sleep(3)
             with load.change("decoder instance -> prefill"):

@@ -18,21 +18,26 @@ def lease(cluster: Cluster, ns: str) -> dict:
     return cluster.get_json("lease", "pd-operator-leader", "-n", ns)["spec"]
 
 
-def test_the_standby_takes_over_a_switch_the_leader_was_killed_in(cluster: Cluster, namespace: str, operator,
-                                                                    tmp_path) -> None:
-    ns = namespace
+def leader_to_kill_and_standby(cluster: Cluster, ns: str, operator, tmp_path) -> tuple[OperatorProc, str]:
+    """The test's operator restarted as the Lease's holder that dies (SIGKILL) once a prefill-ward
+    switch recorded that switch_role is done, and a standby started after it leads: (standby, leader)."""
     election = {"PD_OPERATOR_LEADER_ELECTION": "true", "PD_OPERATOR_LEASE_NAMESPACE": ns,
                 "PD_OPERATOR_LEASE_DURATION_S": "4", "PD_OPERATOR_RENEW_DEADLINE_S": "3",
                 "PD_OPERATOR_RETRY_PERIOD_S": "0.5"}
     operator.stop()
     (tmp_path / "standby").mkdir()
     standby = OperatorProc(cluster, ns, tmp_path / "standby")
+    operator.start(**election, PD_OPERATOR_FAULT_POINT="decoder-to-prefill:Relink", PD_OPERATOR_FAULT_SIGNAL="KILL")
+    first = wait_for("a leader", lambda: lease(cluster, ns).get("holderIdentity"), timeout=30)
+    standby.start(**election)
+    return standby, first
+
+
+def test_the_standby_takes_over_a_switch_the_leader_was_killed_in(cluster: Cluster, namespace: str, operator,
+                                                                    tmp_path) -> None:
+    ns = namespace
+    standby, first = leader_to_kill_and_standby(cluster, ns, operator, tmp_path)
     try:
-        # the leader dies (SIGKILL) once a prefill-ward switch recorded that switch_role is done
-        operator.start(**election, PD_OPERATOR_FAULT_POINT="decoder-to-prefill:Relink",
-                       PD_OPERATOR_FAULT_SIGNAL="KILL")
-        first = wait_for("a leader", lambda: lease(cluster, ns).get("holderIdentity"), timeout=30)
-        standby.start(**election)
         cluster.apply(sample(**TRAFFIC_SPEC, rebalance=REBALANCE), ns)
         wait_phase(cluster, ns, "Ready", timeout=120, extra=lambda o: o["status"]["linksSummary"] == "4/4")
         assert lease(cluster, ns)["holderIdentity"] == first   # the standby never took it
